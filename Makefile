@@ -1,0 +1,30 @@
+# Two commands for a fresh machine (Python 3.11, nothing installed):
+#   make demo   -> creates .venv, installs lossscale with the demo extra, runs the quick demo
+#   make test   -> creates .venv, installs lossscale with the dev extra, runs the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch is pinned for the set-up: on these machines 2.13.0 is a CPU build on local disk,
+# any other version downloads a multi-GB CUDA build. The package itself asks for torch>=2.4.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test venv bench clean
+
+$(VENV)/.installed-%: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[$*]" "$(TORCH)"
+	touch $@
+
+demo: $(VENV)/.installed-demo
+	$(PY) -m lossscale demo --quick --out demo-out
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest
+
+bench: $(VENV)/.installed-dev
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) demo-out

@@ -1,0 +1,39 @@
+"""Argument checks shared by every constructor: each error echoes the call, the rule and the value."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+
+def _is_real(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float))
+
+
+def check_scale(call: str, name: str, value: Any, *, low: float, high: float) -> None:
+    """A finite positive number in ``[low, high]``."""
+    if not _is_real(value) or not math.isfinite(value) or not (low <= value <= high):
+        raise ValueError(
+            f"{call}({name}={value!r}): {name} must be a finite number in [{low!r}, {high!r}]; got {value!r}."
+        )
+
+
+def check_factor_above_one(call: str, name: str, value: Any, why: str) -> None:
+    """A finite number > 1."""
+    if not _is_real(value) or not math.isfinite(value) or value <= 1.0:
+        raise ValueError(f"{call}({name}={value!r}): {name} must be a finite number > 1 ({why}); got {value!r}.")
+
+
+def check_int_at_least(call: str, name: str, value: Any, low: int) -> None:
+    """An int (not a bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{call}({name}={value!r}): {name} must be an integer >= {low}; got {value!r}.")
+
+
+def check_choice(call: str, name: str, value: Any, allowed: Iterable[Any]) -> None:
+    """One of ``allowed`` (compared with ``is`` for bools, ``==`` otherwise)."""
+    allowed = tuple(allowed)
+    ok = any((value is a) if isinstance(a, bool) else (not isinstance(value, bool) and value == a) for a in allowed)
+    if not ok:
+        shown = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{call}({name}={value!r}): {name} must be one of {shown}; got {value!r}.")

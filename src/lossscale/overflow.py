@@ -1,0 +1,147 @@
+"""Overflow detection over lists of gradients, fused, in two modes.
+
+``"inf_nan"``: a gradient overflowed if any value is inf or NaN.
+``"saturation"``: as on Ascend hardware in saturation mode, where an overflowing float16 result is
+clamped to +-65504 instead of becoming inf, a *scaled* gradient whose magnitude reaches the low-precision
+format's largest finite value (``torch.finfo(dtype).max``) counts as an overflow too, as does any
+non-finite value. Saturation is judged on the scaled gradients, before unscaling.
+
+Every function here accumulates into a caller-owned ``found_inf`` (a 0-d float32 tensor on the
+gradients' device, > 0 means overflow) and never reads it on the host. Attribution (which
+parameters overflowed) is separate and computed only when asked.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Literal, Sequence
+
+import torch
+
+from lossscale._validate import check_choice
+
+__all__ = [
+    "OverflowMode",
+    "OVERFLOW_MODES",
+    "saturation_threshold",
+    "group_by_device_and_dtype",
+    "check_",
+    "unscale_and_check_",
+    "overflowing",
+]
+
+OverflowMode = Literal["inf_nan", "saturation"]
+OVERFLOW_MODES: tuple[str, ...] = ("inf_nan", "saturation")
+
+
+def check_mode(call: str, mode: str) -> None:
+    """Validate an ``overflow_mode`` argument."""
+    check_choice(call, "overflow_mode", mode, OVERFLOW_MODES)
+
+
+def saturation_threshold(dtype: torch.dtype = torch.float16) -> float:
+    """The magnitude at which a scaled gradient counts as saturated: the format's largest finite value."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"saturation_threshold(dtype={dtype}): dtype must be a floating-point dtype; got {dtype}.")
+    return float(torch.finfo(dtype).max)
+
+
+def group_by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """Dense tensors grouped for the foreach kernels (sparse gradients contribute their values)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        if t.is_sparse:
+            t = t.coalesce()._values()
+        groups[(t.device, t.dtype)].append(t)
+    return groups
+
+
+def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
+    """0-d bool: some value has magnitude >= threshold or is not finite. One read pass (``aminmax``)."""
+    lows, highs = [], []
+    for g in grads:
+        if g.numel():
+            low, high = torch.aminmax(g)
+            lows.append(low)
+            highs.append(high)
+    if not lows:
+        return torch.zeros((), dtype=torch.bool, device=grads[0].device)
+    lo = torch.stack(lows).float()
+    hi = torch.stack(highs).float()
+    # Written as "not (inside the range)" so that NaN, which fails every comparison, counts.
+    return ~((hi < threshold) & (lo > -threshold)).all()
+
+
+def _non_finite(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """0-d bool: some value is inf or NaN. One read pass (a float32 sum per tensor; never writes)."""
+    sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
+    return ~torch.isfinite(sums).all()
+
+
+def check_(
+    grads: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    mode: OverflowMode = "inf_nan",
+    threshold: float = 65504.0,
+) -> torch.Tensor:
+    """Add 1 to ``found_inf`` if ``grads`` (all on its device) overflowed; read-only, one pass.
+
+    Cost: one read of every gradient; no write, no host read.
+    """
+    if not grads:
+        return found_inf
+    flag = _saturated(grads, threshold) if mode == "saturation" else _non_finite(grads)
+    return found_inf.add_(flag.to(found_inf.dtype))
+
+
+def unscale_and_check_(
+    grads: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
+    mode: OverflowMode = "inf_nan",
+    threshold: float = 65504.0,
+) -> torch.Tensor:
+    """Multiply ``grads`` in place by ``inv_scale`` and record overflow in ``found_inf``.
+
+    ``grads`` share one device and dtype. inf_nan: one fused read+write pass
+    (``torch._amp_foreach_non_finite_check_and_unscale_``). saturation: one read pass on the scaled
+    values first, then the same fused pass. No host read.
+    """
+    if not grads:
+        return found_inf
+    if mode == "saturation":
+        check_(grads, found_inf, "saturation", threshold)
+    torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inv_scale)
+    return found_inf
+
+
+def overflowing(
+    named_grads: Iterable[tuple[str, torch.Tensor | None]],
+    mode: OverflowMode = "inf_nan",
+    threshold: float = 65504.0,
+    unscaled_by: float = 1.0,
+) -> list[str]:
+    """Names of the gradients that overflowed, for a person reading a log.
+
+    ``unscaled_by`` is the loss scale already divided out of the gradients (1 while they are still
+    scaled); saturation is then judged against ``threshold / unscaled_by``, exact for power-of-two scales.
+    Cost: one read of every gradient and one host read for the whole list; call it only when asked.
+    """
+    names, flags = [], []
+    limit = threshold / unscaled_by
+    for name, g in named_grads:
+        if g is None:
+            continue
+        if g.is_sparse:
+            g = g.coalesce()._values()
+        if g.numel() == 0:
+            continue
+        bad = ~torch.isfinite(g).all()
+        if mode == "saturation":
+            bad = bad | (g.abs().amax().float() >= limit)
+        names.append(name)
+        flags.append(bad.to("cpu", non_blocking=False) if g.device.type != "cpu" else bad)
+    if not flags:
+        return []
+    hits = torch.stack(flags).tolist()
+    return [n for n, hit in zip(names, hits) if hit]

@@ -1,0 +1,91 @@
+"""Fused overflow detection: both modes, every position, attribution, and no host reads."""
+
+import pytest
+import torch
+
+from lossscale import HostReadCounter
+from lossscale.overflow import check_, overflowing, saturation_threshold, unscale_and_check_
+
+
+def grads(dtype=torch.float32):
+    torch.manual_seed(0)
+    return [torch.randn(n, dtype=dtype) for n in (7, 1, 33, 128)]
+
+
+def found(gs, mode, unscale=False):
+    f = torch.zeros(())
+    if unscale:
+        unscale_and_check_(gs, f, torch.tensor(0.5), mode)
+    else:
+        check_(gs, f, mode)
+    return float(f) > 0
+
+
+@pytest.mark.parametrize("unscale", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_saturation_catches_65504_and_not_60000(unscale, dtype):
+    for value, caught_sat in [(65504.0, True), (-65504.0, True), (60000.0, False), (-60000.0, False)]:
+        gs = grads(dtype)
+        gs[2][5] = value
+        assert found([g.clone() for g in gs], "saturation", unscale) is caught_sat, value
+        assert found([g.clone() for g in gs], "inf_nan", unscale) is False, value
+
+
+@pytest.mark.parametrize("mode", ["inf_nan", "saturation"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("unscale", [False, True])
+def test_non_finite_at_every_position_is_caught(mode, bad, unscale):
+    base = grads()
+    assert found([g.clone() for g in base], mode, unscale) is False
+    for t in range(len(base)):
+        for i in range(base[t].numel()):
+            gs = [g.clone() for g in base]
+            gs[t].view(-1)[i] = bad
+            assert found(gs, mode, unscale), (t, i)
+
+
+def test_unscale_multiplies_in_place():
+    gs = grads()
+    expected = [g * 0.25 for g in gs]
+    unscale_and_check_(gs, torch.zeros(()), torch.tensor(0.25), "saturation")
+    for g, e in zip(gs, expected):
+        assert torch.equal(g, e)
+
+
+def test_check_does_not_write():
+    gs = grads()
+    before = [g.clone() for g in gs]
+    check_(gs, torch.zeros(()), "inf_nan")
+    check_(gs, torch.zeros(()), "saturation")
+    assert all(torch.equal(a, b) for a, b in zip(gs, before))
+
+
+def test_no_host_reads_and_empty_tensors_are_fine():
+    gs = grads() + [torch.empty(0)]
+    with HostReadCounter() as reads:
+        f = torch.zeros(())
+        check_(gs, f, "saturation")
+        check_(gs, f, "inf_nan")
+        unscale_and_check_(gs, f, torch.tensor(0.5), "saturation")
+    assert reads.count == 0 and float(f) == 0
+
+
+def test_threshold_follows_the_format():
+    assert saturation_threshold(torch.float16) == 65504.0
+    assert saturation_threshold(torch.bfloat16) == float(torch.finfo(torch.bfloat16).max)
+    with pytest.raises(ValueError, match="floating-point"):
+        saturation_threshold(torch.int32)
+
+
+def test_attribution_names_only_the_overflowing_parameters():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model[1].weight.grad[0, 1] = float("nan")
+    model[0].bias.grad[2] = 65504.0
+    named = list(model.named_parameters())
+    assert overflowing(((n, p.grad) for n, p in named), "inf_nan") == ["1.weight"]
+    assert overflowing(((n, p.grad) for n, p in named), "saturation") == ["0.bias", "1.weight"]
+    # after unscaling by 2**10 the saturated value is 65504 / 1024: still attributed
+    model[0].bias.grad.mul_(2.0**-10)
+    assert overflowing(((n, p.grad) for n, p in named), "saturation", unscaled_by=2.0**10) == ["0.bias", "1.weight"]
