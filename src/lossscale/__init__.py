@@ -1,11 +1,17 @@
 """lossscale: dynamic loss scaling for PyTorch mixed precision, on one sync-free policy engine."""
 
 from lossscale.diagnostics import HostReadCounter
+from lossscale.ema import EMA
+from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policy import DynamicScale, FixedScale, FloorError, ScaleState
+from lossscale.result import StepResult
 from lossscale.scaler import GradScaler, ScalerStep
 
 __all__ = [
     "DynamicScale",
+    "EMA",
+    "LossScaleOptimizer",
+    "StepResult",
     "FixedScale",
     "FloorError",
     "GradScaler",

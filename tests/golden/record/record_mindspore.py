@@ -58,7 +58,8 @@ def run_manager(config, overflow):
             mgr.update_loss_scale(ov)
         except RuntimeError as e:  # the bad_step_max guard
             r = True
-            message = str(e)
+            if message is None:
+                message = str(e)
         before.append(s0)
         after.append(float(mgr.get_loss_scale()))
         raised.append(r)
@@ -78,6 +79,8 @@ def main():
         for pname, pat in pats:
             b, a = run_cell(cfg, pat)
             cases.append(P.make_case("%s-%s" % (pname, label), cfg, pat, b, a))
+            if label in ("w3", "w5"):
+                continue  # the manager is plain Python: fewer configs keep the file small
             mcfg = {"init_loss_scale": cfg["loss_scale_value"], "scale_factor": cfg["scale_factor"],
                     "scale_window": cfg["scale_window"]}
             b, a, raised, msg = run_manager(mcfg, pat)

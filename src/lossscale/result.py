@@ -1,0 +1,64 @@
+"""StepResult: what one call of ``LossScaleOptimizer.step()`` decided, as a frozen record."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["StepResult"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The decision of one ``step()``; tensors stay on the device until the caller reads them.
+
+    Attributes:
+        stepped: 0-d bool, True where the inner optimizer's update was applied.
+        found_inf: 0-d bool, True where the gradients overflowed (and the step was skipped).
+        scale: 0-d float32, the loss scale the gradients of this step carried.
+        next_scale: 0-d float32, the scale after the policy's update.
+        grad_norm: 0-d float32, the unscaled global gradient norm when it was computed, else None.
+        accumulating: True between accumulation boundaries (nothing was applied or checked).
+        step: Index of this accumulation boundary (optimizer step attempts so far, skipped included).
+        precision: ``"float16"``, ``"bfloat16"`` or ``"float32"``: what the schedule ran this step in
+            (``None`` without a schedule).
+        switched: True on the boundary where a precision schedule switched back to full precision.
+        underflow: 0-d float32 share of gradient values that would flush to zero in float16 at this
+            scale, when the underflow meter is on; else None.
+    """
+
+    stepped: torch.Tensor
+    found_inf: torch.Tensor
+    scale: torch.Tensor
+    next_scale: torch.Tensor
+    grad_norm: torch.Tensor | None = None
+    accumulating: bool = False
+    step: int = 0
+    precision: str | None = None
+    switched: bool = False
+    underflow: torch.Tensor | None = None
+
+    @property
+    def skipped(self) -> torch.Tensor:
+        """0-d bool, True where the step was skipped at a boundary (never while accumulating)."""
+        return ~self.stepped if not self.accumulating else torch.zeros_like(self.stepped)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field as plain Python values (reads the tensors on the host: one sync for all)."""
+        out: dict[str, Any] = {}
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                tensors.append((f.name, value))
+            else:
+                out[f.name] = value
+        if tensors:
+            device = tensors[0][1].device
+            read = torch.stack([t.detach().to(device, torch.float64) for _, t in tensors]).tolist()
+            for (name, t), v in zip(tensors, read):
+                out[name] = bool(v) if t.dtype == torch.bool else v
+        return {f.name: out[f.name] for f in dataclasses.fields(self)}
