@@ -23,26 +23,39 @@ def f32(x: float) -> float:
 
 
 class DynamicOracle:
-    """The DynamicScale rule, one overflow flag at a time."""
+    """The DynamicScale rule, one overflow flag at a time.
+
+    ``arithmetic="float32"`` rounds the factor to float32 before the operation; a product or quotient of
+    two float32 values taken in double and rounded once equals the float32 operation (53 >= 2*24 + 2).
+    """
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                  hysteresis=1, hysteresis_mode="consecutive", refill_after_backoff=True,
-                 min_scale=SMALLEST_NORMAL, max_scale=FLOAT32_MAX):
+                 min_scale=SMALLEST_NORMAL, max_scale=FLOAT32_MAX, at_floor="skip", arithmetic="float64",
+                 backoff_divisor=None, growth_guard="result", growth_delay=0):
         self.scale = f32(init_scale)
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_factor, self.backoff_factor, self.divisor = growth_factor, backoff_factor, backoff_divisor
         self.interval, self.H = growth_interval, hysteresis
         self.mode, self.refill_after_backoff = hysteresis_mode, refill_after_backoff
         self.min, self.max = min_scale, max_scale
-        self.tracker, self.left, self.floor_hits = 0, hysteresis, 0
+        self.f32_ops, self.guard, self.delay = arithmetic == "float32", growth_guard, growth_delay
+        self.tracker, self.left, self.floor_hits = -growth_delay, hysteresis, 0
+
+    def _factor(self, x):
+        return f32(x) if self.f32_ops else x
 
     def step(self, overflow: bool) -> float:
         if overflow:
-            self.tracker = 0
+            self.tracker = -self.delay
             self.left -= 1
             if self.left <= 0:
                 if self.scale <= self.min:
                     self.floor_hits += 1
-                self.scale = max(f32(self.scale * self.backoff_factor), self.min)
+                if self.divisor is None:
+                    shrunk = f32(self.scale * self._factor(self.backoff_factor))
+                else:
+                    shrunk = f32(self.scale / self._factor(self.divisor))
+                self.scale = max(shrunk, self.min)
                 self.left = self.H if self.refill_after_backoff else 0
         else:
             self.floor_hits = 0
@@ -52,8 +65,12 @@ class DynamicOracle:
             if self.tracker == self.interval:
                 self.tracker = 0
                 self.left = self.H
-                grown = f32(self.scale * self.growth_factor)
-                if grown <= self.max:
+                grown = f32(self.scale * self._factor(self.growth_factor))
+                if self.guard == "result":
+                    ok = grown <= self.max
+                else:
+                    ok = self.scale < f32(self.max / self.growth_factor) and grown <= FLOAT32_MAX
+                if ok:
                     self.scale = grown
         return self.scale
 

@@ -4,7 +4,9 @@ from lossscale.diagnostics import HostReadCounter
 from lossscale.ema import EMA
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policy import DynamicScale, FixedScale, FloorError, ScaleState
+from lossscale.predictive import PredictiveScale
 from lossscale.result import StepResult
+from lossscale.schedule import PrecisionSchedule
 from lossscale.scaler import GradScaler, ScalerStep
 
 __all__ = [
@@ -16,6 +18,8 @@ __all__ = [
     "FloorError",
     "GradScaler",
     "HostReadCounter",
+    "PrecisionSchedule",
+    "PredictiveScale",
     "ScaleState",
     "ScalerStep",
 ]

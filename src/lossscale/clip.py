@@ -3,47 +3,77 @@
 The global norm of the unscaled gradients is ``norm(scaled) / scale``; for power-of-two scales that
 equals the norm of the unscaled gradients exactly, so clipping can be folded into the unscale
 coefficient (``inv_scale * clip``) and applied once, by a ``_foreach_mul_`` or inside a fused optimizer.
+
+Sharded gradients (FSDP2's DTensor ``Shard(0)``): a rank reads only its shard; the squared norms of
+shards are summed over the ranks (one all-reduce), those of replicated gradients are counted once.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from lossscale import distributed as _dist
+from lossscale.overflow import group_by_device_and_dtype
 
-__all__ = ["squared_norms", "global_clip_coefficient", "clip_per_tensor_"]
+__all__ = ["squared_norms", "global_norm_squared", "global_clip_coefficient", "clip_per_tensor_"]
 
 # torch.nn.utils.clip_grad_norm_'s guard against division by zero.
 EPS = 1e-6
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The shard a rank holds, for DTensor gradients (FSDP2); the tensor itself otherwise."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
-
-
 def squared_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor squared L2 norms as a float32 vector. One read of every gradient, no write.
+    """Per-tensor squared L2 norms of the local parts (a DTensor's shard) as a float32 vector.
 
-    On CPU, contiguous float32 gradients use ``torch.dot`` (BLAS, about twice the bandwidth of
-    ``torch._foreach_norm`` here); everything else uses ``torch._foreach_norm`` squared.
+    One read of every gradient, no write. On CPU, contiguous float32 gradients use ``torch.dot`` (BLAS,
+    about twice the bandwidth of ``torch._foreach_norm`` here); everything else ``torch._foreach_norm``.
     """
-    locals_ = [_local(g) for g in grads]
+    locals_ = [_dist.local_shard(g) for g in grads]
     if locals_ and all(g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous() for g in locals_):
         flat = [g.view(-1) for g in locals_]
-        return torch.stack([torch.dot(f, f) for f in flat]) if flat else torch.zeros(0)
+        return torch.stack([torch.dot(f, f) for f in flat])
     norms = torch._foreach_norm(locals_, 2.0) if locals_ else []
     return torch.stack([n.float() for n in norms]).square() if norms else torch.zeros(0)
 
 
-def global_norm_squared(grads: Sequence[torch.Tensor], process_group=None, sharded: bool = False) -> torch.Tensor:
-    """Sum of squares of every gradient (0-d float32); summed over ranks when the gradients are shards."""
-    total = squared_norms(grads).sum() if grads else torch.zeros(())
-    if sharded:
-        _dist.all_reduce_sum_(total, process_group)
+def _sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in group_by_device_and_dtype(_dist.local_shard(g) for g in grads).values():
+        total += squared_norms(group).sum().to(device, non_blocking=True)
+    return total
+
+
+def _split(grads: Sequence[torch.Tensor], sharded: bool | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(shards, replicated): by ``sharded`` when given, else by each gradient's DTensor placement."""
+    if sharded is not None:
+        return (list(grads), []) if sharded else ([], list(grads))
+    shards, replicated = [], []
+    for g in grads:
+        (shards if _dist.is_shard(g) else replicated).append(g)
+    return shards, replicated
+
+
+def global_norm_squared(
+    grads: Sequence[torch.Tensor],
+    process_group: Any = None,
+    sharded: bool | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Squared L2 norm of all the gradients together (0-d float32), across ranks where they are shards.
+
+    Rule: ``sum over shards (all-reduced over process_group) + sum over replicated gradients``.
+    ``sharded``: None decides per gradient (DTensor with a ``Shard`` placement, as FSDP2 makes); True
+    treats every gradient as a shard (a hand-written ZeRO); False none (DDP, one process).
+    Cost: one read of every gradient; one all-reduce of one float when there are shards (every rank of
+    the group must then call this); no host read. Non-finite gradients give a non-finite result.
+    """
+    if device is None:
+        device = _dist.local_shard(grads[0]).device if grads else torch.device("cpu")
+    shards, replicated = _split(grads, sharded)
+    total = _sum_of_squares(replicated, device)
+    if shards or sharded:
+        total += _dist.all_reduce_sum_(_sum_of_squares(shards, device), process_group)
     return total
 
 
@@ -52,10 +82,39 @@ def global_clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor
     return (max_norm / (norm + EPS)).clamp(max=1.0)
 
 
-def clip_per_tensor_(grads: Sequence[torch.Tensor], max_norm: float) -> None:
-    """Keras's ``clipnorm``: each gradient ``g * max_norm / max(||g||, max_norm)``. One read + one write pass."""
+def clip_per_tensor_(
+    grads: Sequence[torch.Tensor], max_norm: float, process_group: Any = None, sharded: bool | None = None
+) -> None:
+    """Keras's ``clipnorm``: each gradient ``g * max_norm / max(||g||, max_norm)``, ``||g||`` over the
+    whole tensor (a shard's squared norm is summed over ranks; ``sharded`` as in
+    :func:`global_norm_squared`). One read + one write pass; one all-reduce of a vector when sharded."""
     if not grads:
         return
-    norms = squared_norms(grads).sqrt()
-    coefs = max_norm / norms.clamp(min=max_norm)
-    torch._foreach_mul_(list(grads), list(coefs.unbind()))
+    shards, replicated = _split(grads, sharded)
+    ordered = [_local_values(g) for g in shards + replicated]
+    squares = _per_tensor_squares(ordered)
+    if shards or sharded:
+        shard_squares = _dist.all_reduce_sum_(squares[: len(shards)].clone(), process_group)
+        squares = torch.cat([shard_squares, squares[len(shards):]])
+    coefs = max_norm / squares.sqrt().clamp(min=max_norm)
+    torch._foreach_mul_(ordered, [c.to(t.device, non_blocking=True) for c, t in zip(coefs.unbind(), ordered)])
+
+
+def _local_values(g: torch.Tensor) -> torch.Tensor:
+    """What a rank reads and writes of a gradient: a DTensor's shard, a sparse tensor's values."""
+    g = _dist.local_shard(g)
+    return g.coalesce()._values() if g.is_sparse else g
+
+
+def _per_tensor_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`squared_norms` in the order given, for tensors on several devices or of several dtypes."""
+    device = tensors[0].device
+    if all(t.device == device and t.dtype == tensors[0].dtype for t in tensors):
+        return squared_norms(tensors)
+    out = torch.empty(len(tensors), dtype=torch.float32, device=device)
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        buckets.setdefault((t.device, t.dtype), []).append(i)
+    for index in buckets.values():
+        out[index] = squared_norms([tensors[i] for i in index]).to(device)
+    return out

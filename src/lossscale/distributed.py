@@ -1,18 +1,38 @@
 """One decision for every rank: found_inf reduced over torch.distributed without a host read.
 
-When ``torch.distributed`` is initialized with more than one rank, every scaler sums its found_inf
-over a process group (default: the world) before deciding to skip, so all ranks skip or step together
-and their scales stay identical. Cost: one all-reduce of one float per step; no host read.
+When ``torch.distributed`` is initialized with more than one rank, every scaler reduces its found_inf
+(MAX of a 0/1 flag) over a process group (default: the world) before deciding to skip, so all ranks
+skip or step together and their scales stay identical. Cost: one all-reduce of one float per step; no
+host read.
+
+Also here: the shard a rank holds of a DTensor gradient (FSDP2), a gradient all-reduce for facades
+whose API takes a communicator, and the two lines a script needs to run under ``torchrun``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import sys
+from collections import defaultdict
+from datetime import timedelta
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["active", "reduce_found_inf", "all_reduce_sum_"]
+__all__ = [
+    "active",
+    "reduce_found_inf",
+    "all_reduce_sum_",
+    "all_reduce_grads_",
+    "local_shard",
+    "is_shard",
+    "init_from_env",
+    "is_main_process",
+    "shutdown",
+]
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def active(process_group: Any = None) -> bool:
@@ -23,9 +43,17 @@ def active(process_group: Any = None) -> bool:
 
 
 def reduce_found_inf(found_inf: torch.Tensor, process_group: Any = None) -> torch.Tensor:
-    """Sum ``found_inf`` (0-d float32 on the gradients' device) over the group, in place; no host read."""
+    """Turn ``found_inf`` (0-d float32, a count of overflows) into the group's 0/1 flag, in place; no host read.
+
+    Rule: ``found_inf = max over ranks of min(found_inf, 1)``: 1.0 on every rank as soon as one rank
+    overflowed, else 0.0. Exactly 0 or 1 because fused optimizers (``AdamW(fused=True)``) skip only
+    where ``found_inf == 1.0``: a count of 2 would apply a step with inf/NaN gradients.
+    Cost: one all-reduce of one float under torch.distributed (a collective: every rank of the group
+    must call it); outside it, one 0-d clamp.
+    """
+    found_inf.clamp_(max=1.0)
     if active(process_group):
-        dist.all_reduce(found_inf, op=dist.ReduceOp.SUM, group=process_group)
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
     return found_inf
 
 
@@ -34,3 +62,111 @@ def all_reduce_sum_(tensor: torch.Tensor, process_group: Any = None) -> torch.Te
     if active(process_group):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=process_group)
     return tensor
+
+
+def _dtensor_type() -> type | None:
+    # A DTensor can exist only once torch.distributed.tensor is imported; never import it ourselves.
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: ``t.to_local()`` for a DTensor (FSDP2), ``t`` otherwise.
+
+    The result shares storage with ``t``: writing into it (unscaling, clipping) writes the DTensor.
+    """
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
+        with torch.no_grad():  # the local tensor itself, not an autograd view of it
+            return t.to_local()
+    return t
+
+
+def is_shard(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor sharded over some mesh dimension (FSDP2's ``Shard(0)``): its squared
+    norm is the sum of the ranks' local squared norms. Replicated DTensors and plain tensors are not."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor):
+        return False
+    from torch.distributed.tensor import Shard
+
+    return any(isinstance(p, Shard) for p in t.placements)
+
+
+def all_reduce_grads_(
+    grads: Iterable[torch.Tensor | None], process_group: Any = None, *, average: bool = False
+) -> list[torch.Tensor]:
+    """Sum the listed gradients over the group in place (``average=True`` divides by the group size).
+
+    For facades whose API takes a communicator (nnabla's ``comm``/``grads``): call it before the
+    overflow check, so that every rank checks the same gradients. ``None`` entries are skipped.
+    Identity outside torch.distributed. Gradients must be dense, plain tensors (FSDP2 already reduced
+    its DTensor shards; summing them again would be wrong).
+
+    Cost: per (device, dtype), one flattening copy, one all-reduce and one copy back; no host read.
+
+    Returns:
+        The gradients that were reduced, in order.
+    """
+    present = [g for g in grads if g is not None]
+    for g in present:
+        if g.is_sparse or local_shard(g) is not g:
+            kind = "sparse" if g.is_sparse else "DTensor"
+            raise TypeError(f"all_reduce_grads_(grads=[..., {kind} of shape {tuple(g.shape)}, ...]): the gradients "
+                            f"must be dense plain tensors; got a {kind}. Reduce sparse gradients yourself; "
+                            f"DTensor gradients (FSDP2) are already reduced.")
+    if not present or not active(process_group):
+        return present
+    world = dist.get_world_size(process_group)
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for g in present:
+        buckets[(g.device, g.dtype)].append(g)
+    for bucket in buckets.values():
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            flat = bucket[0]
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
+            if average:
+                flat.div_(world)
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
+        if average:
+            flat.div_(world)
+        views = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in bucket]), bucket)]
+        torch._foreach_copy_(bucket, views)
+    return present
+
+
+def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> tuple[int, int]:
+    """Join the process group that ``torchrun`` describes in the environment; return ``(rank, world_size)``.
+
+    Rule: already initialized -> that group's (rank, world_size); ``RANK`` and ``WORLD_SIZE`` set (as
+    torchrun sets them, with ``MASTER_ADDR``/``MASTER_PORT``) -> ``init_process_group(backend,
+    init_method="env://")``; otherwise -> ``(0, 1)`` and nothing is initialized (a plain single process).
+    ``backend`` is ``"gloo"`` (CPU) by default; pass ``"nccl"`` on GPUs. Call :func:`shutdown` at exit.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_from_env(backend={backend!r}): torchrun sets {', '.join(_TORCHRUN_VARS)}; "
+                           f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing. Launch with "
+                           f"`torchrun --nproc_per_node=N script.py`, or unset RANK and WORLD_SIZE to run alone.")
+    if not dist.is_available():
+        raise RuntimeError(f"init_from_env(backend={backend!r}): RANK is set but this torch build has no "
+                           f"torch.distributed; install a build with it, or unset RANK and WORLD_SIZE.")
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def is_main_process() -> bool:
+    """True on rank 0, and in a single process: the rank that prints, plots and saves checkpoints."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def shutdown() -> None:
+    """Destroy the default process group if one is initialized (the pair of :func:`init_from_env`)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -26,6 +26,7 @@ from lossscale.overflow import (
     OverflowMode,
     check_,
     check_mode,
+    check_with_amax_,
     group_by_device_and_dtype,
     overflowing,
     saturation_threshold,
@@ -33,6 +34,7 @@ from lossscale.overflow import (
 )
 from lossscale.policy import DynamicScale, FloorError, Policy, check_floor, state_from_dict, state_to_dict
 from lossscale.result import StepResult
+from lossscale.underflow import underflow_share
 
 __all__ = ["LossScaleOptimizer", "SkipMode"]
 
@@ -83,11 +85,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         skip_mode: ``"auto"``, ``"fused"``, ``"host"`` or ``"masked"``.
         saturation_dtype: Format whose max defines saturation (default float16).
         process_group: found_inf is reduced over it under torch.distributed (default: world).
-        sharded_grads: True when each rank holds a shard of the gradients (FSDP2): the norm is summed
-            over ranks. Detected automatically for DTensor gradients.
+        sharded_grads: Which gradients are shards whose squared norms are summed over ranks when clipping.
+            None: detected per gradient (DTensor with a ``Shard`` placement, as FSDP2 makes). True: every
+            gradient is a rank's shard (a hand-written ZeRO). False: none is.
         module: Gives parameter names to overflow attribution.
         schedule: A :class:`~lossscale.PrecisionSchedule`; scaling runs only while it is in float16.
         check_when_unscaled: Keep catching inf/NaN (and skipping) while scaling is off (bf16/fp32 phase).
+        underflow_stride: Turn on the underflow meter (``StepResult.underflow``): sample every n-th value of
+            the scaled gradients and report the share float16 would round to zero (reads 1/n of them).
+
+    Policies that observe the gradient maximum (``PredictiveScale``) get it from the overflow pass
+    (``aminmax``: one read, replacing the plain check); with global-norm clipping it is one extra read.
     """
 
     def __init__(
@@ -109,6 +117,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         module: torch.nn.Module | None = None,
         schedule: Any = None,
         check_when_unscaled: bool = True,
+        underflow_stride: int | None = None,
     ) -> None:
         call = "LossScaleOptimizer"
         if not isinstance(inner, torch.optim.Optimizer):
@@ -136,6 +145,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                              f"number >= 0; got {weight_decay!r}.")
         check_choice(call, "skip_mode", skip_mode, ("auto", "fused", "host", "masked"))
         check_choice(call, "check_when_unscaled", check_when_unscaled, (True, False))
+        if underflow_stride is not None:
+            check_int_at_least(call, "underflow_stride", underflow_stride, 1)
         fusable = bool(getattr(inner, "_step_supports_amp_scaling", False))
         needs_written_grads = clip_grad_value is not None or clip_grad_norm_per_param is not None
         if skip_mode == "fused" and not fusable:
@@ -159,6 +170,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.module = module
         self.schedule = None
         self.check_when_unscaled = check_when_unscaled
+        self.underflow_stride = underflow_stride
         self._threshold = saturation_threshold(saturation_dtype)
         self._explicit_unscale = skip_mode != "fused" or needs_written_grads
         self._masked = MaskedSkip()
@@ -168,6 +180,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._micro = 0
         self._boundaries = 0
         self._unscaled_by: torch.Tensor | None = None
+        self._window: tuple[bool, str | None] | None = None  # (scaled?, precision) fixed at a window's first loss
         self.last_result: StepResult | None = None
         if ema is not None:
             ema.bind(params)
@@ -213,8 +226,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     # --- the training-loop calls ---------------------------------------------------------------
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * scale / accumulation_steps`` (the scale only while scaling is active). No host read."""
-        factor = self._state.scale if self.scaling_active else torch.ones_like(self._state.scale)
+        """``loss * scale / accumulation_steps`` (the scale only while scaling is active). No host read.
+
+        Whether to scale is fixed at the first loss of an accumulation window and holds to its step(), so a
+        schedule that switches mid-window never mixes scaled and unscaled gradients."""
+        if self._window is None:
+            self._window = (self.scaling_active, self._precision())
+        if not self._window[0] and self.accumulation_steps == 1:
+            return loss
+        factor = self._state.scale if self._window[0] else torch.ones_like(self._state.scale)
         if self.accumulation_steps > 1:
             factor = factor / self.accumulation_steps
         return loss * factor.to(loss.device, non_blocking=True)
@@ -241,7 +261,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             false = torch.zeros((), dtype=torch.bool, device=self._device)
             result = StepResult(stepped=false, found_inf=false, scale=self._state.scale,
                                 next_scale=self._state.scale, accumulating=True, step=self._boundaries,
-                                precision=self._precision())
+                                precision=self._precision() if self._window is None else self._window[1])
             self.last_result = result
             return result
         self._micro = 0
@@ -251,29 +271,40 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     # --- the pipeline --------------------------------------------------------------------------
 
+    def _raw_grads(self) -> list[torch.Tensor]:
+        return [p.grad for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+
     def _grads(self) -> dict:
-        return group_by_device_and_dtype(
-            p.grad for g in self.inner.param_groups for p in g["params"] if p.grad is not None)
+        # The local shards of DTensor gradients (FSDP2): checked and unscaled in place, found_inf reduced below.
+        return group_by_device_and_dtype(_dist.local_shard(g) for g in self._raw_grads())
 
     def _boundary_step(self) -> StepResult:
         scale = self._state.scale
-        active = self.scaling_active
+        active, precision = (self.scaling_active, self._precision()) if self._window is None else self._window
+        self._window = None
         checking = active or self.check_when_unscaled
         groups = self._grads()
         found = torch.zeros((), dtype=torch.float32, device=self._device)
 
         # measure: one read pass (or folded into the unscale pass below)
-        norm_sq = None
-        if checking and self.overflow_mode == "saturation" and active:
+        norm_sq = amax = underflow = None
+        observes = active and bool(getattr(self.policy, "observes_amax", False))
+        if active and self.underflow_stride:
+            underflow = underflow_share([g for grads in groups.values() for g in grads], self.underflow_stride)
+        if observes:  # the overflow pass also yields the largest scaled magnitude (aminmax: one read)
+            sink = found if checking else torch.zeros_like(found)
+            amax = torch.stack([check_with_amax_(grads, sink, self.overflow_mode, self._threshold).to(self._device)
+                                for grads in groups.values()]).max() if groups else torch.zeros(())
+            if _dist.active(self.process_group):
+                torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        elif checking and self.overflow_mode == "saturation" and active:
             for grads in groups.values():
                 check_(grads, found, "saturation", self._threshold)
         if self.clip_grad_norm is not None:
-            norm_sq = sum((global_norm_squared(g) for g in groups.values()), torch.zeros((), device=self._device))
-            if self._is_sharded(groups):
-                _dist.all_reduce_sum_(norm_sq, self.process_group)
+            norm_sq = global_norm_squared(self._raw_grads(), self.process_group, self.sharded_grads, self._device)
             if checking:
                 found += (~torch.isfinite(norm_sq)).float()
-        detected = norm_sq is not None or (self.overflow_mode == "saturation" and active)
+        detected = norm_sq is not None or (self.overflow_mode == "saturation" and active) or observes
         if checking and not detected and not self._explicit_unscale:
             for grads in groups.values():
                 check_(grads, found, "inf_nan")
@@ -311,8 +342,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     torch._foreach_clamp_min_(grads, -self.clip_grad_value)
                     torch._foreach_clamp_max_(grads, self.clip_grad_value)
             if self.clip_grad_norm_per_param is not None:
-                for grads in groups.values():
-                    clip_per_tensor_(grads, self.clip_grad_norm_per_param)
+                clip_per_tensor_(self._raw_grads(), self.clip_grad_norm_per_param, self.process_group,
+                                 self.sharded_grads)
 
         # apply
         fused_divisor = None
@@ -326,14 +357,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self.ema.update(stepped, self._boundaries)
         state = self._state
         if active:
-            self._state = self.policy.update(state, found)
+            self._state = self.policy.update(state, found, amax=amax) if observes else self.policy.update(state, found)
             try:
                 check_floor(self.policy, self._state)
             except FloorError as err:
                 raise FloorError(f"LossScaleOptimizer step {self._boundaries}: {err}") from None
         return StepResult(stepped=stepped, found_inf=overflow, scale=state.scale if active else torch.ones_like(scale),
                           next_scale=self._state.scale, grad_norm=grad_norm, step=self._boundaries - 1,
-                          precision=self._precision(), switched=self._consume_switch())
+                          precision=precision, switched=self._consume_switch(precision), underflow=underflow)
 
     def _apply(self, found: torch.Tensor, overflow: torch.Tensor, stepped: torch.Tensor,
                fused_divisor: torch.Tensor | None) -> None:
@@ -374,11 +405,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 factor = 1.0 - stepped.to(torch.float32) * rate
                 torch._foreach_mul_(params, factor.to(params[0].device))
 
-    def _is_sharded(self, groups: dict) -> bool:
-        if self.sharded_grads is not None:
-            return self.sharded_grads
-        return any(hasattr(g, "to_local") for grads in groups.values() for g in grads)
-
     # --- schedule hooks (filled in by attach_schedule) ---------------------------------------------
 
     def attach_schedule(self, schedule: Any) -> None:
@@ -395,8 +421,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         dtype = self.schedule.dtype
         return "float32" if dtype is None else str(dtype).replace("torch.", "")
 
-    def _consume_switch(self) -> bool:
-        if self.schedule is None or self._seen_switch or not self.schedule.switched:
+    def _consume_switch(self, precision: str | None) -> bool:
+        """True once: on the first boundary whose step ran in the original precision."""
+        if self.schedule is None or self._seen_switch or precision in ("float16", "bfloat16"):
             return False
         self._seen_switch = True
         return True
@@ -425,6 +452,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if self._micro:  # mid-window: the gradients accumulated so far are part of the position
             out["accumulated_grads"] = [None if p.grad is None else p.grad.detach().clone()
                                         for g in self.inner.param_groups for p in g["params"]]
+            out["window"] = self._window
         if self.ema is not None:
             out["ema"] = self.ema.state_dict()
         if self.schedule is not None:
@@ -441,6 +469,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         params = [p for g in self.inner.param_groups for p in g["params"]]
         for p, grad in zip(params, state_dict.get("accumulated_grads", [None] * len(params))):
             p.grad = None if grad is None else grad.to(p.device).clone()
+        self._window = state_dict.get("window")
         if self.ema is not None and "ema" in state_dict:
             self.ema.load_state_dict(state_dict["ema"])
         if self.schedule is not None and "schedule" in state_dict:

@@ -26,6 +26,7 @@ __all__ = [
     "saturation_threshold",
     "group_by_device_and_dtype",
     "check_",
+    "check_with_amax_",
     "unscale_and_check_",
     "overflowing",
 ]
@@ -70,6 +71,35 @@ def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
     hi = torch.stack(highs).float()
     # Written as "not (inside the range)" so that NaN, which fails every comparison, counts.
     return ~((hi < threshold) & (lo > -threshold)).all()
+
+
+def check_with_amax_(
+    grads: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    mode: OverflowMode = "inf_nan",
+    threshold: float = 65504.0,
+) -> torch.Tensor:
+    """Like :func:`check_`, and also return the largest magnitude (0-d float32; inf/NaN on overflow).
+
+    One read pass (``aminmax`` per tensor), for policies that observe the gradient maximum. No host read.
+    """
+    lows, highs = [], []
+    for g in grads:
+        if g.numel():
+            low, high = torch.aminmax(g)
+            lows.append(low)
+            highs.append(high)
+    if not lows:
+        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
+    lo = torch.stack(lows).float()
+    hi = torch.stack(highs).float()
+    amax = torch.maximum(hi.max(), -lo.min())
+    if mode == "saturation":
+        bad = ~((hi < threshold) & (lo > -threshold)).all()
+    else:
+        bad = ~(torch.isfinite(lo).all() & torch.isfinite(hi).all())
+    found_inf.add_(bad.to(found_inf.dtype))
+    return amax
 
 
 def _non_finite(grads: Sequence[torch.Tensor]) -> torch.Tensor:

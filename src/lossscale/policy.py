@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -106,23 +107,29 @@ def _as_flag(found_inf: torch.Tensor, device: torch.device) -> torch.Tensor:
 class DynamicScale:
     """Dynamic loss scaling: back off on overflow, grow after a run of clean steps.
 
-    The rule, per call of ``update(state, found_inf)``::
+    The rule, per call of ``update(state, found_inf)`` (``growth_tracker`` starts at ``-growth_delay``)::
 
         if found_inf:
-            growth_tracker = 0
+            growth_tracker = -growth_delay
             hysteresis_left -= 1
             if hysteresis_left <= 0:                       # out of patience: back off
-                scale = max(scale * backoff_factor, min_scale)
+                scale = max(scale / backoff_divisor if backoff_divisor else scale * backoff_factor, min_scale)
                 if refill_after_backoff: hysteresis_left = hysteresis
         else:
             growth_tracker += 1
             if hysteresis_mode == "consecutive": hysteresis_left = hysteresis
             if growth_tracker == growth_interval:
                 growth_tracker = 0; hysteresis_left = hysteresis
-                if scale * growth_factor <= max_scale: scale *= growth_factor   # finite guard
+                if growth_guard == "result" and scale * growth_factor <= max_scale \
+                        or growth_guard == "operand" and scale < max_scale / growth_factor:
+                    scale *= growth_factor                 # refused growth still restarts the count
 
-    Products are taken in float64 and rounded once to float32, as torch's ``_amp_update_scale_``
-    does; with the defaults below the trajectory equals ``torch.amp.GradScaler``'s bit for bit.
+    ``arithmetic="float64"``: each product (or quotient) is taken in float64 with the Python factor and
+    rounded once to float32, as torch's ``_amp_update_scale_`` does; with the defaults below the
+    trajectory equals ``torch.amp.GradScaler``'s bit for bit. ``"float32"``: the factor is first
+    rounded to float32 and the operation done in float32, as frameworks that keep the scale in a
+    float32 tensor compute it (TensorFlow, MindSpore, Megatron, Paddle); the two differ for factors
+    such as 0.8 that float32 cannot hold exactly.
     ``floor_hits`` counts consecutive overflowing steps that found the scale already at
     ``min_scale``; with ``at_floor="raise"`` the scalers turn the first one into a :class:`FloorError`.
 
@@ -141,6 +148,16 @@ class DynamicScale:
         min_scale: Floor of the scale; default 2**-126, the smallest normal float32.
         max_scale: Cap of the scale; default the largest finite float32 (growth never reaches inf).
         at_floor: ``"skip"`` (stay at the floor and keep skipping) or ``"raise"``.
+        arithmetic: ``"float64"`` (torch) or ``"float32"``: how the new scale is computed (see above).
+        backoff_divisor: None, or a finite number > 1: a backoff divides by it (MindSpore's manager,
+            TensorFlow's ``DynamicLossScale``, DeepSpeed, nnabla divide) instead of multiplying by
+            ``backoff_factor``, which then reads ``1 / backoff_divisor``.
+        growth_guard: ``"result"``: grow only if the grown scale is <= ``max_scale`` (torch, TF);
+            ``"operand"``: grow only while ``scale < max_scale / growth_factor`` (the quotient rounded
+            to float32), Ascend's ``S < 3.4e38 / incr_ratio``.
+        growth_delay: >= 0 extra clean steps before the first growth after the start or an overflow
+            (later growths come every ``growth_interval``): 1 for nnabla's updater and DeepSpeed's
+            ``stable_interval``.
 
     Example:
         >>> import torch
@@ -162,9 +179,22 @@ class DynamicScale:
     min_scale: float = SMALLEST_NORMAL_FLOAT32
     max_scale: float = FLOAT32_MAX
     at_floor: Literal["skip", "raise"] = "skip"
+    arithmetic: Literal["float64", "float32"] = "float64"
+    backoff_divisor: float | None = None
+    growth_guard: Literal["result", "operand"] = "result"
+    growth_delay: int = 0
 
     def __post_init__(self) -> None:
         call = type(self).__name__
+        d = self.backoff_divisor
+        if d is not None:
+            check_factor_above_one(call, "backoff_divisor", d, "a backoff divides the scale by it")
+            if self.backoff_factor not in (0.5, 1.0 / d):
+                raise ValueError(
+                    f"{call}(backoff_factor={self.backoff_factor!r}, backoff_divisor={d!r}): pass one of them; "
+                    f"a backoff either multiplies by backoff_factor or divides by backoff_divisor; got both."
+                )
+            object.__setattr__(self, "backoff_factor", 1.0 / d)
         check_scale(call, "min_scale", self.min_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
         check_scale(call, "max_scale", self.max_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
         if self.min_scale > self.max_scale:
@@ -186,12 +216,15 @@ class DynamicScale:
         check_choice(call, "hysteresis_mode", self.hysteresis_mode, ("consecutive", "cumulative"))
         check_choice(call, "refill_after_backoff", self.refill_after_backoff, (True, False))
         check_choice(call, "at_floor", self.at_floor, ("skip", "raise"))
+        check_choice(call, "arithmetic", self.arithmetic, ("float64", "float32"))
+        check_choice(call, "growth_guard", self.growth_guard, ("result", "operand"))
+        check_int_at_least(call, "growth_delay", self.growth_delay, 0)
 
     def init(self, device: torch.device | str | None = None) -> ScaleState:
         """A fresh state on ``device`` (default: CPU)."""
         return ScaleState(
             scale=torch.full((), self.init_scale, dtype=torch.float32, device=device),
-            growth_tracker=torch.zeros((), dtype=torch.int32, device=device),
+            growth_tracker=torch.full((), -self.growth_delay, dtype=torch.int32, device=device),
             hysteresis_left=torch.full((), self.hysteresis, dtype=torch.int32, device=device),
             floor_hits=torch.zeros((), dtype=torch.int32, device=device),
         )
@@ -204,16 +237,25 @@ class DynamicScale:
         full = torch.full_like(left, self.hysteresis)
 
         # Growth: the growth_interval-th clean step in a row, refused if it would pass max_scale.
-        counted = torch.where(bad, torch.zeros_like(tracker), tracker + 1)
+        counted = torch.where(bad, torch.full_like(tracker, -self.growth_delay), tracker + 1)
         grow = clean & (counted >= self.growth_interval)
-        grown = (scale.double() * self.growth_factor).float()
-        grow_ok = grow & (grown <= self.max_scale)  # also False for inf/NaN products
+        grown = self._times(scale, self.growth_factor)
+        if self.growth_guard == "result":
+            grow_ok = grow & (grown <= self.max_scale)  # also False for inf/NaN products
+        else:
+            grow_ok = grow & (scale < _f32(self.max_scale / self.growth_factor)) & (grown <= FLOAT32_MAX)
 
         # Backoff: an overflow that exhausts the hysteresis, clamped at the floor.
         spent = left - 1
         backoff = bad & (spent <= 0)
         at_floor = scale <= self.min_scale
-        shrunk = (scale.double() * self.backoff_factor).float().clamp_min(self.min_scale)
+        if self.backoff_divisor is None:
+            shrunk = self._times(scale, self.backoff_factor)
+        else:
+            wide = torch.float64 if self.arithmetic == "float64" else torch.float32
+            divisor = torch.full_like(scale, self.backoff_divisor, dtype=wide)  # a tensor: true division on CUDA
+            shrunk = (scale.to(wide) / divisor).float()
+        shrunk = shrunk.clamp_min(self.min_scale)
 
         new_scale = torch.where(grow_ok, grown, torch.where(backoff, shrunk, scale))
         refill = grow | (backoff if self.refill_after_backoff else torch.zeros_like(grow))
@@ -225,6 +267,12 @@ class DynamicScale:
             backoff & at_floor, (state.floor_hits + 1).clamp_max(_SATURATE), torch.where(bad, state.floor_hits, 0)
         ).to(torch.int32)
         return ScaleState(new_scale, new_tracker.to(torch.int32), new_left.to(torch.int32), floor_hits)
+
+    def _times(self, scale: torch.Tensor, factor: float) -> torch.Tensor:
+        """``scale * factor`` rounded once to float32, in the configured arithmetic."""
+        if self.arithmetic == "float32":
+            return scale * _f32(factor)  # exact float32 operands: float32 product, rounded once
+        return (scale.double() * factor).float()
 
     def check_floor(self, state: ScaleState) -> None:
         """Raise :class:`FloorError` if ``at_floor="raise"`` and the scale hit its floor.
@@ -286,6 +334,14 @@ def check_floor(policy: Any, state: Any) -> None:
     checker = getattr(policy, "check_floor", None)
     if checker is not None:
         checker(state)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (inf where it overflows), as a Python float; no tensor, no sync."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def is_power_of_two(x: float) -> bool:

@@ -22,6 +22,7 @@ from lossscale.overflow import (
     OverflowMode,
     check_,
     check_mode,
+    check_with_amax_,
     group_by_device_and_dtype,
     overflowing,
     saturation_threshold,
@@ -44,6 +45,7 @@ class _Stage(enum.Enum):
 class _OptimizerRecord:
     stage: _Stage = _Stage.READY
     found_inf: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    amax: list[torch.Tensor] = field(default_factory=list)  # only for policies that observe it
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class GradScaler:
         self.overflow_mode = overflow_mode
         self._threshold = saturation_threshold(saturation_dtype)
         self.process_group = process_group
+        self._observes_amax = bool(getattr(policy, "observes_amax", False))
         self._state: Any = None
         self._pending: dict[str, Any] | None = None  # loaded before the first scale()
         self._replicas: dict[torch.device, torch.Tensor] = {}
@@ -192,7 +195,7 @@ class GradScaler:
                     )
                 if p.grad.is_sparse and p.grad.dtype == torch.float16:
                     p.grad = p.grad.coalesce()
-                grads.append(p.grad)
+                grads.append(_dist.local_shard(p.grad))  # a DTensor's shard (FSDP2); found_inf is reduced after
         return group_by_device_and_dtype(grads)
 
     def _new_found_inf(self, device: torch.device) -> torch.Tensor:
@@ -219,16 +222,21 @@ class GradScaler:
             if device not in found:
                 found[device] = self._new_found_inf(device)
             inv = inv_scale if device == inv_scale.device else inv_scale.to(device, non_blocking=True)
+            if self._observes_amax:  # one extra read pass: the largest scaled magnitude, before unscaling
+                record.amax.append(check_with_amax_(grads, found[device], self.overflow_mode, self._threshold))
             unscale_and_check_(grads, found[device], inv, self.overflow_mode, self._threshold)
         record.found_inf = self._reduced(found, state.scale.device)
         record.stage = _Stage.UNSCALED
 
-    def _check_only(self, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
+    def _check_only(self, optimizer: torch.optim.Optimizer, device: torch.device, record: _OptimizerRecord) -> dict:
         found: dict[torch.device, torch.Tensor] = {}
         for (dev, _), grads in self._grads(optimizer, allow_fp16=True).items():
             if dev not in found:
                 found[dev] = self._new_found_inf(dev)
-            check_(grads, found[dev], self.overflow_mode, self._threshold)
+            if self._observes_amax:
+                record.amax.append(check_with_amax_(grads, found[dev], self.overflow_mode, self._threshold))
+            else:
+                check_(grads, found[dev], self.overflow_mode, self._threshold)
         return self._reduced(found, device)
 
     def _reduced(self, found: dict[torch.device, torch.Tensor], device: torch.device) -> dict:
@@ -248,7 +256,7 @@ class GradScaler:
         total = values[0].clone()
         for v in values[1:]:
             total += v
-        return total
+        return total.clamp_(max=1.0)  # a 0/1 flag: fused optimizers skip only where found_inf == 1.0
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
         """Unscale (unless done), then apply ``optimizer.step(*args, **kwargs)`` only if nothing overflowed.
@@ -272,7 +280,7 @@ class GradScaler:
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if record.stage is _Stage.READY:
-                record.found_inf = self._check_only(optimizer, device)
+                record.found_inf = self._check_only(optimizer, device, record)
                 grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
             else:
                 grad_scale = getattr(optimizer, "grad_scale", None)
@@ -315,7 +323,14 @@ class GradScaler:
             total = self._total(seen[0], device)
             for r in seen[1:]:
                 total += self._total(r, device)
-            self._set_state(self.policy.update(state, total))
+            if self._observes_amax:
+                amaxes = [a.to(device) for r in seen for a in r.amax]
+                amax = torch.stack(amaxes).max() if amaxes else torch.zeros((), device=device)
+                if _dist.active(self.process_group):
+                    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+                self._set_state(self.policy.update(state, total, amax=amax))
+            else:
+                self._set_state(self.policy.update(state, total))
             check_floor(self.policy, self._state)
         self._records = {}
 

@@ -1,5 +1,271 @@
-"""Placeholder: the precision schedule lands with its own issue."""
+"""PrecisionSchedule: Ascend's ``accelerate_train_mode`` for PyTorch; which dtype to autocast to at each step.
+
+A mode is ``type|trigger|ratio``::
+
+    type     'fast' = float16, 'fast1' = bfloat16              (the low-precision phase)
+    trigger  'step': low precision while step < total_steps * ratio, ratio in [0.2, 0.9], default 0.9
+             'loss': low precision until a reported loss <= target_loss * ratio, ratio in [1.01, 1.5],
+                     default 1.05
+    ratio    may be left out with its separator ('fast|step' means 'fast|step|0.9')
+
+Then the run goes back to its original precision (autocast off) once, for good: a later higher loss
+does not bring low precision back. The state is two integers (step, switch_step) and is checkpointed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import operator
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, ContextManager, Iterable, Literal
+
+import torch
+
+__all__ = ["PrecisionSchedule", "ScheduleConfig", "ScheduleState", "advance", "check_attachable", "parse_mode"]
+
+Trigger = Literal["step", "loss"]
+
+LOW_DTYPES: dict[str, torch.dtype] = {"fast": torch.float16, "fast1": torch.bfloat16}
+RATIOS: dict[str, tuple[str, str, str]] = {"step": ("0.2", "0.9", "0.9"), "loss": ("1.01", "1.5", "1.05")}
+ALLOWED = ("mode is 'type|trigger|ratio' with type 'fast' (float16) or 'fast1' (bfloat16), trigger 'step' "
+           "(ratio in [0.2, 0.9], default 0.9; needs total_steps) or 'loss' (ratio in [1.01, 1.5], default 1.05; "
+           "needs target_loss), e.g. 'fast|step|0.9' or 'fast1|loss|1.05'")
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
-def check_attachable(schedule, params):  # pragma: no cover - replaced by the schedule issue
-    raise NotImplementedError("PrecisionSchedule is not available yet")
+def parse_mode(call: str, mode: Any) -> tuple[torch.dtype, Trigger, Fraction]:
+    """``'fast|step|0.9'`` -> ``(torch.float16, 'step', Fraction(9, 10))``; a ValueError naming the allowed values.
+
+    The ratio is kept as an exact decimal, so ``10 * 0.3`` is 3, not 3.0000000000000004.
+    """
+    if not isinstance(mode, str):
+        raise TypeError(f"{call}: mode must be a str; {ALLOWED}; got {type(mode).__name__} {mode!r}.")
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"{call}: {ALLOWED}; got {problem}.")
+
+    fields = mode.split("|")
+    if len(fields) not in (2, 3):
+        raise bad(f"{len(fields)} field{'s' if len(fields) != 1 else ''} in {mode!r}")
+    if "" in fields:
+        raise bad(f"an empty field in {mode!r}")
+    kind, trigger = fields[0], fields[1]
+    if kind not in LOW_DTYPES:
+        raise bad(f"type {kind!r}")
+    if trigger not in RATIOS:
+        raise bad(f"trigger {trigger!r}")
+    low, high, default = RATIOS[trigger]
+    text = fields[2] if len(fields) == 3 else default
+    if not _DECIMAL.fullmatch(text):
+        raise bad(f"ratio {text!r}, which is not a plain decimal number")
+    ratio = Fraction(text)
+    if not Fraction(low) <= ratio <= Fraction(high):
+        raise bad(f"ratio {text} for trigger {trigger!r}, outside [{low}, {high}]")
+    return LOW_DTYPES[kind], trigger, ratio  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The validated mode and what its trigger is measured against (frozen; built by PrecisionSchedule)."""
+
+    mode: str
+    low_dtype: torch.dtype
+    trigger: Trigger
+    ratio: float
+    total_steps: int | None
+    target_loss: float | None
+    switch_at_step: int | None  # step trigger: ceil(total_steps * ratio), the first step back in original precision
+    switch_below_loss: float | None  # loss trigger: target_loss * ratio, rounded once to the nearest float
+
+
+@dataclass(frozen=True)
+class ScheduleState:
+    """``step``: the next step to run (= steps completed); ``switch_step``: first step back in original precision."""
+
+    step: int = 0
+    switch_step: int | None = None
+
+
+def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss: float | None) -> ScheduleState:
+    """The whole rule, a pure function::
+
+        step = step if given else state.step + 1        (a loss alone reports one more completed step)
+        if not switched and (trigger == 'step' and step >= ceil(total_steps * ratio)
+                             or trigger == 'loss' and loss <= target_loss * ratio):   # NaN never switches
+            switch_step = step                          (never cleared again)
+    """
+    position = state.step + 1 if step is None else step
+    if state.switch_step is not None:
+        return ScheduleState(position, state.switch_step)
+    if config.trigger == "step":
+        switch = position >= config.switch_at_step  # type: ignore[operator]
+    else:
+        switch = loss is not None and loss <= config.switch_below_loss  # type: ignore[operator]
+    return ScheduleState(position, position if switch else None)
+
+
+class PrecisionSchedule:
+    """Trains the first share of a run in float16 or bfloat16, then switches back to the original precision once.
+
+    Rule (see :func:`advance`): ``mode = 'type|trigger|ratio'``; ``'fast|step|0.9'`` with ``total_steps=100`` is
+    float16 for steps 0-89 and original precision from step 90; ``'fast1|loss|1.05'`` with ``target_loss=2.0`` is
+    bfloat16 until a reported loss is <= 2.1. The ratio may be left out (``'fast|step'``): 0.9 for ``step``,
+    1.05 for ``loss``, Ascend's defaults.
+
+    Feed it once per step with :meth:`update`: ``step`` is the index of the next step to run (the number of
+    steps completed, like TF's ``global_step`` or Lightning's ``trainer.global_step``); ``loss`` is the loss of
+    the step that just ran. Cost: a tensor ``loss`` is read on the host (one sync per call); nothing else is.
+
+    Example::
+
+        schedule = PrecisionSchedule("fast|step|0.9", total_steps=100)
+        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), schedule=schedule)
+        for step in range(100):
+            schedule.update(step=step)
+            with schedule.autocast("cuda"):
+                loss = loss_fn(model(x), y)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        schedule.switch_step  # 90
+
+    Args:
+        mode: ``'fast|step|0.9'``, ``'fast1|loss|1.05'``, ...: see the module docstring.
+        total_steps: Length of the run in steps; required by (and only by) the ``step`` trigger.
+        target_loss: The loss the run aims for (> 0); required by (and only by) the ``loss`` trigger.
+    """
+
+    def __init__(self, mode: str, total_steps: int | None = None, target_loss: float | None = None) -> None:
+        call = f"PrecisionSchedule(mode={mode!r})"
+        low_dtype, trigger, ratio = parse_mode(call, mode)
+        call = f"PrecisionSchedule({mode!r}, total_steps={total_steps!r}, target_loss={target_loss!r})"
+        switch_at_step = switch_below_loss = None
+        if trigger == "step":
+            if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+                raise ValueError(f"{call}: the 'step' trigger keeps low precision while step < total_steps * ratio, "
+                                 f"so total_steps must be an integer >= 1; got {total_steps!r}.")
+            if target_loss is not None:
+                raise ValueError(f"{call}: target_loss is only used by the 'loss' trigger; this mode switches on "
+                                 f"the step. Leave target_loss out, or use a 'loss' mode such as 'fast|loss|1.05'.")
+            switch_at_step = math.ceil(total_steps * ratio)
+        else:
+            if (isinstance(target_loss, bool) or not isinstance(target_loss, (int, float))
+                    or not math.isfinite(target_loss) or target_loss <= 0):
+                raise ValueError(f"{call}: the 'loss' trigger keeps low precision until a loss <= target_loss * "
+                                 f"ratio, so target_loss must be a finite number > 0; got {target_loss!r}.")
+            if total_steps is not None:
+                raise ValueError(f"{call}: total_steps is only used by the 'step' trigger; this mode switches on "
+                                 f"the loss. Leave total_steps out, or use a 'step' mode such as 'fast|step|0.9'.")
+            switch_below_loss = float(ratio * Fraction(target_loss))
+        self.config = ScheduleConfig(mode, low_dtype, trigger, float(ratio), total_steps,
+                                     None if target_loss is None else float(target_loss),
+                                     switch_at_step, switch_below_loss)
+        self._state = ScheduleState()
+
+    # --- what users read -----------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def state(self) -> ScheduleState:
+        return self._state
+
+    @property
+    def step(self) -> int:
+        """The next step to run (= steps completed so far)."""
+        return self._state.step
+
+    @property
+    def switched(self) -> bool:
+        """True once the run is back in its original precision (for good)."""
+        return self._state.switch_step is not None
+
+    @property
+    def switch_step(self) -> int | None:
+        """Index of the first step run in the original precision, or None before the switch."""
+        return self._state.switch_step
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast dtype now: ``torch.float16``/``torch.bfloat16``, or None after the switch."""
+        return None if self.switched else self.config.low_dtype
+
+    def __repr__(self) -> str:
+        args = [repr(self.config.mode)]
+        args += [f"{k}={getattr(self.config, k)!r}" for k in ("total_steps", "target_loss")
+                 if getattr(self.config, k) is not None]
+        return f"PrecisionSchedule({', '.join(args)})"
+
+    # --- the training-loop calls -------------------------------------------------------------------
+
+    def update(self, step: int | None = None, loss: Any = None) -> None:
+        """Report progress: ``step`` = the next step to run, ``loss`` = the loss of the step just run.
+
+        A loss without a step counts one more completed step. Reads a tensor ``loss`` on the host.
+        """
+        def call() -> str:  # built only for an error: repr of a tensor would read it
+            shown = f"tensor(shape={tuple(loss.shape)})" if isinstance(loss, torch.Tensor) else repr(loss)
+            return f"{self!r}.update(step={step!r}, loss={shown})"
+
+        if step is None and loss is None:
+            raise TypeError(f"{call()}: report step= (the next step to run), loss= (the last step's loss), or both.")
+        if step is not None:
+            if isinstance(step, bool):
+                raise TypeError(f"{call()}: step must be an integer >= 0; got a bool.")
+            try:
+                step = operator.index(step)
+            except TypeError:
+                raise TypeError(f"{call()}: step must be an integer >= 0; got {type(step).__name__}.") from None
+            if step < 0:
+                raise ValueError(f"{call()}: step must be an integer >= 0; got {step!r}.")
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"{call()}: loss must be a number or a one-element tensor; got shape "
+                                 f"{tuple(loss.shape)}.")
+            loss = float(loss.detach())
+        elif loss is not None:
+            if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+                raise TypeError(f"{call()}: loss must be a number or a one-element tensor; got "
+                                f"{type(loss).__name__}.")
+            loss = float(loss)
+        self._state = advance(self.config, self._state, step, loss)
+
+    def autocast(self, device_type: str) -> ContextManager[Any]:
+        """``torch.autocast(device_type, dtype=self.dtype)`` before the switch; a context that does nothing after."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.dtype)
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{'mode': ..., 'step': ..., 'switch_step': ...}``."""
+        return {"mode": self.config.mode, **dataclasses.asdict(self._state)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the mode must match (total_steps/target_loss may change on resume)."""
+        if state_dict.get("mode") != self.config.mode:
+            raise ValueError(f"{self!r}.load_state_dict(...): the checkpoint was saved by a schedule with mode "
+                             f"{state_dict.get('mode')!r}; build the schedule with that mode to resume it.")
+        self._state = ScheduleState(**{f.name: state_dict[f.name] for f in dataclasses.fields(ScheduleState)})
+
+
+def check_attachable(schedule: Any, params: Iterable[torch.Tensor]) -> None:
+    """Refuse a non-schedule, and parameters already in float16/bfloat16 (there is no original precision to
+    return to; Ascend allows the mode only when the model keeps its original precision)."""
+    if not isinstance(schedule, PrecisionSchedule):
+        raise TypeError(f"LossScaleOptimizer(schedule={schedule!r}): schedule must be a lossscale.PrecisionSchedule.")
+    for i, p in enumerate(params):
+        if p.dtype in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"LossScaleOptimizer(schedule={schedule!r}): parameter {i} of the optimizer is already {p.dtype}. "
+                f"The schedule autocasts full-precision parameters to {schedule.config.low_dtype} for the first "
+                f"share of the run and then trains in their original precision, so the parameters must stay in "
+                f"float32 (as Ascend's accelerate_train_mode requires). Keep the model in float32 "
+                f"(model.float()) and let schedule.autocast(...) lower the compute.")

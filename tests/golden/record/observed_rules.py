@@ -14,6 +14,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import patterns as P  # noqa: E402
 
+sys.path.insert(0, P.GOLDEN_DIR)
+import golden_data  # noqa: E402
+
 INF = float("inf")
 
 
@@ -70,8 +73,88 @@ def tf2_dynamic(s, w, m, overflow):
     return before, after
 
 
+def tf1_contrib(cfg, overflow):
+    """TF1 contrib ExponentialUpdateLossScaleManager (float32 variables)."""
+    s = f32(cfg["init_loss_scale"])
+    w = cfg["incr_every_n_steps"]
+    n = cfg.get("decr_every_n_nan_or_inf", 2)
+    up = f32(cfg.get("incr_ratio", 2))
+    down = f32(cfg.get("decr_ratio", 0.8))
+    good = bad = 0
+    before, after = [], []
+    for ov in overflow:
+        before.append(s)
+        if ov:
+            if bad + 1 >= n:                 # bad counts overflows since the last scale change
+                s = max(1.0, f32(s * down))  # floor 1
+                good = bad = 0
+            else:
+                bad += 1
+                good = 0
+        else:
+            if good + 1 >= w:                # grows on the W-th consecutive clean step
+                new = f32(s * up)
+                if not math.isinf(new):      # refuses to grow to inf (keeps S, still resets)
+                    s = new
+                good = bad = 0               # a growth attempt resets bad too
+            else:
+                good += 1                    # a clean step does NOT reset bad
+        after.append(s)
+    return before, after
+
+
+def mindspore_cell(cfg, overflow):
+    """nn.DynamicLossScaleUpdateCell: float32 scale, int32 iteration counters."""
+    s = f32(cfg["loss_scale_value"])
+    f = f32(cfg["scale_factor"])
+    recip = f32(1.0 / f)                     # backoff multiplies by float32 1/f
+    w = cfg["scale_window"]
+    cur, last = 1, 0
+    before, after = [], []
+    for ov in overflow:
+        before.append(s)
+        on_ov = max(f32(s * recip), 1.0) if ov else s
+        should_inc = (cur - last) >= w
+        if ov or should_inc:
+            last = cur
+        s = f32(on_ov * f) if (should_inc and not ov) else on_ov
+        cur += 1
+        after.append(s)
+    return before, after
+
+
+def mindspore_manager(cfg, overflow):
+    """amp.DynamicLossScaleManager: Python floats; raises after 1000 consecutive overflows."""
+    s = cfg["init_loss_scale"]
+    f = cfg["scale_factor"]
+    w = cfg["scale_window"]
+    cur, last, bad = 1, 0, 0
+    before, after, raised = [], [], []
+    for ov in overflow:
+        before.append(float(s))
+        r = False
+        if ov:
+            s = max(s * (1 / f), 1)
+            last = cur
+            bad += 1
+        else:
+            if (cur - last) % w == 0:
+                s *= f
+            bad = 0
+        if bad > 1000:
+            r = True                         # RuntimeError; cur_iter is NOT advanced
+        else:
+            cur += 1
+        after.append(float(s))
+        raised.append(r)
+    return before, after, raised
+
+
 MODELS = {
     "keras": lambda case: keras(case["config"], case["overflow"]),
+    "tf1_contrib": lambda case: tf1_contrib(case["config"], case["overflow"]),
+    "mindspore": lambda case: mindspore_cell(case["config"], case["overflow"]),
+    "mindspore.manager": lambda case: mindspore_manager(case["config"], case["overflow"]),
     "tf_v1": lambda case: tf2_dynamic(case["config"]["initial_loss_scale"],
                                       case["config"]["increment_period"],
                                       case["config"]["multiplier"], case["overflow"]),
@@ -87,17 +170,18 @@ def _same(a, b):
     return a == b
 
 
-def check(peer, path=None):
-    path = path or os.path.join(P.GOLDEN_DIR, peer + ".json")
-    doc = json.load(open(path))
+def check(peer):
+    fname, _, sub = peer.partition(".")
+    doc = golden_data.load(fname, numeric=False)
     model = MODELS[peer]
     bad = 0
-    for case in doc["cases"]:
-        c = dict(case)
-        for k in ("overflow", "scale_before", "scale_after", "update_calls"):
-            if k in c:
-                c[k] = P.expand(c[k])
+    cases = doc[sub + "_cases"] if sub else doc["cases"]
+    for c in cases:
         res = model(c)
+        if "raised" in c and len(res) > 2:
+            if c["raised"] != res[2]:
+                print("  MISMATCH %s/%s in 'raised'" % (peer, c["name"]))
+                bad += 1
         exp_b = c["scale_before"]
         exp_a = c["scale_after"]
         got_b = [P._num(x) for x in res[0]]
@@ -111,7 +195,7 @@ def check(peer, path=None):
         if len(got_a) != len(exp_a):
             print("  LENGTH %s/%s: %d vs %d" % (peer, c["name"], len(got_a), len(exp_a)))
             bad += 1
-    print("%-12s %3d cases, %d mismatching" % (peer, len(doc["cases"]), bad))
+    print("%-18s %3d cases, %d mismatching" % (peer, len(cases), bad))
     return bad
 
 
@@ -119,10 +203,10 @@ def main(argv):
     peers = argv or sorted(MODELS)
     bad = 0
     for peer in peers:
-        if os.path.exists(os.path.join(P.GOLDEN_DIR, peer + ".json")):
+        if os.path.exists(os.path.join(P.GOLDEN_DIR, peer.partition(".")[0] + ".json")):
             bad += check(peer)
         else:
-            print("%-12s (no json)" % peer)
+            print("%-18s (no json)" % peer)
     return 1 if bad else 0
 
 

@@ -11,6 +11,7 @@ import math
 import os
 import platform
 import random
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN_DIR = os.path.dirname(HERE)
@@ -120,23 +121,28 @@ def _rle(values):
     return out
 
 
-def _pack(values):
-    """Plain list, or {"rle": [[value, count], ...]} when that is shorter."""
-    plain = json.dumps(values, separators=(",", ":"))
-    rle = {"rle": _rle(values)}
-    if len(json.dumps(rle, separators=(",", ":"))) < 0.6 * len(plain):
-        return rle
-    return values
+def _size(x):
+    return len(json.dumps(x, separators=(",", ":")))
 
 
-def expand(packed):
-    """Inverse of _pack (the replay test has its own copy of this)."""
-    if isinstance(packed, dict):
-        out = []
-        for v, n in packed["rle"]:
-            out.extend([v] * n)
-        return out
-    return list(packed)
+def _pack(values, chain_after=None):
+    """The shortest of the encodings golden_data.expand() understands."""
+    values = list(values)
+    options = [values, {"rle": _rle(values)}]
+    if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        deltas = [b - a for a, b in zip(values, values[1:])]
+        options.append({"rle_delta": [values[0], _rle(deltas)]})
+    if chain_after is not None and values and list(chain_after[:-1]) == values[1:]:
+        options.append({"chain_from": values[0]})
+    best = min(options, key=_size)
+    assert expand(best, chain_after) == values
+    return best
+
+
+def expand(packed, scale_after=None):
+    sys.path.insert(0, GOLDEN_DIR)
+    import golden_data
+    return golden_data.expand(packed, scale_after)
 
 
 def make_case(name, config, overflow, scale_before, scale_after, **extra):
@@ -150,20 +156,29 @@ def make_case(name, config, overflow, scale_before, scale_after, **extra):
     return case
 
 
+def _pack_case(c):
+    after = c.get("scale_after")
+    for key in ("overflow", "scale_before", "scale_after", "update_calls", "raised"):
+        if key in c and isinstance(c[key], list):
+            c[key] = _pack(c[key], chain_after=after if key == "scale_before" else None)
+    return c
+
+
 def write(peer, framework, version, cases, extra=None, path=None):
     doc = {"peer": peer, "framework": framework, "version": version,
            "python": "%d.%d" % tuple(int(p) for p in platform.python_version_tuple()[:2]),
-           "encoding": "each of overflow/scale_before/scale_after/update_calls is a "
-                       "list, or {\"rle\": [[value, count], ...]} (run-length)",
+           "encoding": "per-call lists are plain lists or compacted; "
+                       "tests/golden/golden_data.py expands them (see README.md)",
            "cases": []}
     for c in cases:
         c = dict(c)
-        for key in ("overflow", "scale_before", "scale_after", "update_calls"):
-            if key in c:
-                c[key] = _pack(c[key])
+        _pack_case(c)
         doc["cases"].append(c)
     if extra:
-        doc.update(extra)
+        for key, val in extra.items():
+            if key.endswith("_cases"):
+                val = [_pack_case(dict(c)) for c in val]
+            doc[key] = val
     if path is None:
         path = os.path.join(GOLDEN_DIR, peer + ".json")
     with open(path, "w") as f:

@@ -99,13 +99,10 @@ def main():
     b, a, raised, msg = run_manager(mcfg, pat)
     first = raised.index(True) if any(raised) else None
     mcases.append(P.make_case("many_overflows-default", mcfg, pat, b, a,
-                              raised=P._pack(raised), raise_message=msg,
+                              raised=raised, raise_message=msg,
                               first_raise_call=first))
     P.write("mindspore", "mindspore", ms.__version__, cases,
-            extra={"manager_cases": [dict(c, overflow=P._pack(c["overflow"]),
-                                          scale_before=P._pack(c["scale_before"]),
-                                          scale_after=P._pack(c["scale_after"]))
-                                     for c in mcases],
+            extra={"manager_cases": mcases,
                    "mode": "PYNATIVE_MODE, CPU"})
 
 

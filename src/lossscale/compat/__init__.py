@@ -1,0 +1,1 @@
+"""Facades: other frameworks' loss-scaling APIs as translation tables onto the lossscale core."""

@@ -1,0 +1,209 @@
+"""One demo run: train the character transformer, measure underflow, checkpoint, resume.
+
+A step is ``accumulation`` micro-batches. Each micro-batch's loss is the mean cross-entropy over its own
+characters; ``LossScaleOptimizer(accumulation_steps=K)`` divides it by K, and under torchrun it is also
+divided by the number of ranks before the gradients are summed over them. So every gradient that the
+backward pass computes is normalized by the character count of the whole global batch, as in language-model
+training: the accumulated gradient has the usual size, but each micro-batch's share (which float16 has to
+hold) is K x ranks times smaller.
+
+Underflow (the ``underflow`` of ``results.json``) is measured, not assumed: at every ``measure_every``-th
+step (and the first and last), right after the first micro-batch's backward pass, the same micro-batch is
+run again in float32 on the same weights (``torch.autograd.grad``, which leaves the run's gradients alone).
+The share of parameter-gradient values that are nonzero in that float32 backward pass but exactly zero in
+the run's own (low-precision, scaled) backward pass is the share that flushed to zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from lossscale import LossScaleOptimizer
+from lossscale import distributed as _dist
+from lossscale.demo.config import DemoConfig
+from lossscale.demo.data import VOCAB, Corpus
+from lossscale.demo.model import CharTransformer
+from lossscale.demo.runs import RunSpec
+from lossscale.metrics import StepLogger
+
+__all__ = ["RunHistory", "train_run", "heldout_loss", "CHECKPOINT_FORMAT"]
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class RunHistory:
+    """What a run has recorded so far (saved in its checkpoints; ``results.json`` is made from it).
+
+    Attributes:
+        rows: One :func:`lossscale.metrics.step_record` per step (with the step's training ``loss``).
+        heldout: ``[step, held-out loss]`` after that many steps.
+        underflow: ``[step, share of gradient values flushed to zero]`` at the measured steps.
+        seconds: Training time so far (evaluation and measurement excluded).
+        switch_step: The step a precision schedule switched back to float32 at, if it did.
+    """
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    heldout: list[list[float]] = field(default_factory=list)
+    underflow: list[list[float]] = field(default_factory=list)
+    seconds: float = 0.0
+    switch_step: int | None = None
+
+
+def learning_rate(cfg: DemoConfig, step: int) -> float:
+    """Linear warm-up over the first 10% of steps, then cosine decay to 10% of ``cfg.lr``."""
+    warmup = max(1, cfg.steps // 10)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return cfg.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def heldout_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: str) -> float:
+    """Mean cross-entropy (nats per character) on the held-out batches, in float32."""
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for x, y in batches:
+        logits = model(x.to(device)).float()
+        total += F.cross_entropy(logits.view(-1, VOCAB), y.to(device).reshape(-1), reduction="sum").double().cpu()
+        count += y.numel()
+    return float(total) / count
+
+
+def _underflow_share(model: torch.nn.Module, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> float:
+    """Share of this micro-batch's float32 gradient values that the run's own backward pass left at exactly 0."""
+    with torch.autocast(x.device.type, enabled=False):
+        reference = F.cross_entropy(model(x).float().view(-1, VOCAB), y.reshape(-1))
+    ref_grads = torch.autograd.grad(reference, params)
+    nonzero = torch.zeros((), dtype=torch.int64, device=x.device)
+    flushed = torch.zeros((), dtype=torch.int64, device=x.device)
+    for p, ref in zip(params, ref_grads):
+        live = ref != 0
+        nonzero += live.sum()
+        if p.grad is None:
+            flushed += live.sum()
+        else:
+            flushed += (live & (p.grad == 0)).sum()
+    return float(flushed) / max(1, int(nonzero))
+
+
+def _save(path: str, payload: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def train_run(
+    spec: RunSpec,
+    cfg: DemoConfig,
+    corpus: Corpus,
+    *,
+    device: str = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+    csv_path: str | None = None,
+    checkpoint_path: str | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    stop_after: int | None = None,
+) -> RunHistory:
+    """Train one run from scratch, or from ``checkpoint_path`` when ``resume`` and it exists.
+
+    Checkpoints (model, optimizer with its loss-scale policy state and schedule, the data position and the
+    history) are written every ``checkpoint_every`` steps and at the end, by rank 0 only. A resumed run
+    repeats the uninterrupted run exactly: batches depend on the step number alone, the model has no
+    dropout, and the optimizer, scale and schedule state are restored bit for bit.
+
+    ``stop_after`` stops (as if killed) once that many steps are done, without a final checkpoint: tests
+    use it to simulate a run killed between two checkpoints.
+    """
+    torch.manual_seed(cfg.seed)
+    model = CharTransformer(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.context).to(device)
+    params = list(model.parameters())
+    inner = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    schedule = spec.make_schedule(cfg.steps)
+    opt = LossScaleOptimizer(inner, policy=spec.policy(), accumulation_steps=cfg.accumulation, schedule=schedule)
+    history = RunHistory()
+    start = 0
+    if resume and checkpoint_path is not None and os.path.exists(checkpoint_path):
+        saved = torch.load(checkpoint_path, map_location=device, weights_only=True)
+        if saved.get("format") != CHECKPOINT_FORMAT or saved.get("run") != spec.name:
+            raise ValueError(f"--resume: {checkpoint_path} is not a checkpoint of run {spec.name!r}; delete it "
+                             f"or point --out elsewhere.")
+        if saved["config"] != cfg.as_dict():
+            diff = [f"{k} {saved['config'].get(k)!r} -> {v!r}" for k, v in cfg.as_dict().items()
+                    if saved["config"].get(k) != v]
+            raise ValueError(f"--resume: {checkpoint_path} was written with other settings ({'; '.join(diff)}); "
+                             f"resume with the same options, or start afresh without --resume.")
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        history = RunHistory(**saved["history"])
+        start = int(saved["step"])
+
+    heldout_batches = corpus.heldout_batches(cfg.context, cfg.eval_tokens, cfg.sequences)
+    logger = StepLogger(csv_path) if rank == 0 else StepLogger()
+    for row in history.rows:  # a resumed run's CSV starts with the rows of the steps already done
+        logger.write(row)
+
+    def checkpoint(done: int) -> None:
+        if checkpoint_path is None or rank != 0:
+            return
+        _save(checkpoint_path, {
+            "format": CHECKPOINT_FORMAT, "run": spec.name, "config": cfg.as_dict(), "step": done,
+            "model": model.state_dict(), "optimizer": opt.state_dict(), "history": dataclasses.asdict(history),
+        })
+
+    try:
+        for step in range(start, cfg.steps):
+            began = time.perf_counter()
+            if schedule is not None:
+                schedule.update(step=step)
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(cfg, step)
+            measure = step % cfg.measure_every == 0 or step == cfg.steps - 1
+            loss_sum = torch.zeros((), device=device)
+            opt.zero_grad()
+            for micro in range(cfg.accumulation):
+                x, y = (t.to(device) for t in corpus.batch(cfg.seed, step, micro, cfg.sequences, cfg.context, rank))
+                with spec.autocast(device, schedule):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
+                opt.backward(loss / world_size)  # / accumulation inside: normalized by the global batch
+                loss_sum += loss.detach()
+                if measure and micro == 0:
+                    paused = time.perf_counter()
+                    history.underflow.append([step, _underflow_share(model, params, x, y)])
+                    began += time.perf_counter() - paused
+                if micro == cfg.accumulation - 1 and world_size > 1:
+                    for p in params:  # the ranks' shares of the global batch, summed
+                        if p.grad is not None:
+                            _dist.all_reduce_sum_(p.grad)
+                result = opt.step()
+            row = logger.log(result, loss=loss_sum / cfg.accumulation)
+            assert row is not None  # the last micro-batch ends the accumulation window
+            history.rows.append(row)
+            if row["switched"]:
+                history.switch_step = step
+            history.seconds += time.perf_counter() - began
+            done = step + 1
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                history.heldout.append([done, heldout_loss(model, heldout_batches, device)])
+            if on_step is not None:
+                on_step(done, row)
+            if stop_after is not None and done >= stop_after and done < cfg.steps:
+                return history
+            if checkpoint_every and (done % checkpoint_every == 0 or done == cfg.steps):
+                checkpoint(done)
+    finally:
+        logger.close()
+    return history

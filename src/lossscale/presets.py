@@ -1,0 +1,351 @@
+"""Every peer's loss-scale rule as a core policy, under the peer's own argument names and defaults.
+
+Each constructor returns a :class:`~lossscale.DynamicScale` whose scale trajectory equals the real
+implementation's, step for step, for every overflow pattern (checked against trajectories recorded
+from the real frameworks in ``tests/golden``). Use it anywhere a policy goes::
+
+    scaler = lossscale.GradScaler(policy=lossscale.presets.deepspeed())
+    opt = lossscale.LossScaleOptimizer(torch.optim.AdamW(params), policy=lossscale.presets.keras())
+
+How the peers differ, and the knobs that express it (W = window, n = bad steps per backoff):
+
+=============  ==========================  =====================  ==============  ===========  ============
+preset         grows on                    bad steps counted      backoff         floor        at the cap
+=============  ==========================  =====================  ==============  ===========  ============
+torch_amp      W-th clean step             every one              S * b (f64)     none         refused
+keras          W-th clean step             every one              S / 2           none         inf (*)
+tf_keras2      W-th clean step             every one              S / 2           1            refused
+tf_v1          W-th clean step             every one              S / m (f32)     1            refused
+mindspore      W-th clean step             every one              S * f32(1/f)    1            inf (*)
+nnabla         (N+2)-th, then every N+1    every attempt, retry   S / f (f64)     none         none (*)
+deepspeed      W-th clean step             delayed_shift, no      S / f (f64)     min_scale,   none (*)
+                                           refill after backoff                   may raise
+megatron       W-th clean step             hysteresis, cumulative S * b (f32)     min_scale    inf (*)
+                                           no refill
+paddle         W-th clean step             n consecutive          S * b (f32)     1            refused
+ascend         W-th clean step             n cumulative (a clean  S * d (f32)     1            refused when
+                                           step keeps the count)                               S >= 3.4e38/r
+=============  ==========================  =====================  ==============  ===========  ============
+
+(*) Where a peer breaks, ours reproduces every decision up to that point and then stays finite,
+positive and normal: a scale the peer would grow to float32 inf (Keras 3, MindSpore's cell,
+Megatron) or past float32's range in Python floats (nnabla, DeepSpeed, MindSpore's manager) is
+refused instead (it stays at the largest power of the factor below the cap), and a scale the peer
+halves into float32 subnormals and zero (Keras 3, torch, nnabla) stops at the floor 2**-126.
+Peers that keep the scale in Python float64 (nnabla, DeepSpeed, MindSpore's manager) are matched
+exactly for power-of-two factors; with other factors ours rounds to float32 at every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from lossscale._validate import check_choice, check_factor_above_one, check_int_at_least, check_scale
+from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, DynamicScale
+
+__all__ = [
+    "torch_amp",
+    "keras",
+    "tf_keras2",
+    "tf_v1",
+    "mindspore",
+    "nnabla",
+    "deepspeed",
+    "megatron",
+    "paddle",
+    "ascend",
+    "PRESETS",
+]
+
+#: Ascend's growth test: the scale grows only while ``S < ASCEND_LIMIT / incr_ratio``.
+ASCEND_LIMIT = 3.4e38
+
+
+def build_as(call: str, preset: Callable[..., DynamicScale], *args: Any, **kwargs: Any) -> DynamicScale:
+    """``preset(*args, **kwargs)``, its validation errors naming ``call`` (a facade with the same arguments)."""
+    try:
+        return preset(*args, **kwargs)
+    except ValueError as err:
+        raise ValueError(str(err).replace(f"presets.{preset.__name__}(", f"{call}(", 1)) from None
+
+
+def _scale(call: str, name: str, value: Any, floor: float = SMALLEST_NORMAL_FLOAT32) -> None:
+    check_scale(call, name, value, low=floor, high=FLOAT32_MAX)
+
+
+def _fraction(call: str, name: str, value: Any, why: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value < 1.0):
+        raise ValueError(f"{call}({name}={value!r}): {name} must be in (0, 1) ({why}); got {value!r}.")
+
+
+def torch_amp(init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+              growth_interval: int = 2000) -> DynamicScale:
+    """``torch.amp.GradScaler``: grow on the ``growth_interval``-th clean step, ``S * backoff`` in float64.
+
+    Rule: overflow -> ``S *= backoff_factor``, count = 0; clean -> count += 1, and at
+    ``growth_interval``: ``S *= growth_factor`` unless that is inf, count = 0. Deviation: torch has
+    no floor and halves into float32 subnormals; ours stops at 2**-126.
+
+    Example:
+        >>> from lossscale import presets
+        >>> presets.torch_amp().growth_interval
+        2000
+    """
+    call = "presets.torch_amp"
+    _scale(call, "init_scale", init_scale)
+    check_factor_above_one(call, "growth_factor", growth_factor, "it multiplies the scale on growth")
+    _fraction(call, "backoff_factor", backoff_factor, "it multiplies the scale on overflow")
+    check_int_at_least(call, "growth_interval", growth_interval, 1)
+    return DynamicScale(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                        growth_interval=growth_interval)
+
+
+def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> DynamicScale:
+    """Keras 3 ``LossScaleOptimizer``: factor 2, no floor, no cap.
+
+    Rule: overflow -> ``S = S / 2``, count = 0; clean -> if count == W - 1: ``S = S * 2``, count = 0,
+    else count += 1 (float32 ops). Deviations: Keras grows into float32 inf and stays there, and halves
+    into subnormals and 0 after about 160 overflows in a row; ours refuses the growth to inf and stops
+    at 2**-126.
+
+    Example:
+        >>> from lossscale import presets
+        >>> presets.keras(dynamic_growth_steps=3).growth_interval
+        3
+    """
+    call = "presets.keras"
+    _scale(call, "initial_scale", initial_scale)
+    check_int_at_least(call, "dynamic_growth_steps", dynamic_growth_steps, 1)
+    return DynamicScale(init_scale=initial_scale, growth_factor=2.0, backoff_divisor=2.0,
+                        growth_interval=dynamic_growth_steps, arithmetic="float32")
+
+
+def tf_keras2(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> DynamicScale:
+    """Keras 2 (``tf_keras`` / TF <= 2.15) ``mixed_precision.LossScaleOptimizer``: floor 1, no inf.
+
+    Rule: overflow -> ``S = max(S / 2, 1)``, count = 0; clean -> count + 1 >= W: ``S * 2`` if finite
+    (else unchanged), count = 0; else count += 1 (float32 ops).
+
+    Example:
+        >>> from lossscale import presets
+        >>> presets.tf_keras2().min_scale
+        1.0
+    """
+    call = "presets.tf_keras2"
+    _scale(call, "initial_scale", initial_scale, floor=1.0)
+    check_int_at_least(call, "dynamic_growth_steps", dynamic_growth_steps, 1)
+    return DynamicScale(init_scale=initial_scale, growth_factor=2.0, backoff_divisor=2.0,
+                        growth_interval=dynamic_growth_steps, min_scale=1.0, arithmetic="float32")
+
+
+def tf_v1(initial_loss_scale: float = 2.0**15, increment_period: int = 2000,
+          multiplier: float = 2.0) -> DynamicScale:
+    """``tf.compat.v1.mixed_precision.DynamicLossScale`` (TF 2.x): divides by the multiplier, floor 1.
+
+    Rule: overflow -> ``S = max(S / multiplier, 1)``, count = 0; clean -> count + 1 >= period:
+    ``S * multiplier`` if finite, count = 0; else count += 1 (float32 ops).
+
+    Example:
+        >>> from lossscale import presets
+        >>> presets.tf_v1(multiplier=3.0).backoff_divisor
+        3.0
+    """
+    call = "presets.tf_v1"
+    _scale(call, "initial_loss_scale", initial_loss_scale, floor=1.0)
+    check_int_at_least(call, "increment_period", increment_period, 1)
+    check_factor_above_one(call, "multiplier", multiplier, "the scale is multiplied and divided by it")
+    return DynamicScale(init_scale=initial_loss_scale, growth_factor=multiplier, backoff_divisor=multiplier,
+                        growth_interval=increment_period, min_scale=1.0, arithmetic="float32")
+
+
+def mindspore(init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_window: int = 2000) -> DynamicScale:
+    """MindSpore ``nn.DynamicLossScaleUpdateCell`` (defaults of ``DynamicLossScaleManager``).
+
+    Rule (float32 tensors; ``cur_iter`` starts at 1, ``last_overflow_iter`` at 0)::
+
+        overflow: S = max(S * reciprocal(f), 1); last_overflow_iter = cur_iter
+        clean:    if cur_iter - last_overflow_iter >= W: S = S * f; last_overflow_iter = cur_iter
+        cur_iter += 1
+
+    that is, growth on the W-th clean step in a row. Deviation: the cell grows into float32 inf and
+    stays there (``max(inf / f, 1)`` is inf); ours refuses that growth.
+
+    Example:
+        >>> from lossscale import presets
+        >>> presets.mindspore(scale_factor=4).backoff_factor
+        0.25
+    """
+    call = "presets.mindspore"
+    _scale(call, "init_loss_scale", init_loss_scale, floor=1.0)
+    check_factor_above_one(call, "scale_factor", scale_factor, "the scale is multiplied and divided by it")
+    check_int_at_least(call, "scale_window", scale_window, 1)
+    return DynamicScale(init_scale=init_loss_scale, growth_factor=float(scale_factor),
+                        backoff_factor=1.0 / scale_factor, growth_interval=scale_window, min_scale=1.0,
+                        arithmetic="float32")
+
+
+def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000) -> DynamicScale:  # noqa: N803
+    """nnabla ``DynamicLossScalingUpdater``, one forward/backward attempt per ``update``.
+
+    Rule (Python floats; ``counter`` starts at 0)::
+
+        overflow: S /= scaling_factor; counter = 0          (and the updater re-runs the step)
+        clean:    if counter > N: S *= scaling_factor; counter = 0
+                  counter += 1
+
+    so the first growth after the start or an overflow comes on the (N+2)-th clean attempt and later
+    ones every N+1: ``growth_interval=N+1, growth_delay=1``. The re-run (up to 100 retries per
+    ``update()``) belongs to :class:`lossscale.compat.nnabla.DynamicLossScalingUpdater`. Deviations:
+    nnabla's float64 scale grows past float32's range (every scaled gradient is then inf) and halves
+    towards 0 (then divides by zero); ours refuses the growth and stops at 2**-126.
+
+    Example:
+        >>> from lossscale import presets
+        >>> p = presets.nnabla(N=3)
+        >>> (p.growth_interval, p.growth_delay)
+        (4, 1)
+    """
+    call = "presets.nnabla"
+    _scale(call, "scale", scale)
+    check_factor_above_one(call, "scaling_factor", scaling_factor, "the scale is multiplied and divided by it")
+    check_int_at_least(call, "N", N, 0)
+    return DynamicScale(init_scale=scale, growth_factor=scaling_factor, backoff_divisor=scaling_factor,
+                        growth_interval=N + 1, growth_delay=1)
+
+
+def deepspeed(init_scale: float = 2.0**16, scale_factor: float = 2.0, scale_window: int = 1000,
+              min_scale: float = 1.0, delayed_shift: int = 2, consecutive_hysteresis: bool = False,
+              raise_error_at_min_scale: bool = True) -> DynamicScale:
+    """DeepSpeed's ZeRO ``DynamicLossScaler`` (``initial_scale_power`` 16, window 1000, hysteresis 2).
+
+    Rule (Python floats; ``cur_iter`` starts at 0, ``last_overflow_iter`` at -1, ``h = delayed_shift``)::
+
+        overflow: if delayed_shift == 1 or h == 1:
+                      raise if S == min_scale and raise_error_at_min_scale
+                      S = max(S / scale_factor, min_scale)
+                  else: h -= 1
+                  last_overflow_iter = cur_iter
+        clean:    if consecutive_hysteresis: h = delayed_shift
+                  if (cur_iter - last_overflow_iter) % W == 0:
+                      if not consecutive_hysteresis: h = delayed_shift
+                      S *= scale_factor
+        cur_iter += 1
+
+    ``h`` is not refilled by a backoff, so once it reaches 1 every overflow backs off until a growth
+    (or, with ``consecutive_hysteresis``, a clean step) refills it. Raising at the floor is
+    ``at_floor="raise"``: the optimizers raise :class:`~lossscale.FloorError`. Deviation: DeepSpeed's
+    float64 scale has no cap; ours refuses growth past float32's range.
+
+    Example:
+        >>> from lossscale import presets
+        >>> p = presets.deepspeed()
+        >>> (p.hysteresis, p.hysteresis_mode, p.refill_after_backoff, p.at_floor)
+        (2, 'cumulative', False, 'raise')
+    """
+    call = "presets.deepspeed"
+    _scale(call, "min_scale", min_scale)
+    _scale(call, "init_scale", init_scale, floor=min_scale)
+    check_factor_above_one(call, "scale_factor", scale_factor, "the scale is multiplied and divided by it")
+    check_int_at_least(call, "scale_window", scale_window, 1)
+    check_int_at_least(call, "delayed_shift", delayed_shift, 1)
+    check_choice(call, "consecutive_hysteresis", consecutive_hysteresis, (True, False))
+    check_choice(call, "raise_error_at_min_scale", raise_error_at_min_scale, (True, False))
+    return DynamicScale(init_scale=init_scale, growth_factor=scale_factor, backoff_divisor=scale_factor,
+                        growth_interval=scale_window, hysteresis=delayed_shift,
+                        hysteresis_mode="consecutive" if consecutive_hysteresis else "cumulative",
+                        refill_after_backoff=False, min_scale=min_scale,
+                        at_floor="raise" if raise_error_at_min_scale else "skip")
+
+
+def megatron(initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_factor: float = 2.0,
+             backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2) -> DynamicScale:
+    """Megatron-core ``DynamicGradScaler`` (defaults of its optimizer config).
+
+    Rule (float32 tensors)::
+
+        overflow: growth_tracker = 0; h -= 1
+                  if h <= 0: S = max(S * backoff_factor, min_scale)     # h is not refilled
+        clean:    growth_tracker += 1
+                  if growth_tracker == growth_interval:
+                      growth_tracker = 0; h = hysteresis; S = S * growth_factor
+
+    Deviation: Megatron grows into float32 inf; ours refuses that growth.
+
+    Example:
+        >>> from lossscale import presets
+        >>> presets.megatron().hysteresis_mode
+        'cumulative'
+    """
+    call = "presets.megatron"
+    _scale(call, "min_scale", min_scale)
+    _scale(call, "initial_scale", initial_scale, floor=min_scale)
+    check_factor_above_one(call, "growth_factor", growth_factor, "it multiplies the scale on growth")
+    _fraction(call, "backoff_factor", backoff_factor, "it multiplies the scale on a backoff")
+    check_int_at_least(call, "growth_interval", growth_interval, 1)
+    check_int_at_least(call, "hysteresis", hysteresis, 1)
+    return DynamicScale(init_scale=initial_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                        growth_interval=growth_interval, hysteresis=hysteresis, hysteresis_mode="cumulative",
+                        refill_after_backoff=False, min_scale=min_scale, arithmetic="float32")
+
+
+def paddle(init_loss_scaling: float = 2.0**16, incr_ratio: float = 2.0, decr_ratio: float = 0.5,
+           incr_every_n_steps: int = 2000, decr_every_n_nan_or_inf: int = 1) -> DynamicScale:
+    """PaddlePaddle's dygraph ``paddle.amp.GradScaler`` (its ``update_loss_scaling`` rule).
+
+    Rule (float32)::
+
+        overflow: good = 0; bad += 1
+                  if bad == decr_every_n_nan_or_inf: S = max(S * decr_ratio, 1); bad = 0
+        clean:    bad = 0; good += 1
+                  if good == incr_every_n_steps: S = S * incr_ratio if finite; good = 0
+
+    Example:
+        >>> from lossscale import presets
+        >>> presets.paddle(decr_every_n_nan_or_inf=2).hysteresis
+        2
+    """
+    call = "presets.paddle"
+    _scale(call, "init_loss_scaling", init_loss_scaling, floor=1.0)
+    check_factor_above_one(call, "incr_ratio", incr_ratio, "it multiplies the scale on growth")
+    _fraction(call, "decr_ratio", decr_ratio, "it multiplies the scale on a backoff")
+    check_int_at_least(call, "incr_every_n_steps", incr_every_n_steps, 1)
+    check_int_at_least(call, "decr_every_n_nan_or_inf", decr_every_n_nan_or_inf, 1)
+    return DynamicScale(init_scale=init_loss_scaling, growth_factor=incr_ratio, backoff_factor=decr_ratio,
+                        growth_interval=incr_every_n_steps, hysteresis=decr_every_n_nan_or_inf,
+                        hysteresis_mode="consecutive", min_scale=1.0, arithmetic="float32")
+
+
+def ascend(init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_inf: int = 2,
+           incr_ratio: float = 2, decr_ratio: float = 0.8) -> DynamicScale:
+    """Ascend's ``ExponentialUpdateLossScaleManager`` (npu_bridge), TF1 contrib's manager reproduced.
+
+    Rule (float32 variables; ``good`` and ``bad`` start at 0)::
+
+        overflow: if bad + 1 >= decr_every_n_nan_or_inf: S = max(1, S * decr_ratio); good = bad = 0
+                  else: bad += 1; good = 0                 # a clean step does not reset bad
+        clean:    if good + 1 >= incr_every_n_steps:
+                      if S < 3.4e38 / incr_ratio: S = S * incr_ratio   # TF1 contrib: if finite
+                      good = bad = 0
+                  else: good += 1
+
+    Example:
+        >>> from lossscale import presets
+        >>> p = presets.ascend(2.0**32, 1000)
+        >>> (p.hysteresis, p.hysteresis_mode, p.min_scale, p.arithmetic)
+        (2, 'cumulative', 1.0, 'float32')
+    """
+    call = "presets.ascend"
+    _scale(call, "init_loss_scale", init_loss_scale, floor=1.0)
+    check_int_at_least(call, "incr_every_n_steps", incr_every_n_steps, 1)
+    check_int_at_least(call, "decr_every_n_nan_or_inf", decr_every_n_nan_or_inf, 1)
+    check_factor_above_one(call, "incr_ratio", incr_ratio, "it multiplies the scale on growth")
+    _fraction(call, "decr_ratio", decr_ratio, "it multiplies the scale on a backoff")
+    return DynamicScale(init_scale=init_loss_scale, growth_factor=float(incr_ratio), backoff_factor=decr_ratio,
+                        growth_interval=incr_every_n_steps, hysteresis=decr_every_n_nan_or_inf,
+                        hysteresis_mode="cumulative", min_scale=1.0, max_scale=ASCEND_LIMIT,
+                        growth_guard="operand", arithmetic="float32")
+
+
+#: Every preset by name (the peers of ``tests/golden``).
+PRESETS = {f.__name__: f for f in (torch_amp, keras, tf_keras2, tf_v1, mindspore, nnabla, deepspeed, megatron,
+                                   paddle, ascend)}

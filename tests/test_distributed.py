@@ -1,0 +1,246 @@
+"""Every rank takes the same decision: real gloo processes (loopback), DDP, FSDP2, accumulation, checkpoints.
+
+The ``distributed`` tests run scenarios of ``tests/_dist_workers.py`` on two spawned ranks (started once
+for the module) and compare what the ranks return; the rest checks the helpers in one process.
+"""
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist_workers import CKPT_INJECT, DDP_SKIPPED, FSDP_INJECT_STEP, SCALER_INJECT, RankPool
+from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
+from lossscale import distributed as ld
+from lossscale.clip import clip_per_tensor_, global_norm_squared
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    pool = RankPool(world_size=2)
+    yield pool
+    pool.close()
+
+
+def same_everywhere(results, key):
+    values = [r[key] for r in results]
+    if isinstance(values[0], torch.Tensor):
+        assert all(torch.equal(values[0], v) for v in values[1:]), f"{key} differs across ranks"
+    else:
+        assert all(v == values[0] for v in values[1:]), f"{key} differs across ranks: {values}"
+    return values[0]
+
+
+# --- multi-process ---------------------------------------------------------------------------------
+
+@pytest.mark.distributed
+def test_helpers_on_two_ranks(ranks):
+    results = ranks.run("helpers")
+    for rank, out in enumerate(results):
+        assert out["init_again"] == (rank, 2)
+        assert out["main"] is (rank == 0)
+        assert out["active"] is True
+        assert out["found"] == [1.0, 0.0, 1.0]  # local counts (0, 2), (0, 0), (3, 1): a 0/1 flag everywhere
+        assert out["found_alone"] == [1.0, 0.0][rank]  # a one-rank group: clamped, not reduced
+        assert out["reduced_len"] == 3
+        a, b, c = out["sums"]
+        assert a == [[3.0] * 3] * 2
+        assert b == (torch.arange(6, dtype=torch.float64).reshape(2, 3).t() * 3).tolist()
+        assert c == [3.0]
+        assert out["average"] == [1.5]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("opt_name,unscale_first", [("fused_adamw", False), ("fused_adamw", True), ("sgd", False)])
+def test_scaler_without_ddp_skips_on_every_rank_when_one_overflows(ranks, opt_name, unscale_first):
+    results = ranks.run("scaler_plain", opt_name, unscale_first)
+    stepped = same_everywhere(results, "stepped")
+    scales = same_everywhere(results, "scales")
+    same_everywhere(results, "params")
+    assert stepped == [s not in SCALER_INJECT for s in range(8)]
+    assert scales == [1024.0, 1024.0, 512.0, 512.0, 512.0, 256.0, 128.0, 128.0]
+    for out in results:
+        assert out["all_reduces"] == [1] * 8  # one small all-reduce per step
+        # no host read with a fused optimizer; the non-fused step pays torch's one read of found_inf
+        assert out["host_reads"] == [0 if opt_name.startswith("fused") else 1] * 8
+
+
+DDP_CASES = [("fused_adamw", "auto", "norm"), ("sgd", "host", None), ("adam", "masked", "value"),
+             ("adamw", "host", "per_param")]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("opt_name,skip_mode,clip", DDP_CASES)
+def test_ddp_ranks_stay_bit_identical_through_rank_local_overflows(ranks, opt_name, skip_mode, clip):
+    results = ranks.run("lso_ddp", opt_name, skip_mode, clip, True)
+    stepped = same_everywhere(results, "stepped")
+    scales = same_everywhere(results, "scales")
+    same_everywhere(results, "params")
+    assert stepped == [s not in DDP_SKIPPED for s in range(20)]
+    assert len(set(scales)) > 2  # grew and backed off
+    for out in results:
+        assert out["all_reduces"] == [1] * 20
+        if out["skip_mode"] == "fused":
+            assert out["host_reads"] == [0] * 20
+
+
+@pytest.mark.distributed
+def test_ddp_control_without_the_reduction_the_replicas_fork(ranks):
+    # found_inf reduced over a one-rank group: each rank decides alone, and the replicas diverge.
+    results = ranks.run("lso_ddp", "fused_adamw", "auto", "norm", False)
+    assert results[0]["stepped"] != results[1]["stepped"]
+    assert not torch.equal(results[0]["params"], results[1]["params"])
+    assert results[0]["all_reduces"] == [0] * 20
+
+
+@pytest.mark.distributed
+def test_accumulation_on_two_ranks_equals_one_process_on_the_concatenated_batch(ranks):
+    results = ranks.run("accumulation")
+    same_everywhere(results, "params")
+    for out in results:
+        assert out["stepped"] == out["ref_stepped"] == [b != 2 for b in range(6)]
+        assert out["scales"] == out["ref_scales"]
+        assert out["micro_all_reduces"] == [0] * 6  # nothing is reduced inside a window
+        assert out["boundary_all_reduces"] == [1] * 6
+        finite = [(n, r) for n, r in zip(out["norms"], out["ref_norms"]) if math.isfinite(r)]
+        assert max(r for _, r in finite) > 0.3  # clipping engaged
+        for n, r in finite:
+            assert n == pytest.approx(r, rel=1e-5)
+        torch.testing.assert_close(out["params"], out["ref_params"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["lso_fused", "lso_host", "lso_saturation", "lso_per_param", "scaler_fused"])
+def test_fsdp2_every_rank_skips_and_clips_by_the_global_norm(ranks, kind):
+    results = ranks.run("fsdp2", kind)
+    same_everywhere(results, "params")
+    for rank, out in enumerate(results):
+        assert out["dtensor_grads"] is True
+        assert out["local_rows"] == [[8, 8, 2, 2], [8, 8, 1, 1]][rank]  # shards, uneven in the last layer
+        assert out["stepped"] == out["ref_stepped"] == [s != FSDP_INJECT_STEP for s in range(6)]
+        if kind in ("lso_fused", "lso_saturation"):
+            assert out["skip_mode"] == "fused"
+            assert out["host_reads"] == [0] * 6
+        if kind != "lso_per_param":
+            finite = [(n, r) for n, r in zip(out["norms"], out["ref_norms"]) if math.isfinite(r)]
+            assert len(finite) >= 5 and max(r for _, r in finite) > 0.3  # clipping engaged
+            for n, r in finite:
+                assert n == pytest.approx(r, rel=1e-5)  # a rank's own shard would give about 1/sqrt(2) of it
+        torch.testing.assert_close(out["params"], out["ref_params"], rtol=1e-5, atol=1e-6)
+    local = [sum(out["local_sq_norms"]) for out in results]
+    assert all(v > 0 for v in local)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["lso", "scaler"])
+def test_checkpoint_saved_on_rank0_and_loaded_everywhere_resumes_the_same_trajectory(ranks, kind, tmp_path):
+    results = ranks.run("checkpoint", kind, str(tmp_path / "ckpt.pt"))
+    same_everywhere(results, "resumed_params")
+    straight = same_everywhere(results, "straight")
+    for out in results:
+        assert out["policy_states_agree"] is True
+        assert out["resumed"] == out["straight"]
+        assert torch.equal(out["resumed_params"], out["straight_params"])
+    assert straight[max(CKPT_INJECT)] < straight[max(CKPT_INJECT) - 1]  # an overflow after the resume backed off
+    assert len(set(straight)) > 2
+
+
+def example_script() -> str:
+    text = DOCS.read_text()
+    match = re.search(r"<!-- example: train_ddp\.py -->\s*```python\n(.*?)```", text, re.S)
+    assert match, f"{DOCS} has no python block after '<!-- example: train_ddp.py -->'"
+    return match.group(1)
+
+
+@pytest.mark.distributed
+def test_docs_example_runs_under_torchrun(tmp_path):
+    script = tmp_path / "train_ddp.py"
+    script.write_text(example_script())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("loss ")]
+    assert len(lines) == 1, proc.stdout  # printed by rank 0 only
+
+
+# --- one process -----------------------------------------------------------------------------------
+
+def test_outside_torch_distributed_the_helpers_are_local():
+    assert not dist.is_initialized()
+    assert ld.active() is False
+    assert ld.is_main_process() is True
+    found = torch.tensor(3.0)
+    assert ld.reduce_found_inf(found) is found and float(found) == 1.0  # still a 0/1 flag
+    g = torch.ones(3)
+    assert ld.all_reduce_grads_([None, g]) == [g] and torch.equal(g, torch.ones(3))
+    assert ld.local_shard(g) is g and ld.is_shard(g) is False
+
+
+def test_all_reduce_grads_refuses_sparse_gradients():
+    sparse = torch.eye(2).to_sparse()
+    with pytest.raises(TypeError, match=r"all_reduce_grads_\(grads=\[\.\.\., sparse of shape \(2, 2\).*dense plain"):
+        ld.all_reduce_grads_([torch.ones(2), sparse])
+
+
+def test_init_from_env_alone_is_a_single_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert ld.init_from_env() == (0, 1)
+    assert not dist.is_initialized()
+    ld.shutdown()  # nothing to destroy: a no-op
+
+
+def test_init_from_env_names_the_missing_torchrun_variables(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RuntimeError, match=r"init_from_env\(backend='gloo'\).*MASTER_ADDR, MASTER_PORT are missing"):
+        ld.init_from_env()
+    assert not dist.is_initialized()
+
+
+def test_fused_kernels_skip_when_several_checks_fire():
+    # Fused optimizers skip only where found_inf == 1.0; two checks that both fire must not make it 2.
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = LossScaleOptimizer(torch.optim.AdamW([p], fused=True), DynamicScale(init_scale=8.0),
+                             overflow_mode="saturation", clip_grad_norm=1.0)
+    opt.backward((p * torch.tensor([1.0, 2.0, 3.0, float("inf")])).sum())  # saturated and non-finite
+    assert opt.skip_mode == "fused" and not bool(opt.step().stepped)
+    assert torch.equal(p.detach(), torch.ones(4))
+
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))  # two dtype groups, both overflowing
+    fused = torch.optim.AdamW([a, b], fused=True)
+    scaler = GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    a.grad = torch.full((3,), float("inf"))
+    b.grad = torch.full((3,), float("nan"), dtype=torch.float16)
+    assert not bool(scaler.step(fused).stepped)
+    assert torch.equal(a.detach(), torch.ones(3)) and torch.equal(b.detach(), torch.ones(3, dtype=torch.float16))
+
+
+def test_global_norm_squared_is_torchs_norm_squared():
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen).double(), torch.randn(4, 4, generator=gen).t()]
+    expected = torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in grads])) ** 2
+    for sharded in (None, False, True):  # outside torch.distributed a "shard" is the whole tensor
+        got = global_norm_squared(grads, sharded=sharded)
+        assert got.dtype == torch.float32 and got.shape == ()
+        assert float(got) == pytest.approx(float(expected), rel=1e-6)
+    assert float(global_norm_squared([])) == 0.0
+
+
+def test_clip_per_tensor_keeps_the_order_over_mixed_dtypes():
+    grads = [torch.full((4,), 3.0), torch.full((2,), 0.1, dtype=torch.float64), torch.full((9,), 1.0)]
+    clip_per_tensor_(grads, 1.0)
+    assert [float(g.norm()) for g in grads] == pytest.approx([1.0, 0.1 * math.sqrt(2), 1.0])
