@@ -1,8 +1,9 @@
-"""Real gloo ranks for tests/test_distributed.py: a pool of spawned processes that run named scenarios.
+"""Real gloo ranks for tests/test_distributed.py: a pool of rank processes that run named scenarios.
 
-Importing torch costs seconds per process, so the ranks are started once per test module and run
-one scenario per test. A scenario is a function ``(rank, world_size, *args) -> picklable`` run on
-every rank at once; the parent compares what the ranks return. A rank that raises sends its
+Importing torch costs seconds per process, so the ranks are started once per test module (forked
+from a fork server that imported torch once, not from the pytest process) and run one scenario per
+test. A scenario is a function ``(rank, world_size, *args) -> picklable`` run on every rank at once;
+the parent compares what the ranks return. A rank that raises sends its
 traceback, the parent fails the test with it and restarts the pool (the other rank may be stuck in
 a collective). The ranks join with ``lossscale.distributed.init_from_env`` on torchrun's variables
 (loopback only) and turn warnings into errors, as pytest does in the parent.
@@ -36,8 +37,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# torch._dynamo: HostReadCounter's first use imports it (about 3 s).
+PRELOAD = ["_dist_workers", "lossscale", "torch._dynamo", "torch.distributed.fsdp", "torch.nn.parallel"]
+
+
 class RankPool:
-    """``world_size`` spawned gloo ranks; ``run(name, *args)`` returns each rank's result, in rank order."""
+    """``world_size`` gloo ranks; ``run(name, *args)`` returns each rank's result, in rank order."""
 
     def __init__(self, world_size: int = 2, timeout_s: float = 90.0) -> None:
         self.world_size = world_size
@@ -45,7 +50,10 @@ class RankPool:
         self._procs: list[Any] = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        # A fork server imports torch (and what the scenarios import) once; the ranks fork from it:
+        # one import instead of one per rank, and no state inherited from the pytest process.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
         port = free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
@@ -351,18 +359,19 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
     reference = copy.deepcopy(model)
     for layer in (model[0], model[2], model):
         fully_shard(layer)
-    opt_name = "adamw" if kind in ("lso_host", "lso_per_param") else "fused_adamw"
+    opt_name = "adamw" if kind in ("lso_host", "lso_per_param", "lso_masked") else "fused_adamw"
     policy = DynamicScale(init_scale=2.0**10, growth_interval=3)
     poison = 1e5 if kind == "lso_saturation" else INF  # finite but saturated once scaled
     lso_args = {"lso_fused": dict(clip_grad_norm=0.3), "lso_host": dict(clip_grad_norm=0.3, skip_mode="host"),
                 "lso_saturation": dict(clip_grad_norm=0.3, overflow_mode="saturation"),
-                "lso_per_param": dict(clip_grad_norm_per_param=0.2)}.get(kind)
+                "lso_per_param": dict(clip_grad_norm_per_param=0.2),
+                "lso_masked": dict(clip_grad_norm=0.3, skip_mode="masked")}.get(kind)
 
     def trainer(module: torch.nn.Module) -> Any:
         inner = OPTIMIZERS[opt_name](module.parameters())
         if lso_args is None:
             return inner, GradScaler("cpu", policy=policy)
-        return LossScaleOptimizer(inner, policy, **lso_args), None
+        return LossScaleOptimizer(inner, policy, module=module, **lso_args), None
 
     opt, scaler = trainer(model)
     ref_opt, ref_scaler = trainer(reference)
@@ -394,6 +403,8 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
                     s.update()
             if module is model:
                 out["host_reads"].append(reads.count)
+                if step == FSDP_INJECT_STEP:  # attribution: the rank that holds the overflowing shard names it
+                    out["overflowing"] = o.overflowing_parameters() if s is None else s.overflowing_parameters(o, model)
             prefix = "" if module is model else "ref_"
             out[prefix + "stepped"].append(bool(stepped))
             if norm is not None:

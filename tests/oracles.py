@@ -39,6 +39,7 @@ class DynamicOracle:
         self.mode, self.refill_after_backoff = hysteresis_mode, refill_after_backoff
         self.min, self.max = min_scale, max_scale
         self.f32_ops, self.guard, self.delay = arithmetic == "float32", growth_guard, growth_delay
+        self.raise_at_floor = at_floor == "raise"
         self.tracker, self.left, self.floor_hits = -growth_delay, hysteresis, 0
 
     def _factor(self, x):
@@ -46,6 +47,9 @@ class DynamicOracle:
 
     def step(self, overflow: bool) -> float:
         if overflow:
+            if self.left - 1 <= 0 and self.scale <= self.min and self.raise_at_floor:
+                self.floor_hits += 1  # this step raises: nothing else changes
+                return self.scale
             self.tracker = -self.delay
             self.left -= 1
             if self.left <= 0:

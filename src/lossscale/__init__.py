@@ -1,7 +1,9 @@
 """lossscale: dynamic loss scaling for PyTorch mixed precision, on one sync-free policy engine."""
 
+from lossscale import presets
 from lossscale.diagnostics import HostReadCounter
 from lossscale.ema import EMA
+from lossscale.metrics import StepLogger
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policy import DynamicScale, FixedScale, FloorError, ScaleState
 from lossscale.predictive import PredictiveScale
@@ -22,6 +24,7 @@ __all__ = [
     "PredictiveScale",
     "ScaleState",
     "ScalerStep",
+    "StepLogger",
 ]
 
 __version__ = "0.1.0"

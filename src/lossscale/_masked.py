@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from lossscale.distributed import local_shard
+
 __all__ = ["MaskedSkip"]
 
 
@@ -34,10 +36,10 @@ class MaskedSkip:
         out: list[torch.Tensor] = []
         for group in optimizer.param_groups:
             for p in group["params"]:
-                out.append(p)
+                out.append(local_shard(p))  # a DTensor (FSDP2) is restored through its local shard
                 for key, value in optimizer.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor):
-                        out.append(value)
+                        out.append(local_shard(value))
                     elif value is not None:
                         raise TypeError(
                             f"LossScaleOptimizer(skip_mode='masked'): {type(optimizer).__name__} keeps state "

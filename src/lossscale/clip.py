@@ -23,18 +23,33 @@ __all__ = ["squared_norms", "global_norm_squared", "global_clip_coefficient", "c
 EPS = 1e-6
 
 
+# Below this many elements a tensor's norm is cheaper in one foreach call than in its own dot call.
+_DOT_MIN_NUMEL = 1 << 16
+
+
 def squared_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-tensor squared L2 norms of the local parts (a DTensor's shard) as a float32 vector.
 
-    One read of every gradient, no write. On CPU, contiguous float32 gradients use ``torch.dot`` (BLAS,
-    about twice the bandwidth of ``torch._foreach_norm`` here); everything else ``torch._foreach_norm``.
+    One read of every gradient, no write. On CPU, large contiguous float32 gradients use ``torch.dot``
+    (BLAS, about twice the bandwidth of ``torch._foreach_norm`` here); small ones and everything else
+    go through one ``torch._foreach_norm`` call (a Python call per tiny tensor would cost more than it reads).
     """
     locals_ = [_dist.local_shard(g) for g in grads]
-    if locals_ and all(g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous() for g in locals_):
-        flat = [g.view(-1) for g in locals_]
-        return torch.stack([torch.dot(f, f) for f in flat])
-    norms = torch._foreach_norm(locals_, 2.0) if locals_ else []
-    return torch.stack([n.float() for n in norms]).square() if norms else torch.zeros(0)
+    if not locals_:
+        return torch.zeros(0)
+    out: list[torch.Tensor | None] = [None] * len(locals_)
+    rest = []
+    for i, g in enumerate(locals_):
+        if g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous() and g.numel() >= _DOT_MIN_NUMEL:
+            flat = g.view(-1)
+            out[i] = torch.dot(flat, flat)
+        else:
+            rest.append(i)
+    if rest:
+        norms = torch._foreach_norm([locals_[i] for i in rest], 2.0)
+        for i, n in zip(rest, norms):
+            out[i] = n.float().square()
+    return torch.stack(out)
 
 
 def _sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -27,8 +27,9 @@ from lossscale.result import StepResult
 
 __all__ = ["COLUMNS", "StepLogger", "step_record"]
 
-#: The columns every row has, in order: StepResult's fields, then the running count of skipped steps.
-COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepResult)) + ("skipped", "skipped_steps")
+#: The columns every row has, in order: ``step``, StepResult's other fields, ``skipped`` and the running count.
+COLUMNS: tuple[str, ...] = ("step",) + tuple(f.name for f in dataclasses.fields(StepResult) if f.name != "step") + (
+    "skipped", "skipped_steps")
 
 
 def step_record(result: StepResult, **extra: Any) -> dict[str, Any]:
@@ -70,7 +71,8 @@ class StepLogger:
     """Writes one row per optimizer step to a CSV file and, if asked, to TensorBoard.
 
     Rows have :data:`COLUMNS` (``step, stepped, found_inf, scale, next_scale, grad_norm, accumulating,
-    precision, switched, underflow, skipped, skipped_steps``) and then the extra names of the first row
+    precision, switched, underflow, skipped, skipped_steps``: ``scale`` is the scale the step's
+    gradients carried, ``skipped_steps`` the count of skipped steps so far) and then the extra names of the first row
     logged, in order. Results of accumulation micro-steps (``accumulating=True``) are not steps and are
     not logged. The CSV is flushed after each row, so a run that dies leaves every row it logged.
 

@@ -435,7 +435,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
         Cost: one read of the gradients and one host read; call it after a skipped step, when asked."""
         names = {id(p): n for n, p in self.module.named_parameters()} if self.module is not None else {}
-        named = ((names.get(id(p), f"param_groups[{i}][{j}]"), p.grad)
+        named = ((names.get(id(p), f"param_groups[{i}][{j}]"), _dist.local_shard(p.grad))
                  for i, g in enumerate(self.inner.param_groups) for j, p in enumerate(g["params"]))
         divided = 1.0 if self._unscaled_by is None else float(self._unscaled_by)
         return overflowing(named, self.overflow_mode, self._threshold, unscaled_by=divided)

@@ -131,7 +131,9 @@ class DynamicScale:
     float32 tensor compute it (TensorFlow, MindSpore, Megatron, Paddle); the two differ for factors
     such as 0.8 that float32 cannot hold exactly.
     ``floor_hits`` counts consecutive overflowing steps that found the scale already at
-    ``min_scale``; with ``at_floor="raise"`` the scalers turn the first one into a :class:`FloorError`.
+    ``min_scale``; with ``at_floor="raise"`` the scalers turn the first one into a :class:`FloorError`,
+    and such a step leaves the scale and the counters as they were (DeepSpeed raises before it
+    touches its state), so a caller that catches the error carries on as if it had not happened.
 
     Cost: about twenty element-wise ops on 0-d tensors; no host read.
 
@@ -263,6 +265,10 @@ class DynamicScale:
             refill = refill | clean
         new_left = torch.where(refill, full, torch.where(bad, spent.clamp_min(0), left))
         new_tracker = torch.where(grow, torch.zeros_like(counted), counted)
+        if self.at_floor == "raise":  # the step that raises changes nothing but floor_hits
+            frozen = backoff & at_floor
+            new_left = torch.where(frozen, left, new_left)
+            new_tracker = torch.where(frozen, tracker, new_tracker)
         floor_hits = torch.where(
             backoff & at_floor, (state.floor_hits + 1).clamp_max(_SATURATE), torch.where(bad, state.floor_hits, 0)
         ).to(torch.int32)

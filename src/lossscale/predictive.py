@@ -91,7 +91,7 @@ class PredictiveScale:
     """
 
     init_scale: float = 2.0**16
-    margin: int = 1
+    margin: int = 2
     history: int = 16
     backoff_factor: float = 0.5
     learn_margin: bool = True

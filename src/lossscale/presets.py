@@ -18,20 +18,20 @@ tf_keras2      W-th clean step             every one              S / 2         
 tf_v1          W-th clean step             every one              S / m (f32)     1            refused
 mindspore      W-th clean step             every one              S * f32(1/f)    1            inf (*)
 nnabla         (N+2)-th, then every N+1    every attempt, retry   S / f (f64)     none         none (*)
-deepspeed      W-th clean step             delayed_shift, no      S / f (f64)     min_scale,   none (*)
+deepspeed      (W+1)-th, then every W      delayed_shift, no      S / f (f64)     min_scale,   none (*)
                                            refill after backoff                   may raise
 megatron       W-th clean step             hysteresis, cumulative S * b (f32)     min_scale    inf (*)
                                            no refill
-paddle         W-th clean step             n consecutive          S * b (f32)     1            refused
+paddle         W-th clean step             n consecutive          S * b (f32)     none         inf (*)
 ascend         W-th clean step             n cumulative (a clean  S * d (f32)     1            refused when
                                            step keeps the count)                               S >= 3.4e38/r
 =============  ==========================  =====================  ==============  ===========  ============
 
 (*) Where a peer breaks, ours reproduces every decision up to that point and then stays finite,
 positive and normal: a scale the peer would grow to float32 inf (Keras 3, MindSpore's cell,
-Megatron) or past float32's range in Python floats (nnabla, DeepSpeed, MindSpore's manager) is
-refused instead (it stays at the largest power of the factor below the cap), and a scale the peer
-halves into float32 subnormals and zero (Keras 3, torch, nnabla) stops at the floor 2**-126.
+Megatron, Paddle) or past float32's range in Python floats (nnabla, DeepSpeed, MindSpore's manager)
+is refused instead (it stays where it was), and a scale the peer halves into float32 subnormals and
+zero (torch, Keras 3, Paddle, nnabla) stops at the floor 2**-126.
 Peers that keep the scale in Python float64 (nnabla, DeepSpeed, MindSpore's manager) are matched
 exactly for power-of-two factors; with other factors ours rounds to float32 at every step.
 """
@@ -226,15 +226,19 @@ def deepspeed(init_scale: float = 2.0**16, scale_factor: float = 2.0, scale_wind
                   else: h -= 1
                   last_overflow_iter = cur_iter
         clean:    if consecutive_hysteresis: h = delayed_shift
-                  if (cur_iter - last_overflow_iter) % W == 0:
+                  stable = cur_iter - last_overflow_iter - 1
+                  if stable > 0 and stable % W == 0:
                       if not consecutive_hysteresis: h = delayed_shift
                       S *= scale_factor
         cur_iter += 1
 
-    ``h`` is not refilled by a backoff, so once it reaches 1 every overflow backs off until a growth
-    (or, with ``consecutive_hysteresis``, a clean step) refills it. Raising at the floor is
-    ``at_floor="raise"``: the optimizers raise :class:`~lossscale.FloorError`. Deviation: DeepSpeed's
-    float64 scale has no cap; ours refuses growth past float32's range.
+    so the first growth after the start or an overflow comes on the (W+1)-th clean step and later ones
+    every W (``growth_delay=1``; DeepSpeed before ``stable_interval`` grew on the W-th). ``h`` is not
+    refilled by a backoff, so once it reaches 1 every overflow backs off until a growth (or, with
+    ``consecutive_hysteresis``, a clean step) refills it. Raising at the floor is ``at_floor="raise"``:
+    the optimizers raise :class:`~lossscale.FloorError`, and the raising step changes no state, as in
+    DeepSpeed. DeepSpeed 0.19 fixes ``scale_factor`` at 2; other values follow the same rule.
+    Deviation: DeepSpeed's float64 scale has no cap; ours refuses growth past float32's range.
 
     Example:
         >>> from lossscale import presets
@@ -253,7 +257,7 @@ def deepspeed(init_scale: float = 2.0**16, scale_factor: float = 2.0, scale_wind
     return DynamicScale(init_scale=init_scale, growth_factor=scale_factor, backoff_divisor=scale_factor,
                         growth_interval=scale_window, hysteresis=delayed_shift,
                         hysteresis_mode="consecutive" if consecutive_hysteresis else "cumulative",
-                        refill_after_backoff=False, min_scale=min_scale,
+                        refill_after_backoff=False, min_scale=min_scale, growth_delay=1,
                         at_floor="raise" if raise_error_at_min_scale else "skip")
 
 
@@ -290,14 +294,19 @@ def megatron(initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_fact
 
 def paddle(init_loss_scaling: float = 2.0**16, incr_ratio: float = 2.0, decr_ratio: float = 0.5,
            incr_every_n_steps: int = 2000, decr_every_n_nan_or_inf: int = 1) -> DynamicScale:
-    """PaddlePaddle's dygraph ``paddle.amp.GradScaler`` (its ``update_loss_scaling`` rule).
+    """PaddlePaddle's dygraph ``paddle.amp.GradScaler`` (Paddle 3.3).
 
-    Rule (float32)::
+    Rule (float32 tensors)::
 
         overflow: good = 0; bad += 1
-                  if bad == decr_every_n_nan_or_inf: S = max(S * decr_ratio, 1); bad = 0
+                  if bad == decr_every_n_nan_or_inf: S = S * decr_ratio; bad = 0
         clean:    bad = 0; good += 1
-                  if good == incr_every_n_steps: S = S * incr_ratio if finite; good = 0
+                  if good == incr_every_n_steps: S = S * incr_ratio; good = 0
+
+    Bad steps count only in a row (a clean step resets them). Observed (tests/golden/paddle.json): no
+    floor (the static-graph ``update_loss_scaling`` op has a floor of 1) and no guard against growing
+    into inf. Deviations: Paddle grows into float32 inf and stays there, and halves into subnormals
+    and 0; ours refuses the growth to inf and stops at 2**-126.
 
     Example:
         >>> from lossscale import presets
@@ -305,14 +314,14 @@ def paddle(init_loss_scaling: float = 2.0**16, incr_ratio: float = 2.0, decr_rat
         2
     """
     call = "presets.paddle"
-    _scale(call, "init_loss_scaling", init_loss_scaling, floor=1.0)
+    _scale(call, "init_loss_scaling", init_loss_scaling)
     check_factor_above_one(call, "incr_ratio", incr_ratio, "it multiplies the scale on growth")
     _fraction(call, "decr_ratio", decr_ratio, "it multiplies the scale on a backoff")
     check_int_at_least(call, "incr_every_n_steps", incr_every_n_steps, 1)
     check_int_at_least(call, "decr_every_n_nan_or_inf", decr_every_n_nan_or_inf, 1)
     return DynamicScale(init_scale=init_loss_scaling, growth_factor=incr_ratio, backoff_factor=decr_ratio,
                         growth_interval=incr_every_n_steps, hysteresis=decr_every_n_nan_or_inf,
-                        hysteresis_mode="consecutive", min_scale=1.0, arithmetic="float32")
+                        hysteresis_mode="consecutive", arithmetic="float32")
 
 
 def ascend(init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_inf: int = 2,

@@ -402,7 +402,7 @@ class GradScaler:
             optimizer, "_step_supports_amp_scaling", False)
         divided = self.get_scale() if (unscaled and self._enabled) else 1.0
         named = (
-            (names.get(id(p), f"param_groups[{i}][{j}]"), p.grad)
+            (names.get(id(p), f"param_groups[{i}][{j}]"), _dist.local_shard(p.grad))
             for i, group in enumerate(optimizer.param_groups)
             for j, p in enumerate(group["params"])
         )

@@ -80,6 +80,11 @@ class _LossScaleManager:
         """The current loss scale: a 0-d float32 tensor (no host read)."""
         return self._state.scale
 
+    @property
+    def scale_state(self) -> ScaleState:
+        """The whole state record (scale and counters)."""
+        return self._state
+
     def update_loss_scale(self, finite_grads: Any) -> None:
         """Advance the rule with one step's ``finite_grads`` (True: no overflow). No host read."""
         self._state = self.policy.update(self._state, _found_inf(finite_grads, self._state.scale.device))

@@ -63,13 +63,13 @@ class Corpus:
         window = self.train[index]
         return window[:, :-1], window[:, 1:]
 
-    def heldout_batches(self, context: int, tokens: int, sequences: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Evenly spaced held-out windows, about ``tokens`` characters in all, in batches of ``sequences``."""
+    def heldout_batches(self, context: int, tokens: int, batch_tokens: int = 8192) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Evenly spaced held-out windows, about ``tokens`` characters in all, in batches of ``batch_tokens``."""
         count = max(1, min(tokens // context, (len(self.heldout) - 1) // context))
         starts = torch.linspace(0, len(self.heldout) - context - 1, count).long()
         index = starts[:, None] + torch.arange(context + 1)
         window = self.heldout[index]
-        return [(w[:, :-1], w[:, 1:]) for w in window.split(sequences)]
+        return [(w[:, :-1], w[:, 1:]) for w in window.split(max(1, batch_tokens // context))]
 
 
 def load_corpus(files: int, seed: int, context: int) -> Corpus:

@@ -31,7 +31,9 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        attended = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
         x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 

@@ -32,9 +32,9 @@ from lossscale.demo.config import DemoConfig
 from lossscale.demo.data import VOCAB, Corpus
 from lossscale.demo.model import CharTransformer
 from lossscale.demo.runs import RunSpec
-from lossscale.metrics import StepLogger
+from lossscale.metrics import StepLogger, step_record
 
-__all__ = ["RunHistory", "train_run", "heldout_loss", "CHECKPOINT_FORMAT"]
+__all__ = ["RunHistory", "train_run", "load_checkpoint", "heldout_loss", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = 1
 
@@ -102,6 +102,23 @@ def _save(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def load_checkpoint(path: str, spec: RunSpec, cfg: DemoConfig, device: str = "cpu") -> dict[str, Any] | None:
+    """The checkpoint of run ``spec`` at ``path`` (None if there is none); a ValueError if it was written by
+    another run or with other settings (it could not continue the same trajectory)."""
+    if not os.path.exists(path):
+        return None
+    saved = torch.load(path, map_location=device, weights_only=True)
+    if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT or saved.get("run") != spec.name:
+        raise ValueError(f"--resume: {path} is not a checkpoint of run {spec.name!r}; delete it or point --out "
+                         f"elsewhere.")
+    if saved["config"] != cfg.as_dict():
+        diff = [f"{k} {saved['config'].get(k)!r} -> {v!r}" for k, v in cfg.as_dict().items()
+                if saved["config"].get(k) != v]
+        raise ValueError(f"--resume: {path} was written with other settings ({'; '.join(diff)}); resume with "
+                         f"the same options, or start afresh without --resume.")
+    return saved
+
+
 def train_run(
     spec: RunSpec,
     cfg: DemoConfig,
@@ -135,22 +152,14 @@ def train_run(
     opt = LossScaleOptimizer(inner, policy=spec.policy(), accumulation_steps=cfg.accumulation, schedule=schedule)
     history = RunHistory()
     start = 0
-    if resume and checkpoint_path is not None and os.path.exists(checkpoint_path):
-        saved = torch.load(checkpoint_path, map_location=device, weights_only=True)
-        if saved.get("format") != CHECKPOINT_FORMAT or saved.get("run") != spec.name:
-            raise ValueError(f"--resume: {checkpoint_path} is not a checkpoint of run {spec.name!r}; delete it "
-                             f"or point --out elsewhere.")
-        if saved["config"] != cfg.as_dict():
-            diff = [f"{k} {saved['config'].get(k)!r} -> {v!r}" for k, v in cfg.as_dict().items()
-                    if saved["config"].get(k) != v]
-            raise ValueError(f"--resume: {checkpoint_path} was written with other settings ({'; '.join(diff)}); "
-                             f"resume with the same options, or start afresh without --resume.")
+    saved = load_checkpoint(checkpoint_path, spec, cfg, device) if resume and checkpoint_path else None
+    if saved is not None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         history = RunHistory(**saved["history"])
         start = int(saved["step"])
 
-    heldout_batches = corpus.heldout_batches(cfg.context, cfg.eval_tokens, cfg.sequences)
+    heldout_batches = corpus.heldout_batches(cfg.context, cfg.eval_tokens)
     logger = StepLogger(csv_path) if rank == 0 else StepLogger()
     for row in history.rows:  # a resumed run's CSV starts with the rows of the steps already done
         logger.write(row)
@@ -189,8 +198,7 @@ def train_run(
                         if p.grad is not None:
                             _dist.all_reduce_sum_(p.grad)
                 result = opt.step()
-            row = logger.log(result, loss=loss_sum / cfg.accumulation)
-            assert row is not None  # the last micro-batch ends the accumulation window
+            row = logger.write(step_record(result, loss=loss_sum / cfg.accumulation))  # one host read
             history.rows.append(row)
             if row["switched"]:
                 history.switch_step = step

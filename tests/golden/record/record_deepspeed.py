@@ -78,17 +78,11 @@ def main():
     # hysteresis 1, 2, 3 x consecutive True/False at window 3
     for h in (1, 2, 3):
         for cons in (False, True):
-            if h == 1 and cons:
-                continue  # identical to h=1 non-consecutive by construction; recorded once below
             label = "w3_h%d_%s" % (h, "cons" if cons else "noncons")
             cfg = cfg_of(scale_window=3, delayed_shift=h, consecutive_hysteresis=cons,
                          raise_error_at_min_scale=False)
             for pname, pat in P.standard_patterns(3):
                 add(cases, "%s-%s" % (pname, label), cfg, pat)
-    cfg = cfg_of(scale_window=3, delayed_shift=1, consecutive_hysteresis=True,
-                 raise_error_at_min_scale=False)
-    for pname, pat in (("bursts", P.bursts(3)), ("random_p0.5", P.random_p05())):
-        add(cases, "%s-w3_h1_cons" % pname, cfg, pat)
     # other windows, hysteresis 1 and 2
     for w in (1, 2, 5):
         for h in (1, 2):

@@ -1,0 +1,276 @@
+"""Keras 3's ``LossScaleOptimizer`` for PyTorch, with the base optimizer arguments Keras refuses on it.
+
+A translation table onto the core :class:`~lossscale.LossScaleOptimizer`; the rule is
+:func:`lossscale.presets.keras`.
+
+==========================================================  ===================================================
+Keras 3                                                      lossscale
+==========================================================  ===================================================
+``LossScaleOptimizer(inner_optimizer, initial_scale=2**15,   ``LossScaleOptimizer(inner, policy=presets.keras(
+dynamic_growth_steps=2000)``                                 initial_scale, dynamic_growth_steps))``; ``inner`` is
+                                                             a torch optimizer
+``scale_loss(loss)``                                         ``loss * dynamic_scale`` (``* loss_scale_factor``)
+``apply(grads, trainable_variables=None)``                   grads (scaled) written to ``.grad``, then ``step()``:
+                                                             skip on inf/NaN, unscale, apply, update the scale
+``apply_gradients(grads_and_vars)``                          ``apply(grads, vars)``
+``dynamic_scale`` (a float32 Variable)                       the 0-d float32 scale tensor (no host read)
+``iterations``                                               0-d int64 tensor: ``apply()`` calls not skipped
+``learning_rate``                                            the inner optimizer's ``lr`` (every param group)
+``weight_decay``                                             ``weight_decay``: ``p -= p * wd * lr`` before applied
+                                                             steps (decoupled, as Keras)
+``clipnorm``                                                 ``clip_grad_norm_per_param`` (``clip_by_norm`` per
+                                                             variable)
+``clipvalue``                                                ``clip_grad_value``
+``global_clipnorm``                                          ``clip_grad_norm`` (torch's rule: ``max / (norm +
+                                                             1e-6)``; Keras divides by the norm alone)
+``use_ema, ema_momentum=0.99``                               ``EMA(ema_momentum)``, advanced on applied steps; the
+                                                             first applied step copies the weights (Keras's
+                                                             momentum 0 at iteration 0)
+``ema_overwrite_frequency``                                  weights overwritten by the average when the applied
+                                                             step count is a multiple of it
+``loss_scale_factor``                                        a static extra factor: ``scale_loss`` multiplies by it,
+                                                             ``apply`` divides the gradients by it
+``gradient_accumulation_steps`` (>= 2)                       ``accumulation_steps``: gradients averaged over that
+                                                             many ``apply()`` calls, one step (or skip) at the end
+``finalize_variable_values(var_list)``                       copies the average into the weights when ``use_ema``
+==========================================================  ===================================================
+
+Keras 3 raises when these base arguments are given to its ``LossScaleOptimizer`` ("set them on the
+inner optimizer"); here they act on the unscaled gradients, after the overflow check, with Keras's
+meaning. With ``gradient_accumulation_steps`` the overflow check covers the whole window (Keras would
+check each call), and the average moves once per applied step (Keras moves it on every call).
+Deviations of the rule: see :func:`lossscale.presets.keras` (no growth into inf, floor 2**-126).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from lossscale import presets
+from lossscale._validate import check_choice, check_int_at_least
+from lossscale.ema import EMA
+from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
+from lossscale.result import StepResult
+
+__all__ = ["LossScaleOptimizer", "BASE_KWARGS"]
+
+#: The base optimizer keyword arguments this facade accepts, with Keras's defaults.
+BASE_KWARGS: dict[str, Any] = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "clipvalue": None,
+    "global_clipnorm": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+_CALL = "LossScaleOptimizer"
+
+
+def _optional_positive(name: str, value: Any, low: float = 0.0, inclusive: bool = False) -> None:
+    if value is None:
+        return
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    if bad or value < low or (value == low and not inclusive):
+        rule = f">= {low:g}" if inclusive else f"> {low:g}"
+        raise ValueError(f"{_CALL}({name}={value!r}): {name} must be None or a finite number {rule}; got {value!r}.")
+
+
+def _validated(kwargs: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(kwargs) - set(BASE_KWARGS))
+    if unknown:
+        raise TypeError(f"{_CALL}({', '.join(f'{k}=...' for k in unknown)}): unexpected keyword argument(s) "
+                        f"{', '.join(unknown)}; the base optimizer arguments are {', '.join(BASE_KWARGS)}.")
+    args = {**BASE_KWARGS, **kwargs}
+    for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
+        _optional_positive(name, args[name])
+    _optional_positive("weight_decay", args["weight_decay"], inclusive=True)
+    clips = [n for n in ("clipnorm", "clipvalue", "global_clipnorm") if args[n] is not None]
+    if len(clips) > 1:
+        raise ValueError(f"{_CALL}({', '.join(f'{n}={args[n]!r}' for n in clips)}): only one of clipnorm, clipvalue "
+                         f"and global_clipnorm can be set; got {len(clips)}.")
+    check_choice(_CALL, "use_ema", args["use_ema"], (True, False))
+    m = args["ema_momentum"]
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
+        raise ValueError(f"{_CALL}(ema_momentum={m!r}): ema_momentum must be in [0, 1); got {m!r}.")
+    if args["ema_overwrite_frequency"] is not None:
+        check_int_at_least(_CALL, "ema_overwrite_frequency", args["ema_overwrite_frequency"], 1)
+    if args["gradient_accumulation_steps"] is not None:
+        check_int_at_least(_CALL, "gradient_accumulation_steps", args["gradient_accumulation_steps"], 2)
+    return args
+
+
+class LossScaleOptimizer:
+    """Keras 3's dynamic loss scaling around a torch optimizer: ``scale_loss``, then ``apply(grads)``.
+
+    Usage, as in a Keras custom training step::
+
+        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), global_clipnorm=1.0)
+        loss = loss_fn(model(x), y)
+        grads = torch.autograd.grad(opt.scale_loss(loss), list(model.parameters()))
+        opt.apply(grads)                     # or opt.apply_gradients(zip(grads, model.parameters()))
+
+    Host reads: none per step with an optimizer that takes ``grad_scale``/``found_inf`` (``fused=True``),
+    one (the skip decision) otherwise; the core's rules apply.
+
+    Args:
+        inner_optimizer: The torch optimizer to wrap.
+        initial_scale: First loss scale.
+        dynamic_growth_steps: Clean steps between doublings of the scale.
+        **base_kwargs: Any of :data:`BASE_KWARGS`, with Keras's meaning (see the module docstring).
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0), initial_scale=8, dynamic_growth_steps=2)
+        >>> opt.apply([torch.tensor([8.0, float("inf")])])      # overflow: skipped, scale halved
+        >>> opt.apply([torch.tensor([4.0, 4.0])])               # unscaled by 4: w -= 1
+        >>> (w.detach().tolist(), float(opt.dynamic_scale), int(opt.iterations))
+        ([-1.0, -1.0], 4.0, 1)
+    """
+
+    def __init__(self, inner_optimizer: torch.optim.Optimizer, initial_scale: float = 32768,
+                 dynamic_growth_steps: int = 2000, **base_kwargs: Any) -> None:
+        args = _validated(base_kwargs)
+        policy = presets.build_as(_CALL, presets.keras, initial_scale, dynamic_growth_steps)
+        self.inner_optimizer = inner_optimizer
+        self.initial_scale = initial_scale
+        self.dynamic_growth_steps = dynamic_growth_steps
+        for name, value in args.items():
+            setattr(self, name, value)
+        self.ema = EMA(args["ema_momentum"]) if args["use_ema"] else None
+        self._opt = _CoreOptimizer(
+            inner_optimizer, policy=policy,
+            clip_grad_norm=args["global_clipnorm"], clip_grad_value=args["clipvalue"],
+            clip_grad_norm_per_param=args["clipnorm"],
+            accumulation_steps=args["gradient_accumulation_steps"] or 1,
+            ema=self.ema, weight_decay=args["weight_decay"])
+        device = self._opt.scale.device
+        self._iterations = torch.zeros((), dtype=torch.int64, device=device)
+        self._applied = torch.zeros((), dtype=torch.int64, device=device)
+        self.last_result: StepResult | None = None
+
+    # --- what Keras code reads ------------------------------------------------------------------
+
+    @property
+    def dynamic_scale(self) -> torch.Tensor:
+        """The current loss scale, a 0-d float32 tensor (no host read)."""
+        return self._opt.scale
+
+    @property
+    def scale_state(self) -> Any:
+        """The whole state record (scale and counters)."""
+        return self._opt.scale_state
+
+    @property
+    def iterations(self) -> torch.Tensor:
+        """``apply()`` calls whose gradients were not discarded for overflow (0-d int64 tensor)."""
+        return self._iterations
+
+    @property
+    def learning_rate(self) -> float:
+        """The inner optimizer's learning rate (of its first param group)."""
+        return self.inner_optimizer.param_groups[0]["lr"]
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        for group in self.inner_optimizer.param_groups:
+            group["lr"] = value
+
+    @property
+    def variables(self) -> list[torch.Tensor]:
+        """The parameters the inner optimizer updates."""
+        return [p for g in self.inner_optimizer.param_groups for p in g["params"]]
+
+    # --- the calls ----------------------------------------------------------------------------
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * dynamic_scale`` (times ``loss_scale_factor`` when set). No host read."""
+        factor = self._opt.scale if self.loss_scale_factor is None else self._opt.scale * self.loss_scale_factor
+        return loss * factor.to(loss.device)
+
+    @torch.no_grad()
+    def apply(self, grads: Sequence[torch.Tensor | None],
+              trainable_variables: Sequence[torch.Tensor] | None = None) -> None:
+        """Apply scaled ``grads`` to ``trainable_variables`` (default: every parameter of the inner optimizer).
+
+        Skips the step and halves the scale if any gradient is inf or NaN; otherwise unscales, clips, decays,
+        steps, advances the average, and grows the scale every ``dynamic_growth_steps`` clean steps.
+        """
+        variables = self.variables if trainable_variables is None else list(trainable_variables)
+        grads = list(grads)
+        if len(grads) != len(variables):
+            raise ValueError(f"{_CALL}.apply(grads, trainable_variables): got {len(grads)} gradients for "
+                             f"{len(variables)} variables; pass one gradient (or None) per variable.")
+        known = {id(p) for p in self.variables}
+        stray = [i for i, v in enumerate(variables) if id(v) not in known]
+        if stray:
+            raise ValueError(f"{_CALL}.apply(grads, trainable_variables): variable {stray[0]} is not a parameter of "
+                             f"the inner optimizer; pass the parameters it was built with.")
+        self._opt.zero_grad(set_to_none=True)  # a no-op inside an accumulation window
+        divisor = self._opt.accumulation_steps * (self.loss_scale_factor or 1.0)
+        for v, g in zip(variables, grads):
+            if g is None:
+                continue
+            g = g.detach().to(v.device) / divisor if divisor != 1 else g.detach().to(v.device).clone()
+            if v.grad is None:
+                v.grad = g
+            else:
+                v.grad.add_(g)
+        first = self._applied == 0
+        result = self._opt.step()
+        self.last_result = result
+        if result.accumulating:
+            self._iterations += 1
+            return
+        stepped = result.stepped.to(torch.int64)
+        self._iterations += stepped
+        self._applied += stepped
+        if self.ema is not None:
+            self._keras_ema(result.stepped, first)
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
+        """``apply(grads, vars)`` for a list of ``(grad, var)`` pairs."""
+        pairs = list(grads_and_vars)
+        self.apply([g for g, _ in pairs], [v for _, v in pairs])
+
+    def _keras_ema(self, stepped: torch.Tensor, first: torch.Tensor) -> None:
+        """Keras's first applied step sets the average to the weights; ``ema_overwrite_frequency`` then writes
+        the average into the weights every so many applied steps. Masks, no host read."""
+        ema = self.ema
+        copy = (stepped & first).to(ema.shadow[0].dtype)
+        torch._foreach_lerp_(ema.shadow, [p.detach() for p in ema.params], copy)
+        if self.ema_overwrite_frequency:
+            due = stepped & (self._applied % self.ema_overwrite_frequency == 0)
+            torch._foreach_lerp_([p.detach() for p in ema.params], ema.shadow, due.to(ema.shadow[0].dtype))
+
+    def finalize_variable_values(self, var_list: Sequence[torch.Tensor] | None = None) -> None:
+        """Copy the moving average into the weights (when ``use_ema``), as Keras does at the end of ``fit``."""
+        if self.ema is not None:
+            self.ema.copy_to(var_list)
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The core optimizer's state plus ``iterations``."""
+        return {"core": self._opt.state_dict(), "iterations": int(self._iterations),
+                "applied": int(self._applied)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self._opt.load_state_dict(state_dict["core"])
+        self._iterations.fill_(state_dict["iterations"])
+        self._applied.fill_(state_dict["applied"])
+
+    def __repr__(self) -> str:
+        return (f"LossScaleOptimizer({self.inner_optimizer!r}, initial_scale={self.initial_scale!r}, "
+                f"dynamic_growth_steps={self.dynamic_growth_steps!r})")
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("LossScaleOptimizer is not pickled directly; save opt.state_dict() with torch.save.")

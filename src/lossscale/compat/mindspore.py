@@ -1,0 +1,368 @@
+"""MindSpore loss scaling for PyTorch: update cells, managers and ``TrainOneStepWithLossScaleCell``.
+
+A translation table onto the core; the rule is :func:`lossscale.presets.mindspore`.
+
+=========================================================  ======================================================
+MindSpore                                                   lossscale
+=========================================================  ======================================================
+``nn.DynamicLossScaleUpdateCell(loss_scale_value,           ``presets.mindspore(loss_scale_value, scale_factor,
+scale_factor, scale_window)``                               scale_window)``: growth on the W-th clean step,
+                                                            ``S * float32(1/f)``, floor 1, float32 products
+``cell(loss_scale, overflow)``: updates the Parameter in     same, on a 0-d (or shape (1,)) float32 tensor, in
+place, returns ``overflow``                                 place; no host read
+``cell.get_loss_scale()``                                   ``loss_scale_value``, the value it was built with (as
+                                                            MindSpore: the live scale is the tensor passed in)
+``nn.FixedLossScaleUpdateCell(loss_scale_value)``           ``FixedScale``; the call returns ``overflow``
+``amp.DynamicLossScaleManager(init_loss_scale=2**24,        the same rule in float64 products (MindSpore keeps a
+scale_factor=2, scale_window=2000)``                        Python float), state in float32
+``manager.get_loss_scale()``                                a Python float (reads the scale on the host)
+``manager.update_loss_scale(overflow)``                     ``policy.update``; RuntimeError after 1000 overflows
+                                                            in a row, as MindSpore's ``bad_step_max``
+``manager.get_update_cell()``                               ``DynamicLossScaleUpdateCell(current scale, f, W)``
+``amp.FixedLossScaleManager(loss_scale=128.0,               ``FixedScale(loss_scale)``; ``get_update_cell()`` is
+drop_overflow_update=True)``                                ``None`` when ``drop_overflow_update`` is False
+``nn.TrainOneStepWithLossScaleCell(network, optimizer,      ``LossScaleOptimizer(optimizer, policy=<the cell>)``;
+scale_sense)``; ``scale_sense`` a cell or a Tensor          a Tensor gives ``FixedScale``
+``train_cell(*inputs) -> (loss, overflow, loss_scale)``     forward, scaled backward, unscale, check, step unless
+                                                            overflow; ``loss_scale`` is the scale this step used
+``train_cell.set_sense_scale(sens)``                        sets the scale (one host read)
+=========================================================  ======================================================
+
+Deviations: a scale that MindSpore's cell would grow into float32 inf (and keep: ``max(inf / f, 1)``)
+stays at its last finite value here; the manager's Python-float scale grows past float32's range
+where ours stops, and with a factor that is not a power of two ours rounds to float32 at each step.
+``TrainOneStepWithLossScaleCell`` does not average gradients over devices (wrap the network in
+``DistributedDataParallel``); overflow is agreed across ranks under torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from lossscale import presets
+from lossscale._validate import check_choice, check_factor_above_one, check_int_at_least, check_scale
+from lossscale.optimizer import LossScaleOptimizer
+from lossscale.policy import FLOAT32_MAX, FixedScale, ScaleState, check_floor, state_from_dict, state_to_dict
+from lossscale.result import StepResult
+
+__all__ = [
+    "DynamicLossScaleUpdateCell",
+    "FixedLossScaleUpdateCell",
+    "DynamicLossScaleManager",
+    "FixedLossScaleManager",
+    "TrainOneStepWithLossScaleCell",
+]
+
+#: MindSpore's ``DynamicLossScaleManager.bad_step_max``: more overflows in a row than this raise.
+BAD_STEP_MAX = 1000
+
+
+def _flag(overflow: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(overflow, torch.Tensor):
+        return overflow.to(device=device, dtype=torch.bool).reshape(())
+    if isinstance(overflow, bool):
+        return torch.tensor(overflow, device=device)
+    raise TypeError(f"overflow must be a bool or a bool tensor; got {type(overflow).__name__}.")
+
+
+def _check_rule(call: str, init_name: str, init: Any, scale_factor: Any, scale_window: Any) -> None:
+    check_scale(call, init_name, init, low=1.0, high=FLOAT32_MAX)
+    check_factor_above_one(call, "scale_factor", scale_factor, "the scale is multiplied and divided by it")
+    check_int_at_least(call, "scale_window", scale_window, 1)
+
+
+class _StatefulRule:
+    """A policy and its state, with ``state_dict``/``load_state_dict``."""
+
+    policy: Any
+    _state: ScaleState
+
+    @property
+    def scale_state(self) -> ScaleState:
+        """The whole state record (for a cell: its counters; the live scale is the tensor it updates)."""
+        return self._state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scale and counters as plain numbers (reads them on the host)."""
+        return {"policy_state": state_to_dict(self._state)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self._state = state_from_dict(self._state, state_dict["policy_state"])
+
+
+class DynamicLossScaleUpdateCell(_StatefulRule):
+    """The loss-scale update cell: ``cell(loss_scale, overflow)`` updates ``loss_scale`` in place.
+
+    Rule: :func:`lossscale.presets.mindspore`. The cell keeps the counters; the scale is the tensor passed
+    in, as MindSpore's cell reads and assigns the ``loss_scale`` Parameter. No host read.
+
+    Example:
+        >>> import torch
+        >>> cell = DynamicLossScaleUpdateCell(loss_scale_value=2**12, scale_factor=2, scale_window=1000)
+        >>> scale = torch.tensor(2.0**12)
+        >>> cell(scale, torch.tensor(True))
+        tensor(True)
+        >>> float(scale)
+        2048.0
+    """
+
+    def __init__(self, loss_scale_value: float, scale_factor: float, scale_window: int) -> None:
+        _check_rule("DynamicLossScaleUpdateCell", "loss_scale_value", loss_scale_value, scale_factor, scale_window)
+        self.loss_scale_value = loss_scale_value
+        self.scale_factor = scale_factor
+        self.scale_window = scale_window
+        self.policy = presets.mindspore(loss_scale_value, scale_factor, scale_window)
+        self._state = self.policy.init()
+
+    def get_loss_scale(self) -> float:
+        """``loss_scale_value``, as MindSpore's cell returns it (the live scale is the tensor it updates)."""
+        return self.loss_scale_value
+
+    @torch.no_grad()
+    def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
+        """Update ``loss_scale`` (float32, shape () or (1,)) in place from ``overflow``; return ``overflow``."""
+        if not isinstance(loss_scale, torch.Tensor) or loss_scale.numel() != 1:
+            raise TypeError(f"DynamicLossScaleUpdateCell(loss_scale, overflow): loss_scale must be a 1-element "
+                            f"tensor (MindSpore's loss_scale Parameter); got {type(loss_scale).__name__}.")
+        if self._state.scale.device != loss_scale.device:
+            self._state = self._state.to(loss_scale.device)
+        state = dataclasses.replace(self._state, scale=loss_scale.detach().reshape(()).float())
+        self._state = self.policy.update(state, _flag(overflow, loss_scale.device))
+        loss_scale.copy_(self._state.scale.reshape(loss_scale.shape))
+        return overflow
+
+    def __repr__(self) -> str:
+        return (f"DynamicLossScaleUpdateCell(loss_scale_value={self.loss_scale_value!r}, "
+                f"scale_factor={self.scale_factor!r}, scale_window={self.scale_window!r})")
+
+
+class FixedLossScaleUpdateCell(_StatefulRule):
+    """An update cell that keeps the scale: ``cell(loss_scale, overflow)`` returns ``overflow``."""
+
+    def __init__(self, loss_scale_value: float) -> None:
+        check_scale("FixedLossScaleUpdateCell", "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)
+        self.loss_scale_value = loss_scale_value
+        self.policy = FixedScale(float(loss_scale_value))
+        self._state = self.policy.init()
+
+    def get_loss_scale(self) -> float:
+        """``loss_scale_value``."""
+        return self.loss_scale_value
+
+    def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
+        """Return ``overflow``; the scale does not move."""
+        return overflow
+
+    def __repr__(self) -> str:
+        return f"FixedLossScaleUpdateCell(loss_scale_value={self.loss_scale_value!r})"
+
+
+class DynamicLossScaleManager(_StatefulRule):
+    """MindSpore's host-side dynamic manager: ``get_loss_scale()``, ``update_loss_scale(overflow)``.
+
+    The rule of :func:`lossscale.presets.mindspore` with float64 products, as MindSpore computes it on
+    Python floats. More than 1000 overflows in a row raise ``RuntimeError`` (after the scale was updated,
+    as MindSpore does); MindSpore then does not advance its step counter, so the next clean step grows the
+    scale at once, and so does this manager.
+
+    Example:
+        >>> m = DynamicLossScaleManager(init_loss_scale=2**10, scale_window=2)
+        >>> for overflow in [True, False, False]:
+        ...     m.update_loss_scale(overflow)
+        >>> m.get_loss_scale()
+        1024.0
+    """
+
+    def __init__(self, init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_window: int = 2000) -> None:
+        _check_rule("DynamicLossScaleManager", "init_loss_scale", init_loss_scale, scale_factor, scale_window)
+        self.scale_factor = scale_factor
+        self.scale_window = scale_window
+        self.policy = dataclasses.replace(presets.mindspore(init_loss_scale, scale_factor, scale_window),
+                                          arithmetic="float64")
+        self._state = self.policy.init()
+        self.bad_steps = 0
+
+    def get_loss_scale(self) -> float:
+        """The current loss scale as a Python float (reads it on the host)."""
+        return float(self._state.scale)
+
+    def update_loss_scale(self, overflow: Any) -> None:
+        """Advance the rule with one step's ``overflow`` (a bool: MindSpore's manager runs on the host).
+
+        Raises:
+            RuntimeError: on the 1001st overflow in a row and every one after it.
+        """
+        if isinstance(overflow, torch.Tensor):
+            overflow = bool(overflow)  # the consecutive-overflow limit is counted on the host
+        if not isinstance(overflow, bool):
+            raise TypeError(f"DynamicLossScaleManager.update_loss_scale(overflow={overflow!r}): overflow must be "
+                            f"a bool; got {type(overflow).__name__}.")
+        self._state = self.policy.update(self._state, torch.tensor(overflow, device=self._state.scale.device))
+        self.bad_steps = self.bad_steps + 1 if overflow else 0
+        if self.bad_steps > BAD_STEP_MAX:
+            # MindSpore raises before advancing cur_iter, so its next clean step grows: count as if ready to.
+            self._state = dataclasses.replace(
+                self._state, growth_tracker=torch.full_like(self._state.growth_tracker, self.scale_window - 1))
+            raise RuntimeError(
+                f"DynamicLossScaleManager.update_loss_scale(overflow=True): {self.bad_steps} overflows in a row "
+                f"exceed MindSpore's limit of {BAD_STEP_MAX} (the scale is {self.get_loss_scale()!r}). The "
+                f"gradients overflow at any scale: look for inf or NaN in the data, the loss or the model.")
+
+    def get_drop_overflow_update(self) -> bool:
+        """True: overflowing steps are dropped."""
+        return True
+
+    def get_update_cell(self) -> DynamicLossScaleUpdateCell:
+        """A :class:`DynamicLossScaleUpdateCell` starting at the current scale."""
+        return DynamicLossScaleUpdateCell(self.get_loss_scale(), self.scale_factor, self.scale_window)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "bad_steps": self.bad_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.bad_steps = int(state_dict["bad_steps"])
+
+
+class FixedLossScaleManager(_StatefulRule):
+    """A constant scale (>= 1); ``drop_overflow_update`` says whether overflowing steps are skipped."""
+
+    def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
+        check_scale("FixedLossScaleManager", "loss_scale", loss_scale, low=1.0, high=FLOAT32_MAX)
+        check_choice("FixedLossScaleManager", "drop_overflow_update", drop_overflow_update, (True, False))
+        self.loss_scale = loss_scale
+        self.drop_overflow_update = drop_overflow_update
+        self.policy = FixedScale(float(loss_scale))
+        self._state = self.policy.init()
+
+    def get_loss_scale(self) -> float:
+        """``loss_scale``."""
+        return self.loss_scale
+
+    def update_loss_scale(self, overflow: Any) -> None:
+        """Nothing: the scale is fixed."""
+
+    def get_drop_overflow_update(self) -> bool:
+        """``drop_overflow_update``."""
+        return self.drop_overflow_update
+
+    def get_update_cell(self) -> FixedLossScaleUpdateCell | None:
+        """A :class:`FixedLossScaleUpdateCell`, or None when overflowing steps are not dropped."""
+        return FixedLossScaleUpdateCell(self.loss_scale) if self.drop_overflow_update else None
+
+
+class _CellPolicy:
+    """An update cell as the optimizer's policy: each step's update lands in the cell's counters."""
+
+    def __init__(self, cell: DynamicLossScaleUpdateCell | FixedLossScaleUpdateCell | None, policy: Any,
+                 state: ScaleState) -> None:
+        self.cell, self.policy, self.state = cell, policy, state
+
+    def init(self, device: torch.device | str | None = None) -> ScaleState:
+        self.state = self.state.to(device or "cpu")
+        return self.state
+
+    def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
+        self.state = self.policy.update(state, found_inf)
+        if self.cell is not None:
+            self.cell._state = self.state
+        return self.state
+
+    def check_floor(self, state: ScaleState) -> None:
+        check_floor(self.policy, state)
+
+
+class TrainOneStepWithLossScaleCell:
+    """One training step with loss scaling: ``train_cell(*inputs) -> (loss, overflow, loss_scale)``.
+
+    Runs ``network(*inputs)`` (which returns the loss), the backward pass of ``loss * scale``, unscales,
+    checks for overflow, steps ``optimizer`` unless it overflowed, and updates the scale through the update
+    cell. The returned ``overflow`` and ``loss_scale`` are tensors (no host read): ``loss_scale`` is the
+    scale this step's gradients carried; :attr:`scale_sense` is the live one.
+
+    Args:
+        network: A module (or callable) returning the loss (MindSpore's ``WithLossCell``).
+        optimizer: A torch optimizer over the network's parameters.
+        scale_sense: A :class:`DynamicLossScaleUpdateCell`/:class:`FixedLossScaleUpdateCell`, or a tensor of
+            shape () or (1,) holding a fixed scale.
+        **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments (``skip_mode``, clipping, ...).
+    """
+
+    def __init__(self, network: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
+                 scale_sense: Any, **kwargs: Any) -> None:
+        call = "TrainOneStepWithLossScaleCell"
+        if not callable(network):
+            raise TypeError(f"{call}(network={network!r}): network must be a callable returning the loss.")
+        self.network = network
+        self.optimizer = optimizer
+        self.loss_scaling_manager = None
+        if isinstance(scale_sense, (DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell)):
+            self.loss_scaling_manager = scale_sense
+            policy = scale_sense.policy
+            state = dataclasses.replace(scale_sense._state,
+                                        scale=torch.tensor(float(scale_sense.get_loss_scale())))
+        elif isinstance(scale_sense, torch.Tensor):
+            if tuple(scale_sense.shape) not in ((), (1,)):
+                raise ValueError(f"{call}(scale_sense=tensor of shape {tuple(scale_sense.shape)}): the shape of "
+                                 f"scale_sense must be (1,) or (); got {tuple(scale_sense.shape)}.")
+            policy = FixedScale(float(scale_sense))  # one host read, at construction
+            state = policy.init()
+        else:
+            raise TypeError(f"{call}(scale_sense={scale_sense!r}): scale_sense must be an update cell "
+                            f"(DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell) or a tensor; got "
+                            f"{type(scale_sense).__name__}.")
+        self._policy = _CellPolicy(self.loss_scaling_manager, policy, state)
+        self._opt = LossScaleOptimizer(optimizer, policy=self._policy, **kwargs)
+
+    @property
+    def scale_sense(self) -> torch.Tensor:
+        """The current loss scale, a 0-d float32 tensor (no host read)."""
+        return self._opt.scale
+
+    @property
+    def scale_state(self) -> ScaleState:
+        """The whole state record (scale and counters)."""
+        return self._opt.scale_state
+
+    def set_sense_scale(self, sens: torch.Tensor) -> None:
+        """Set the loss scale to ``sens`` (a 1-element tensor); the counters carry on. One host read."""
+        if not isinstance(sens, torch.Tensor) or sens.numel() != 1:
+            raise TypeError(f"TrainOneStepWithLossScaleCell.set_sense_scale(sens={sens!r}): sens must be a "
+                            f"1-element tensor; got {type(sens).__name__}.")
+        state_dict = self._opt.state_dict()
+        state_dict["policy_state"]["scale"] = float(sens)
+        self._opt.load_state_dict(state_dict)
+        self._policy.state = self._opt.scale_state
+        if self.loss_scaling_manager is not None:
+            self.loss_scaling_manager._state = self._opt.scale_state
+
+    def __call__(self, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        result = self.step(*inputs)
+        return self._last_loss, result.found_inf, result.scale
+
+    def step(self, *inputs: Any) -> StepResult:
+        """Like calling the cell, returning the whole :class:`~lossscale.StepResult`."""
+        self._opt.zero_grad()
+        loss = self.network(*inputs)
+        self._opt.backward(loss)
+        self._last_loss = loss.detach()
+        return self._opt.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's and the scale's state (see :meth:`lossscale.LossScaleOptimizer.state_dict`)."""
+        return self._opt.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self._opt.load_state_dict(state_dict)
+        self._policy.state = self._opt.scale_state
+        if self.loss_scaling_manager is not None:
+            self.loss_scaling_manager._state = self._opt.scale_state
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("TrainOneStepWithLossScaleCell is not pickled directly; save train_cell.state_dict() with "
+                        "torch.save.")

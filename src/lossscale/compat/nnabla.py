@@ -1,0 +1,163 @@
+"""nnabla's ``DynamicLossScalingUpdater`` for PyTorch: a whole update with dynamic loss scaling per call.
+
+A translation table onto the core; the rule is :func:`lossscale.presets.nnabla`.
+
+===================================================  ============================================================
+nnabla                                                lossscale
+===================================================  ============================================================
+``DynamicLossScalingUpdater(solver, loss, ...)``      ``DynamicLossScalingUpdater(optimizer, loss_fn, ...)`` on a
+                                                      :class:`~lossscale.LossScaleOptimizer` with
+                                                      ``presets.nnabla(scale, scaling_factor, N)``
+``solver`` (an nnabla Solver)                         a torch optimizer
+``loss`` (a Variable; ``loss.forward()``)             a zero-argument callable running the forward pass and
+                                                      returning the loss
+``data_feeder`` (called before each forward)          same (a zero-argument callable)
+``scale=8.0, scaling_factor=2.0, N=2000``             same: ``S /= f`` on overflow; ``S *= f`` when the counter
+                                                      passes N (first growth on the (N+2)-th clean attempt, then
+                                                      every N+1)
+``accum_grad=1``                                      that many forward/backward passes per attempt; gradients
+                                                      are summed (not averaged), as nnabla's backward accumulates
+``weight_decay=None``                                 ``solver.weight_decay``: ``grad += weight_decay * param`` on
+                                                      the unscaled gradients (L2, coupled), applied steps only
+``comm=None, grads=[]``                               ``comm`` a torch.distributed process group; the gradients of
+                                                      ``grads`` (parameters, or gradient tensors) are summed over
+                                                      it before the overflow check
+``clear_buffer=True``                                 accepted; PyTorch frees the graph after backward anyway
+on overflow: halve and re-run ``update()``            re-run the whole step (new data from ``data_feeder``), up to
+(recursively), giving up silently after 100 retries   100 retries, then give up silently
+``updater.scale`` (a Python float)                    a property: reads the scale on the host; assignable
+===================================================  ============================================================
+
+Host reads: the retry needs the overflow flag on the host, so each attempt reads it once (twice with an
+optimizer without ``grad_scale``/``found_inf`` support, whose skip the core also decides on the host).
+Deviations: nnabla keeps the scale in a Python float that can grow past float32's range (then every
+scaled gradient is inf) and halve towards 0 (then it divides by zero); ours stays within
+``[2**-126, float32 max]``, and with a ``scaling_factor`` that is not a power of two rounds to float32 at
+each step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from lossscale import presets
+from lossscale._validate import check_int_at_least
+from lossscale.distributed import all_reduce_grads_
+from lossscale.optimizer import LossScaleOptimizer
+from lossscale.result import StepResult
+
+__all__ = ["DynamicLossScalingUpdater", "MAX_RETRIES"]
+
+#: nnabla's ``_max_recursive_count``: overflowing re-runs of one ``update()`` before it gives up.
+MAX_RETRIES = 100
+
+
+class DynamicLossScalingUpdater:
+    """Zero grads, forward and scaled backward ``accum_grad`` times, all-reduce, check, and either step or
+    shrink the scale and re-run.
+
+    Args:
+        solver: The torch optimizer to step.
+        loss: Zero-argument callable: the forward pass, returning the loss tensor.
+        data_feeder: Zero-argument callable run before each forward pass (loads the next batch).
+        scale: Initial loss scale.
+        scaling_factor: The scale is divided by it on overflow and multiplied by it on growth.
+        N: Clean updates between growths (see the module docstring for the exact count).
+        clear_buffer: Accepted for compatibility; no effect.
+        accum_grad: Forward/backward passes per update; their gradients are summed.
+        weight_decay: L2 coefficient added to the unscaled gradients (``grad += weight_decay * param``).
+        comm: A torch.distributed process group to sum ``grads`` over.
+        grads: Parameters (their ``.grad``) or gradient tensors to all-reduce over ``comm``.
+        **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments (``overflow_mode``, ...).
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.ones(1))
+        >>> updater = DynamicLossScalingUpdater(torch.optim.SGD([w], lr=0.1), lambda: (2 * w).sum(), N=10)
+        >>> updater.update()
+        >>> (round(float(w.detach()), 4), updater.scale)
+        (0.8, 8.0)
+    """
+
+    def __init__(self, solver: torch.optim.Optimizer, loss: Callable[[], torch.Tensor],
+                 data_feeder: Callable[[], Any] = lambda: True, scale: float = 8.0, scaling_factor: float = 2.0,
+                 N: int = 2000, clear_buffer: bool = True, accum_grad: int = 1,  # noqa: N803
+                 weight_decay: float | None = None, comm: Any = None, grads: Sequence[torch.Tensor] = (),
+                 **kwargs: Any) -> None:
+        call = "DynamicLossScalingUpdater"
+        for name, value in (("loss", loss), ("data_feeder", data_feeder)):
+            if not callable(value):
+                raise TypeError(f"{call}({name}={value!r}): {name} must be a zero-argument callable "
+                                f"({'running the forward pass and returning the loss' if name == 'loss' else 'loading the next batch'}).")
+        check_int_at_least(call, "accum_grad", accum_grad, 1)
+        if weight_decay is not None and (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
+                                         or not 0 <= weight_decay < float("inf")):
+            raise ValueError(f"{call}(weight_decay={weight_decay!r}): weight_decay must be None or a finite number "
+                             f">= 0; got {weight_decay!r}.")
+        policy = presets.build_as(call, presets.nnabla, scale, scaling_factor, N)
+        self.solver = solver
+        self.loss = loss
+        self.data_feeder = data_feeder
+        self.scaling_factor = scaling_factor
+        self.N = N
+        self.clear_buffer = clear_buffer
+        self.accum_grad = accum_grad
+        self.weight_decay = weight_decay
+        self.comm = comm
+        self.grads = list(grads)
+        self._opt = LossScaleOptimizer(solver, policy=policy, **kwargs)
+        self.last_result: StepResult | None = None
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale (reads it on the host)."""
+        return float(self._opt.scale)
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        state_dict = self._opt.state_dict()
+        state_dict["policy_state"]["scale"] = float(value)
+        self._opt.load_state_dict(state_dict)
+
+    @property
+    def scale_state(self) -> Any:
+        """The whole state record (scale and counters)."""
+        return self._opt.scale_state
+
+    def update(self) -> None:
+        """One update: up to 1 + 100 attempts, each ``accum_grad`` passes; steps on the first clean one."""
+        for _ in range(MAX_RETRIES + 1):
+            self._opt.inner.zero_grad(set_to_none=False)
+            for _ in range(self.accum_grad):
+                self.data_feeder()
+                self._opt.backward(self.loss())
+            if self.comm is not None and self.grads:
+                all_reduce_grads_([t.grad if t.requires_grad and t.is_leaf else t for t in self.grads], self.comm)
+            if self.weight_decay:
+                self._add_weight_decay()
+            self.last_result = self._opt.step()
+            if not bool(self.last_result.found_inf):  # the host read nnabla's retry needs
+                return
+
+    @torch.no_grad()
+    def _add_weight_decay(self) -> None:
+        """``grad += weight_decay * scale * param`` on the scaled gradients: after unscaling, nnabla's
+        ``grad + weight_decay * param``. A skipped step ignores it."""
+        params = [p for g in self.solver.param_groups for p in g["params"] if p.grad is not None]
+        if params:
+            coef = self._opt.scale * self.weight_decay
+            torch._foreach_add_([p.grad for p in params], torch._foreach_mul(params, coef.to(params[0].device)))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's and the scale's state."""
+        return self._opt.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self._opt.load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("DynamicLossScalingUpdater is not pickled directly; save updater.state_dict() with "
+                        "torch.save.")

@@ -1,0 +1,92 @@
+"""The demo's figure: loss curves, the scale trajectory with skipped steps marked, and the measured underflow.
+
+Drawn with matplotlib (the ``demo`` extra) through its object API and the Agg canvas, so no global
+backend is touched. Without matplotlib, a plain chart of the same three panels without text is drawn
+by :mod:`lossscale.demo._png`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["have_matplotlib", "plot_runs"]
+
+_COLORS = {"fp32": (0, 0, 0), "fp16-noscale": (214, 39, 40), "fp16-dynamic": (31, 119, 180),
+           "bf16": (44, 160, 44), "fast|step|0.9": (148, 103, 189)}
+_OTHER = [(255, 127, 14), (140, 86, 75), (227, 119, 194), (127, 127, 127)]
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _color(name: str, i: int) -> tuple[int, int, int]:
+    return _COLORS.get(name, _OTHER[i % len(_OTHER)])
+
+
+def plot_runs(path: str, runs: list[dict[str, Any]], title: str) -> str:
+    """Write the figure to ``path``; returns ``"matplotlib"`` or ``"plain"`` (the fallback that was used)."""
+    if have_matplotlib():
+        _plot_matplotlib(path, runs, title)
+        return "matplotlib"
+    _plot_plain(path, runs)
+    return "plain"
+
+
+def _plot_matplotlib(path: str, runs: list[dict[str, Any]], title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 10), layout="constrained")
+    FigureCanvasAgg(fig)
+    loss_ax, scale_ax, under_ax = fig.subplots(3, 1, sharex=True)
+    for i, r in enumerate(runs):
+        color = tuple(c / 255 for c in _color(r["name"], i))
+        steps = range(len(r["train_loss"]))
+        loss_ax.plot(steps, r["train_loss"], color=color, lw=0.8, alpha=0.45)
+        held = r["heldout_loss"]
+        loss_ax.plot([s for s, _ in held], [v for _, v in held], "o-", color=color, ms=3,
+                     label=f"{r['name']}  held-out {r['final_loss']:.3f}")
+        scale_ax.plot(steps, r["scale"], color=color, lw=1.2, label=r["name"])
+        if r["skipped"]:
+            scale_ax.plot(r["skipped"], [r["scale"][s] for s in r["skipped"]], "x", color=color, ms=7, mew=1.5)
+        samples = r["underflow_samples"]
+        under_ax.plot([s for s, _ in samples], [100 * v for _, v in samples], "o-", color=color, ms=3,
+                      label=r["name"])
+        if r.get("switch_step") is not None:
+            for ax in (loss_ax, scale_ax, under_ax):
+                ax.axvline(r["switch_step"], color=color, ls=":", lw=1)
+    loss_ax.set_ylabel("loss (nats/char)")
+    loss_ax.set_title("training loss (faint) and held-out loss (dots)")
+    loss_ax.legend(fontsize=8)
+    scale_ax.set_yscale("log", base=2)
+    scale_ax.set_ylabel("loss scale")
+    scale_ax.set_title("loss scale per step (x = skipped step; dotted = precision schedule's switch to float32)")
+    scale_ax.legend(fontsize=8)
+    under_ax.set_ylabel("% flushed to zero")
+    under_ax.set_xlabel("optimizer step")
+    under_ax.set_title("measured underflow: gradient values nonzero in float32 but zero in the run's backward")
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=100)
+
+
+def _plot_plain(path: str, runs: list[dict[str, Any]]) -> None:
+    from lossscale.demo._png import Panel, Series, write_chart
+
+    loss, scale, under = Panel(), Panel(), Panel()
+    for i, r in enumerate(runs):
+        color = _color(r["name"], i)
+        steps = list(range(len(r["train_loss"])))
+        loss.series.append(Series(steps, r["train_loss"], color))
+        log_scale = [math.log2(s) for s in r["scale"]]
+        scale.series.append(Series(steps, log_scale, color))
+        if r["skipped"]:
+            scale.series.append(Series(r["skipped"], [log_scale[s] for s in r["skipped"]], color, crosses=True))
+        samples = r["underflow_samples"]
+        under.series.append(Series([s for s, _ in samples], [v for _, v in samples], color))
+    write_chart(path, [loss, scale, under])

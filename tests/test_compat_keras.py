@@ -1,0 +1,133 @@
+"""The Keras facade: Keras 3's LossScaleOptimizer calls, and each base keyword argument doing what Keras documents.
+
+Keras 3 refuses the base arguments on its LossScaleOptimizer; here each one acts on the unscaled gradients.
+Every test compares one ``apply`` against the update Keras's documentation describes, written out by hand
+on powers of two (exact in float32) with an SGD inner optimizer (``v -= lr * g``).
+"""
+
+import math
+
+import pytest
+import torch
+
+from lossscale.compat.keras import BASE_KWARGS, LossScaleOptimizer
+
+LR = 0.5
+
+
+def setup(values=(3.0, -4.0), **kwargs):
+    v = torch.nn.Parameter(torch.tensor(values))
+    opt = LossScaleOptimizer(torch.optim.SGD([v], lr=LR), initial_scale=2.0**8, dynamic_growth_steps=2, **kwargs)
+    return v, opt
+
+
+def apply(opt, grad):
+    """Keras's custom training step: the gradient of ``scale_loss(loss)``, i.e. the gradient times the scale."""
+    opt.apply([torch.as_tensor(grad, dtype=torch.float32) * opt.dynamic_scale])
+
+
+def test_plain_apply_unscales_skips_and_grows():
+    v, opt = setup()
+    apply(opt, [1.0, 2.0])
+    assert v.detach().tolist() == [3.0 - LR, -4.0 - 2 * LR]
+    opt.apply([torch.tensor([math.nan, 0.0])])
+    assert v.detach().tolist() == [2.5, -5.0] and float(opt.dynamic_scale) == 2.0**7
+    assert int(opt.iterations) == 1  # the skipped step does not count (the inner optimizer was not applied)
+    apply(opt, [0.0, 0.0])
+    apply(opt, [0.0, 0.0])
+    assert float(opt.dynamic_scale) == 2.0**8 and int(opt.iterations) == 3
+
+
+def test_scale_loss_and_apply_gradients():
+    v, opt = setup()
+    assert float(opt.scale_loss(torch.tensor(3.0))) == 3.0 * 2**8
+    opt.apply_gradients([(torch.tensor([2.0**8, 0.0]), v)])
+    assert v.detach().tolist() == [3.0 - LR, -4.0]
+
+
+def test_weight_decay_is_decoupled_before_the_step():
+    v, opt = setup(weight_decay=0.25)
+    apply(opt, [1.0, 1.0])
+    expected = [x - x * 0.25 * LR - LR * 1.0 for x in (3.0, -4.0)]  # variable - variable * wd * lr, then SGD
+    assert v.detach().tolist() == pytest.approx(expected, abs=0, rel=1e-7)
+    opt.apply([torch.tensor([math.inf, 0.0])])  # a skipped step does not decay either
+    assert v.detach().tolist() == pytest.approx(expected, abs=0, rel=1e-7)
+
+
+def test_clipnorm_clips_each_variable():
+    a = torch.nn.Parameter(torch.zeros(2))
+    b = torch.nn.Parameter(torch.zeros(1))
+    opt = LossScaleOptimizer(torch.optim.SGD([a, b], lr=1.0), initial_scale=4.0, clipnorm=1.0)
+    opt.apply([torch.tensor([3.0, 4.0]) * 4, torch.tensor([0.5]) * 4])
+    assert a.detach().tolist() == pytest.approx([-0.6, -0.8]) and b.detach().tolist() == [-0.5]  # b under the norm
+
+
+def test_clipvalue_clips_each_value():
+    v, opt = setup(clipvalue=1.0)
+    apply(opt, [4.0, -0.5])
+    assert v.detach().tolist() == [3.0 - LR * 1.0, -4.0 + LR * 0.5]
+
+
+def test_global_clipnorm_clips_all_gradients_together():
+    a = torch.nn.Parameter(torch.zeros(1))
+    b = torch.nn.Parameter(torch.zeros(1))
+    opt = LossScaleOptimizer(torch.optim.SGD([a, b], lr=1.0), initial_scale=4.0, global_clipnorm=1.0)
+    opt.apply([torch.tensor([3.0]) * 4, torch.tensor([4.0]) * 4])  # global norm 5
+    assert [float(a.detach()), float(b.detach())] == pytest.approx([-0.6, -0.8], rel=1e-6)  # torch's 1e-6 epsilon: Keras has none
+
+
+def test_loss_scale_factor_scales_the_loss_and_divides_the_gradients():
+    v, opt = setup(loss_scale_factor=4.0)
+    loss_scaled = opt.scale_loss(torch.tensor(1.0))
+    assert float(loss_scaled) == 2.0**8 * 4.0
+    opt.apply([torch.tensor([1.0, 2.0]) * loss_scaled])  # d(scaled loss)/dv for loss = v . [1, 2]
+    assert v.detach().tolist() == [3.0 - LR, -4.0 - 2 * LR]  # the same update as without the factor
+
+
+def test_gradient_accumulation_averages_and_steps_every_n_calls():
+    v, opt = setup(gradient_accumulation_steps=2)
+    apply(opt, [1.0, 2.0])
+    assert v.detach().tolist() == [3.0, -4.0]  # accumulating
+    apply(opt, [3.0, 0.0])
+    assert v.detach().tolist() == [3.0 - LR * 2.0, -4.0 - LR * 1.0]  # the mean of the two
+    assert int(opt.iterations) == 2
+    apply(opt, [1.0, 1.0])
+    opt.apply([torch.tensor([math.inf, 0.0])])  # an overflow anywhere in the window skips the window
+    assert v.detach().tolist() == [2.0, -4.5] and float(opt.dynamic_scale) == 2.0**7
+
+
+def test_ema_follows_keras_first_step_copy_then_average_and_overwrite():
+    v, opt = setup((0.0,), use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=3)
+    apply(opt, [-1.0])  # v = 0.5; Keras's first average is the variable itself
+    assert opt.ema.shadow[0].tolist() == [0.5]
+    opt.apply([torch.tensor([math.inf])])  # skipped: the average does not move
+    assert opt.ema.shadow[0].tolist() == [0.5]
+    apply(opt, [-1.0])  # v = 1.0; average = 0.5 * 0.5 + 0.5 * 1.0
+    assert opt.ema.shadow[0].tolist() == [0.75] and v.detach().tolist() == [1.0]
+    apply(opt, [-1.0])  # v = 1.5; average 1.125; third applied step: v overwritten by the average
+    assert opt.ema.shadow[0].tolist() == [1.125] and v.detach().tolist() == [1.125]
+    apply(opt, [-2.0])
+    opt.finalize_variable_values()
+    assert v.detach().tolist() == opt.ema.shadow[0].tolist()
+
+
+def test_apply_to_some_variables_and_learning_rate():
+    a = torch.nn.Parameter(torch.zeros(1))
+    b = torch.nn.Parameter(torch.zeros(1))
+    opt = LossScaleOptimizer(torch.optim.SGD([a, b], lr=1.0), initial_scale=2.0)
+    opt.learning_rate = 0.5
+    assert opt.learning_rate == 0.5
+    opt.apply([torch.tensor([2.0])], [b])
+    assert (float(a.detach()), float(b.detach())) == (0.0, -0.5)
+    with pytest.raises(ValueError, match="got 2 gradients for 1 variables"):
+        opt.apply([torch.ones(1), torch.ones(1)], [a])
+    with pytest.raises(ValueError, match="is not a parameter of the inner optimizer"):
+        opt.apply([torch.ones(1)], [torch.nn.Parameter(torch.zeros(1))])
+
+
+def test_accepts_exactly_the_documented_base_arguments():
+    assert sorted(BASE_KWARGS) == sorted(["weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema",
+                                          "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
+                                          "gradient_accumulation_steps"])
+    with pytest.raises(TypeError, match=r"LossScaleOptimizer\(momentum=...\): unexpected keyword argument"):
+        setup(momentum=0.9)

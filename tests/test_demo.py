@@ -1,0 +1,186 @@
+"""``lossscale demo``: end to end on a tiny configuration, kill-and-resume, bad input, and what the README quotes."""
+
+import json
+import re
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from lossscale import DynamicScale
+from lossscale.demo import cli, plot, runs
+from lossscale.demo.config import DEFAULT, QUICK
+from lossscale.demo.data import load_corpus
+from lossscale.demo.train import train_run
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--steps", "6", "--accumulation", "2", "--sequences", "4", "--context", "16", "--d-model", "8",
+        "--heads", "2", "--files", "3", "--eval-every", "3", "--measure-every", "2"]
+FIVE = ["fp32", "fp16-noscale", "fp16-dynamic", "bf16", "fast|step|0.9"]
+KEYS = {"name", "final_loss", "skipped_steps", "final_scale", "underflow", "seconds"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # The demo's tiny models gain nothing from threads, and a shared 2-core machine loses a lot to them.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def read_png(path):
+    """(width, height, RGB rows) of an 8-bit RGB(A) PNG, checking signature, chunk CRCs and the pixel data size."""
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
+        chunks[kind] = chunks.get(kind, b"") + body
+        pos += 12 + length
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert depth == 8 and color in (2, 6)
+    pixels = zlib.decompress(chunks[b"IDAT"])
+    assert len(pixels) == height * (1 + width * (3 if color == 2 else 4))
+    assert b"IEND" in chunks
+    return width, height, pixels
+
+
+def demo(*args):
+    return cli.main([*TINY, *args])
+
+
+def test_import_lossscale_loads_no_demo_and_no_optional_dependency():
+    # torch itself imports tqdm (torch.hub), so look at what `import lossscale` adds to `import torch`.
+    code = ("import sys, torch; before = set(sys.modules); import lossscale; "
+            "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('matplotlib', 'tqdm', "
+            "'tensorboard', 'PIL') or m.startswith(('lossscale.demo', 'torch.utils.tensorboard'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_tiny_demo_end_to_end_writes_results_plot_and_csvs(tmp_path, capsys):
+    assert demo("--out", str(tmp_path)) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["name"] for r in results["runs"]] == FIVE
+    for r in results["runs"]:
+        assert KEYS <= set(r)
+        assert r["final_loss"] > 0 and r["seconds"] > 0 and 0.0 <= r["underflow"] <= 1.0
+        assert len(r["train_loss"]) == len(r["scale"]) == 6
+        assert (tmp_path / f"{cli._slug(r['name'])}.csv").exists()
+    by_name = {r["name"]: r for r in results["runs"]}
+    assert by_name["fp32"]["underflow"] == 0.0  # the float32 run is its own reference
+    assert by_name["fp16-dynamic"]["final_scale"] == 2.0**16 and by_name["fp32"]["final_scale"] == 1.0
+    assert results["underflow_definition"].startswith("share of parameter-gradient values")
+    width, height, _ = read_png(tmp_path / "demo.png")
+    assert width > 200 and height > 200
+    table = capsys.readouterr().out
+    for name in FIVE:
+        assert re.search(rf"^{re.escape(name)}\s+\d+\.\d{{4}}", table, re.M)
+
+
+def test_plot_without_matplotlib_is_still_a_valid_png(tmp_path, monkeypatch):
+    monkeypatch.setattr(plot, "have_matplotlib", lambda: False)
+    assert demo("--out", str(tmp_path), "--runs", "fp32,fp16-dynamic", "--steps", "3") == 0
+    width, height, _ = read_png(tmp_path / "demo.png")
+    assert (width, height) == (900, 780)
+
+
+def test_runs_option_picks_runs_in_order(tmp_path):
+    assert demo("--out", str(tmp_path), "--runs", "bf16,fp32", "--steps", "2") == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["name"] for r in results["runs"]] == ["bf16", "fp32"]
+
+
+def test_fp16_without_scaling_flushes_gradients_that_dynamic_scaling_keeps():
+    # The mechanism of the demo at a size a test can afford: 64 micro-batches per step.
+    cfg = QUICK.replace(steps=3, accumulation=64, sequences=2, d_model=16, files=3, measure_every=1, eval_every=3)
+    corpus = load_corpus(cfg.files, cfg.seed, cfg.context)
+    noscale = train_run(runs.RUNS["fp16-noscale"], cfg, corpus)
+    dynamic = train_run(runs.RUNS["fp16-dynamic"], cfg, corpus)
+    assert max(u for _, u in noscale.underflow) > 0.05
+    assert max(u for _, u in dynamic.underflow) < 0.01
+
+
+GROWING = runs.RunSpec("fp16-growing", "float16, scale grows every 2 steps", torch.float16,
+                       lambda: DynamicScale(init_scale=2.0**13, growth_interval=2))
+
+
+@pytest.mark.parametrize("name", ["fp16-growing", "fast|step|0.9"])
+def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path, monkeypatch, name):
+    monkeypatch.setitem(runs.RUNS, GROWING.name, GROWING)  # the run table takes one more entry
+    args = ["--runs", name, "--steps", "10", "--checkpoint-every", "3"]
+    assert demo("--out", str(tmp_path / "whole"), *args) == 0
+
+    # "Kill" after step 7: the checkpoint of step 6 is the last one written.
+    cfg = cli._config(cli.build_parser().parse_args([*TINY, *args]))
+    corpus = load_corpus(cfg.files, cfg.seed, cfg.context)
+    ckpt = tmp_path / "killed" / "checkpoints" / f"{cli._slug(name)}.pt"
+    ckpt.parent.mkdir(parents=True)
+    train_run(runs.RUNS[name], cfg, corpus, checkpoint_path=str(ckpt), checkpoint_every=3, stop_after=7)
+    assert torch.load(ckpt, weights_only=True)["step"] == 6
+    assert demo("--out", str(tmp_path / "killed"), *args, "--resume") == 0
+
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())["runs"][0]
+    resumed = json.loads((tmp_path / "killed" / "results.json").read_text())["runs"][0]
+    for key in ("train_loss", "scale", "skipped", "heldout_loss", "underflow_samples", "final_loss", "final_scale",
+                "skipped_steps", "switch_step", "precision"):
+        assert resumed[key] == whole[key], key
+    if name == "fp16-growing":
+        assert len(set(whole["scale"])) > 2  # the policy's state really moved across the checkpoint
+    else:
+        assert whole["switch_step"] == 9 and whole["precision"][8:] == ["float16", "float32"]
+    with open(tmp_path / "killed" / f"{cli._slug(name)}.csv") as f:
+        assert len(f.readlines()) == 1 + 10  # the resumed CSV has every step once
+
+
+def test_resume_with_other_settings_is_a_one_line_error(tmp_path, capsys):
+    assert demo("--out", str(tmp_path), "--runs", "fp32", "--steps", "2", "--checkpoint-every", "1") == 0
+    capsys.readouterr()
+    assert demo("--out", str(tmp_path), "--runs", "fp32", "--steps", "2", "--seed", "5", "--resume") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "seed 0 -> 5" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--runs", "fp8"], "unknown run 'fp8'; the runs are fp32, fp16-noscale"),
+    (["--steps", "-3"], "must be an integer >= 1; got -3"),
+    (["--checkpoint-every", "x"], "must be an integer >= 0; got 'x'"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--d-model", "10", "--heads", "4"], "--d-model 10 must be a multiple of --heads 4"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    assert demo("--out", str(tmp_path), *args) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and message in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_unwritable_out_is_one_line_and_exit_2(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = subprocess.run([sys.executable, "-m", "lossscale", "demo", *TINY, "--out", str(blocker / "sub")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "is not a writable directory" in out.stderr
+
+
+def test_readme_quotes_the_presets_it_claims():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## The demo"):]
+    assert QUICK.describe() in section and DEFAULT.describe() in section
+    assert "pip install 'lossscale[demo]'" in section or "make demo" in section
+
+
+def test_console_script_and_module_reach_the_demo():
+    script = Path(sys.executable).parent / "lossscale"  # the console script of the installed package
+    for command in ([sys.executable, "-m", "lossscale", "demo", "--help"], [str(script), "demo", "--help"]):
+        out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0 and "--checkpoint-every" in out.stdout and QUICK.describe() in out.stdout

@@ -1,0 +1,102 @@
+"""lossscale.metrics: StepResults as one dict per step (one host read), logged to CSV and TensorBoard."""
+
+import csv
+import importlib.util
+
+import pytest
+import torch
+
+from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer, StepResult
+from lossscale.metrics import COLUMNS, StepLogger, step_record
+
+EXPECTED_COLUMNS = ("step", "stepped", "found_inf", "scale", "next_scale", "grad_norm", "accumulating", "precision",
+                    "switched", "underflow", "skipped", "skipped_steps")
+
+
+def result(skipped=False, step=0, grad_norm=None, accumulating=False):
+    flag = torch.tensor(skipped)
+    return StepResult(stepped=~flag, found_inf=flag, scale=torch.tensor(1024.0),
+                      next_scale=torch.tensor(512.0 if skipped else 1024.0),
+                      grad_norm=None if grad_norm is None else torch.tensor(grad_norm), accumulating=accumulating,
+                      step=step)
+
+
+def test_columns_are_step_result_fields_plus_skip_counts():
+    assert COLUMNS == EXPECTED_COLUMNS
+
+
+def test_step_record_reads_all_tensors_together_without_scalar_reads():
+    with HostReadCounter() as reads:
+        rec = step_record(result(skipped=True, step=4, grad_norm=2.5), loss=torch.tensor(3.25), lr=0.1)
+    assert reads.count == 0  # no .item()/bool() per field: one stacked tolist() for every tensor
+    assert rec == {"stepped": False, "found_inf": True, "scale": 1024.0, "next_scale": 512.0, "grad_norm": 2.5,
+                   "accumulating": False, "step": 4, "precision": None, "switched": False, "underflow": None,
+                   "skipped": True, "loss": 3.25, "lr": 0.1}
+
+
+def test_step_record_refuses_extras_that_shadow_columns_or_are_not_scalars():
+    with pytest.raises(ValueError, match="'scale' is a StepResult column"):
+        step_record(result(), scale=2.0)
+    with pytest.raises(ValueError, match=r"loss=tensor of shape \(2,\)"):
+        step_record(result(), loss=torch.ones(2))
+
+
+def test_csv_has_expected_columns_rows_per_boundary_and_running_skip_count(tmp_path):
+    path = tmp_path / "steps.csv"
+    with StepLogger(path) as log:
+        assert log.log(result(accumulating=True), loss=1.0) is None  # micro-steps are not rows
+        log.log(result(step=0, grad_norm=1.5), loss=torch.tensor(2.0))
+        log.log(result(skipped=True, step=1), loss=torch.tensor(1.75))
+        row = log.log(result(step=2, grad_norm=0.5), loss=torch.tensor(1.5))
+    assert row["skipped_steps"] == 1
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert tuple(rows[0]) == EXPECTED_COLUMNS + ("loss",)
+    table = [dict(zip(rows[0], r)) for r in rows[1:]]
+    assert [r["step"] for r in table] == ["0", "1", "2"]
+    assert [r["skipped"] for r in table] == ["False", "True", "False"]
+    assert [r["skipped_steps"] for r in table] == ["0", "1", "1"]
+    assert [r["scale"] for r in table] == ["1024.0"] * 3
+    assert [r["next_scale"] for r in table] == ["1024.0", "512.0", "1024.0"]
+    assert [r["grad_norm"] for r in table] == ["1.5", "", "0.5"]  # None is an empty cell
+    assert [r["loss"] for r in table] == ["2.0", "1.75", "1.5"]
+
+
+def test_extra_columns_are_fixed_by_the_first_row(tmp_path):
+    with StepLogger(tmp_path / "steps.csv") as log:
+        log.log(result(), loss=1.0)
+        with pytest.raises(ValueError, match="log the same extra names every step"):
+            log.log(result(step=1), loss=1.0, lr=0.1)
+
+
+def test_logs_a_real_loop_with_accumulation_and_an_overflow(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, fused=True),
+                             policy=DynamicScale(init_scale=8.0), accumulation_steps=2, clip_grad_norm=10.0)
+    path = tmp_path / "loop.csv"
+    with StepLogger(path) as log:
+        for i in range(6):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            if i == 2:
+                loss = loss * float("inf")  # the second optimizer step overflows
+            opt.backward(loss)
+            log.log(opt.step(), loss=loss.detach())
+            opt.zero_grad()
+    with open(path, newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [r["step"] for r in table] == ["0", "1", "2"]
+    assert [r["skipped"] for r in table] == ["False", "True", "False"]
+    assert [r["scale"] for r in table] == ["8.0", "8.0", "4.0"]
+    assert table[0]["grad_norm"] != "" and table[1]["skipped_steps"] == "1"
+
+
+def test_tensorboard_writes_events_or_says_what_to_install(tmp_path):
+    board = tmp_path / "tb"
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(ImportError, match="pip install tensorboard"):
+            StepLogger(tensorboard_dir=board)
+        return
+    with StepLogger(tensorboard_dir=board) as log:
+        log.log(result(skipped=True, step=3), loss=1.0)
+    assert any(p.name.startswith("events.out.tfevents") for p in board.iterdir())
