@@ -73,7 +73,8 @@ def test_global_clipnorm_clips_all_gradients_together():
     b = torch.nn.Parameter(torch.zeros(1))
     opt = LossScaleOptimizer(torch.optim.SGD([a, b], lr=1.0), initial_scale=4.0, global_clipnorm=1.0)
     opt.apply([torch.tensor([3.0]) * 4, torch.tensor([4.0]) * 4])  # global norm 5
-    assert [float(a.detach()), float(b.detach())] == pytest.approx([-0.6, -0.8], rel=1e-6)  # torch's 1e-6 epsilon: Keras has none
+    # torch's 1e-6 epsilon in the coefficient: Keras has none
+    assert [float(a.detach()), float(b.detach())] == pytest.approx([-0.6, -0.8], rel=1e-6)
 
 
 def test_loss_scale_factor_scales_the_loss_and_divides_the_gradients():

@@ -62,7 +62,7 @@ def preset_for(peer: str, config: dict):
         if name in names:
             args[name] = value
         else:
-            assert key in NOT_ARGUMENTS, f"{peer}: recorded config key {key!r} is not an argument of presets.{build.__name__}"
+            assert key in NOT_ARGUMENTS, f"{peer}: config key {key!r} is not an argument of presets.{build.__name__}"
     return build(**args)
 
 

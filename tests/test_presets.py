@@ -237,3 +237,13 @@ def test_validation_names_the_preset_the_argument_and_the_value(name, kwargs, ne
     with pytest.raises(ValueError, match=needle) as err:
         presets.PRESETS[name](**kwargs)
     assert err.value.args[0].startswith(f"presets.{name}(")
+
+
+@pytest.mark.parametrize("module", ["lossscale.presets", "lossscale.compat.ascend", "lossscale.compat.mindspore",
+                                    "lossscale.compat.nnabla", "lossscale.compat.keras"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

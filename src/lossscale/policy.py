@@ -234,6 +234,8 @@ class DynamicScale:
     def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
         """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
         bad = _as_flag(found_inf, state.scale.device)
+        if self._torch_rule:
+            return self._update_torch_rule(state, bad)
         clean = ~bad
         scale, tracker, left = state.scale, state.growth_tracker, state.hysteresis_left
         full = torch.full_like(left, self.hysteresis)
@@ -273,6 +275,24 @@ class DynamicScale:
             backoff & at_floor, (state.floor_hits + 1).clamp_max(_SATURATE), torch.where(bad, state.floor_hits, 0)
         ).to(torch.int32)
         return ScaleState(new_scale, new_tracker.to(torch.int32), new_left.to(torch.int32), floor_hits)
+
+    @property
+    def _torch_rule(self) -> bool:
+        """Whether the rule is torch's plus a floor, so torch's fused kernel can run it."""
+        return (self.hysteresis == 1 and self.refill_after_backoff and self.growth_delay == 0
+                and self.arithmetic == "float64"
+                and self.backoff_divisor is None and self.growth_guard == "result" and self.at_floor == "skip"
+                and self.max_scale == FLOAT32_MAX and self.growth_interval < 2**31 - 1)
+
+    def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor) -> ScaleState:
+        """The same rule in about ten ops: torch's ``_amp_update_scale_`` on copies, then the floor."""
+        scale, tracker = state.scale.clone(), state.growth_tracker.clone()
+        torch._amp_update_scale_(scale, tracker, bad.float(), self.growth_factor, self.backoff_factor,
+                                 self.growth_interval)
+        hit = bad & (state.scale <= self.min_scale)
+        floor_hits = torch.where(hit, (state.floor_hits + 1).clamp_max(_SATURATE),
+                                 torch.where(bad, state.floor_hits, 0)).to(torch.int32)
+        return ScaleState(scale.clamp_min_(self.min_scale), tracker, state.hysteresis_left, floor_hits)
 
     def _times(self, scale: torch.Tensor, factor: float) -> torch.Tensor:
         """``scale * factor`` rounded once to float32, in the configured arithmetic."""

@@ -12,17 +12,17 @@ How the peers differ, and the knobs that express it (W = window, n = bad steps p
 =============  ==========================  =====================  ==============  ===========  ============
 preset         grows on                    bad steps counted      backoff         floor        at the cap
 =============  ==========================  =====================  ==============  ===========  ============
-torch_amp      W-th clean step             every one              S * b (f64)     none         refused
-keras          W-th clean step             every one              S / 2           none         inf (*)
+torch_amp      W-th clean step             every one              S * b (f64)     none (*)     refused
+keras          W-th clean step             every one              S / 2           none (*)     inf (*)
 tf_keras2      W-th clean step             every one              S / 2           1            refused
 tf_v1          W-th clean step             every one              S / m (f32)     1            refused
 mindspore      W-th clean step             every one              S * f32(1/f)    1            inf (*)
-nnabla         (N+2)-th, then every N+1    every attempt, retry   S / f (f64)     none         none (*)
+nnabla         (N+2)-th, then every N+1    every attempt, retry   S / f (f64)     none (*)     none (*)
 deepspeed      (W+1)-th, then every W      delayed_shift, no      S / f (f64)     min_scale,   none (*)
                                            refill after backoff                   may raise
 megatron       W-th clean step             hysteresis, cumulative S * b (f32)     min_scale    inf (*)
                                            no refill
-paddle         W-th clean step             n consecutive          S * b (f32)     none         inf (*)
+paddle         W-th clean step             n consecutive          S * b (f32)     none (*)     inf (*)
 ascend         W-th clean step             n cumulative (a clean  S * d (f32)     1            refused when
                                            step keeps the count)                               S >= 3.4e38/r
 =============  ==========================  =====================  ==============  ===========  ============

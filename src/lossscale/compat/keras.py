@@ -218,7 +218,8 @@ class LossScaleOptimizer:
         for v, g in zip(variables, grads):
             if g is None:
                 continue
-            g = g.detach().to(v.device) / divisor if divisor != 1 else g.detach().to(v.device).clone()
+            g = g.detach().to(device=v.device, dtype=v.dtype)
+            g = g / divisor if divisor != 1 else g.clone()  # never write into the caller's tensor
             if v.grad is None:
                 v.grad = g
             else:

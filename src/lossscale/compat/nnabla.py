@@ -87,10 +87,10 @@ class DynamicLossScalingUpdater:
                  weight_decay: float | None = None, comm: Any = None, grads: Sequence[torch.Tensor] = (),
                  **kwargs: Any) -> None:
         call = "DynamicLossScalingUpdater"
-        for name, value in (("loss", loss), ("data_feeder", data_feeder)):
+        for name, value, role in (("loss", loss, "running the forward pass and returning the loss"),
+                                  ("data_feeder", data_feeder, "loading the next batch")):
             if not callable(value):
-                raise TypeError(f"{call}({name}={value!r}): {name} must be a zero-argument callable "
-                                f"({'running the forward pass and returning the loss' if name == 'loss' else 'loading the next batch'}).")
+                raise TypeError(f"{call}({name}={value!r}): {name} must be a zero-argument callable ({role}).")
         check_int_at_least(call, "accum_grad", accum_grad, 1)
         if weight_decay is not None and (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
                                          or not 0 <= weight_decay < float("inf")):
