@@ -2,6 +2,7 @@
 
 import json
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -91,6 +92,20 @@ def test_plot_without_matplotlib_is_still_a_valid_png(tmp_path, monkeypatch):
     assert demo("--out", str(tmp_path), "--runs", "fp32,fp16-dynamic", "--steps", "3") == 0
     width, height, _ = read_png(tmp_path / "demo.png")
     assert (width, height) == (900, 780)
+
+
+def test_without_tqdm_and_matplotlib_progress_is_plain_lines_with_a_note(tmp_path, monkeypatch, capsys):
+    from lossscale.demo import progress
+
+    monkeypatch.setattr(progress, "have_tqdm", lambda: False)
+    monkeypatch.setattr(cli, "have_tqdm", lambda: False)
+    monkeypatch.setattr(cli, "have_matplotlib", lambda: False)
+    monkeypatch.setattr(plot, "have_matplotlib", lambda: False)
+    assert demo("--out", str(tmp_path), "--runs", "fp16-dynamic") == 0
+    out = capsys.readouterr().out
+    assert "note: tqdm and matplotlib not installed" in out and "pip install 'lossscale[demo]'" in out
+    assert re.search(r"fp16-dynamic  step 6/6  loss \d\.\d+  scale 6\.554e\+04  skipped 0", out)
+    read_png(tmp_path / "demo.png")
 
 
 def test_runs_option_picks_runs_in_order(tmp_path):
@@ -184,3 +199,18 @@ def test_console_script_and_module_reach_the_demo():
     for command in ([sys.executable, "-m", "lossscale", "demo", "--help"], [str(script), "demo", "--help"]):
         out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0 and "--checkpoint-every" in out.stdout and QUICK.describe() in out.stdout
+
+
+@pytest.mark.distributed
+def test_under_torchrun_every_rank_trains_and_rank_0_writes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "lossscale", "demo", *TINY,
+                          "--steps", "2", "--runs", "fp16-dynamic", "--out", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["world_size"] == 2
+    assert out.stdout.count("lossscale demo: a character-level transformer") == 1  # rank 0 alone prints

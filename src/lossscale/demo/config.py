@@ -23,6 +23,7 @@ class DemoConfig:
         d_model, layers, heads: The transformer's size.
         files: Standard-library files read (a tenth of them held out).
         lr: Peak AdamW learning rate (linear warm-up over the first 10% of steps, cosine decay to 10%).
+        clip_grad_norm: Clip the unscaled global gradient norm to this (None: no clipping).
         eval_tokens: Held-out characters the reported loss is measured on.
         eval_every: Steps between held-out evaluations (the last step is always evaluated).
         measure_every: Steps between underflow measurements (the first and last step always measured).
@@ -38,6 +39,7 @@ class DemoConfig:
     heads: int = 2
     files: int = 60
     lr: float = 1e-2
+    clip_grad_norm: float | None = None
     eval_tokens: int = 32_768
     eval_every: int = 20
     measure_every: int = 10
@@ -56,7 +58,8 @@ class DemoConfig:
         return (f"{self.steps} steps x {self.accumulation} micro-batches{ranks} x {self.sequences} sequences x "
                 f"{self.context} characters ({self.tokens_per_step(world_size):,} characters per step); "
                 f"{self.layers} layer{'s' if self.layers != 1 else ''}, d_model {self.d_model}, "
-                f"{self.heads} heads; {self.files} stdlib files; AdamW lr {self.lr:g}; seed {self.seed}")
+                f"{self.heads} heads; {self.files} stdlib files; AdamW lr {self.lr:g}"
+                f"{f', clip {self.clip_grad_norm:g}' if self.clip_grad_norm else ''}; seed {self.seed}")
 
     def replace(self, **changes: Any) -> DemoConfig:
         return dataclasses.replace(self, **changes)

@@ -8,6 +8,7 @@ by :mod:`lossscale.demo._png`.
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any
 
 __all__ = ["have_matplotlib", "plot_runs"]
@@ -61,6 +62,10 @@ def _plot_matplotlib(path: str, runs: list[dict[str, Any]], title: str) -> None:
         if r.get("switch_step") is not None:
             for ax in (loss_ax, scale_ax, under_ax):
                 ax.axvline(r["switch_step"], color=color, ls=":", lw=1)
+    held_values = [v for r in runs for _, v in r["heldout_loss"]]
+    train_values = [v for r in runs for v in r["train_loss"]]
+    if held_values and train_values:  # the first steps fall from ln(128) = 4.85: show the part where runs differ
+        loss_ax.set_ylim(min(train_values + held_values) - 0.05, max(held_values) + 0.25)
     loss_ax.set_ylabel("loss (nats/char)")
     loss_ax.set_title("training loss (faint) and held-out loss (dots)")
     loss_ax.legend(fontsize=8)
@@ -71,7 +76,7 @@ def _plot_matplotlib(path: str, runs: list[dict[str, Any]], title: str) -> None:
     under_ax.set_ylabel("% flushed to zero")
     under_ax.set_xlabel("optimizer step")
     under_ax.set_title("measured underflow: gradient values nonzero in float32 but zero in the run's backward")
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=9)
     fig.savefig(path, dpi=100)
 
 

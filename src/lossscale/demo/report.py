@@ -29,7 +29,7 @@ def summarize(spec: RunSpec, history: RunHistory) -> dict[str, Any]:
         "name": spec.name,
         "final_loss": history.heldout[-1][1] if history.heldout else None,
         "skipped_steps": sum(bool(r["skipped"]) for r in rows),
-        "final_scale": rows[-1]["next_scale"] if rows else None,
+        "final_scale": _final_scale(rows[-1]) if rows else None,
         "underflow": sum(shares) / len(shares) if shares else None,
         "seconds": history.seconds,
         "summary": spec.summary,
@@ -37,6 +37,8 @@ def summarize(spec: RunSpec, history: RunHistory) -> dict[str, Any]:
         "final_train_loss": rows[-1].get("loss") if rows else None,
         "underflow_peak": peak[1],
         "underflow_peak_step": peak[0],
+        "underflow_peak_by_parameter": dict(sorted(history.underflow_peak_by_parameter.items(),
+                                                   key=lambda kv: -kv[1])),
         "switch_step": history.switch_step,
         "heldout_loss": history.heldout,
         "underflow_samples": history.underflow,
@@ -45,6 +47,12 @@ def summarize(spec: RunSpec, history: RunHistory) -> dict[str, Any]:
         "skipped": [r["step"] for r in rows if r["skipped"]],
         "precision": [r["precision"] for r in rows] if spec.schedule else None,
     }
+
+
+def _final_scale(row: dict[str, Any]) -> float:
+    """The loss scale in force after the last step: the policy's next scale, or 1 once a schedule has
+    switched back to float32 (losses are not scaled any more)."""
+    return row["next_scale"] if row["precision"] in (None, "float16") else 1.0
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:

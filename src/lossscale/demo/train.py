@@ -44,9 +44,11 @@ class RunHistory:
     """What a run has recorded so far (saved in its checkpoints; ``results.json`` is made from it).
 
     Attributes:
-        rows: One :func:`lossscale.metrics.step_record` per step (with the step's training ``loss``).
+        rows: One :func:`lossscale.metrics.step_record` per step, with ``loss``: the mean training loss of
+            the step's micro-batches (rank 0's share under torchrun), as the run computed it.
         heldout: ``[step, held-out loss]`` after that many steps.
         underflow: ``[step, share of gradient values flushed to zero]`` at the measured steps.
+        underflow_peak_by_parameter: At the measured step with the most underflow, each parameter's share.
         seconds: Training time so far (evaluation and measurement excluded).
         switch_step: The step a precision schedule switched back to float32 at, if it did.
     """
@@ -54,6 +56,7 @@ class RunHistory:
     rows: list[dict[str, Any]] = field(default_factory=list)
     heldout: list[list[float]] = field(default_factory=list)
     underflow: list[list[float]] = field(default_factory=list)
+    underflow_peak_by_parameter: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     switch_step: int | None = None
 
@@ -79,21 +82,19 @@ def heldout_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
     return float(total) / count
 
 
-def _underflow_share(model: torch.nn.Module, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> float:
-    """Share of this micro-batch's float32 gradient values that the run's own backward pass left at exactly 0."""
+def _underflow_shares(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float]]:
+    """Share of this micro-batch's float32 gradient values that the run's own backward pass left at exactly 0,
+    overall and per parameter (where a parameter has any)."""
+    names, params = zip(*model.named_parameters())
     with torch.autocast(x.device.type, enabled=False):
         reference = F.cross_entropy(model(x).float().view(-1, VOCAB), y.reshape(-1))
     ref_grads = torch.autograd.grad(reference, params)
-    nonzero = torch.zeros((), dtype=torch.int64, device=x.device)
-    flushed = torch.zeros((), dtype=torch.int64, device=x.device)
-    for p, ref in zip(params, ref_grads):
-        live = ref != 0
-        nonzero += live.sum()
-        if p.grad is None:
-            flushed += live.sum()
-        else:
-            flushed += (live & (p.grad == 0)).sum()
-    return float(flushed) / max(1, int(nonzero))
+    live = torch.stack([(ref != 0).sum() for ref in ref_grads])
+    flushed = torch.stack([((ref != 0) & (p.grad == 0)).sum() if p.grad is not None else (ref != 0).sum()
+                           for p, ref in zip(params, ref_grads)])
+    live_n, flushed_n = live.tolist(), flushed.tolist()  # one host read each
+    by_param = {n: f / lv for n, f, lv in zip(names, flushed_n, live_n) if f}
+    return sum(flushed_n) / max(1, sum(live_n)), by_param
 
 
 def _save(path: str, payload: dict[str, Any]) -> None:
@@ -149,7 +150,8 @@ def train_run(
     params = list(model.parameters())
     inner = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     schedule = spec.make_schedule(cfg.steps)
-    opt = LossScaleOptimizer(inner, policy=spec.policy(), accumulation_steps=cfg.accumulation, schedule=schedule)
+    opt = LossScaleOptimizer(inner, policy=spec.policy(), accumulation_steps=cfg.accumulation,
+                             clip_grad_norm=cfg.clip_grad_norm, schedule=schedule)
     history = RunHistory()
     start = 0
     saved = load_checkpoint(checkpoint_path, spec, cfg, device) if resume and checkpoint_path else None
@@ -191,7 +193,10 @@ def train_run(
                 loss_sum += loss.detach()
                 if measure and micro == 0:
                     paused = time.perf_counter()
-                    history.underflow.append([step, _underflow_share(model, params, x, y)])
+                    share, by_param = _underflow_shares(model, x, y)
+                    if share > max((u for _, u in history.underflow), default=0.0):
+                        history.underflow_peak_by_parameter = by_param
+                    history.underflow.append([step, share])
                     began += time.perf_counter() - paused
                 if micro == cfg.accumulation - 1 and world_size > 1:
                     for p in params:  # the ranks' shares of the global batch, summed
