@@ -1,6 +1,6 @@
 # Two commands for a fresh machine (Python 3.11, nothing installed):
 #   make demo   -> creates .venv, installs lossscale with the demo extra, runs the quick demo
-#   make test   -> creates .venv, installs lossscale with the dev extra, runs the test suite
+#   make test   -> creates .venv, installs lossscale with the dev and demo extras, runs the test suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -20,10 +20,10 @@ $(VENV)/.installed-%: pyproject.toml
 demo: $(VENV)/.installed-demo
 	$(PY) -m lossscale demo --quick --out demo-out
 
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev,demo
 	$(PY) -m pytest
 
-bench: $(VENV)/.installed-dev
+bench: $(VENV)/.installed-dev,demo
 	$(PY) benchmarks/run_all.py
 
 clean:

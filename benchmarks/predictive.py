@@ -88,7 +88,7 @@ def demo_comparison(steps: int | None, quick: bool) -> list[dict]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
-        argv = ["--runs", "fp16-dynamic,fp16-predictive", "--out", out, "--no-plot"]
+        argv = ["--runs", "fp16-dynamic,fp16-predictive", "--out", out]
         if quick:
             argv.append("--quick")
         if steps is not None:

@@ -21,7 +21,7 @@ from lossscale.demo.train import train_run
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--steps", "6", "--accumulation", "2", "--sequences", "4", "--context", "16", "--d-model", "8",
         "--heads", "2", "--files", "3", "--eval-every", "3", "--measure-every", "2"]
-FIVE = ["fp32", "fp16-noscale", "fp16-dynamic", "bf16", "fast|step|0.9"]
+RUN_NAMES = ["fp32", "fp16-noscale", "fp16-dynamic", "bf16", "fast|step|0.9", "fp16-predictive"]
 KEYS = {"name", "final_loss", "skipped_steps", "final_scale", "underflow", "seconds"}
 
 
@@ -70,7 +70,7 @@ def test_import_lossscale_loads_no_demo_and_no_optional_dependency():
 def test_tiny_demo_end_to_end_writes_results_plot_and_csvs(tmp_path, capsys):
     assert demo("--out", str(tmp_path)) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert [r["name"] for r in results["runs"]] == FIVE
+    assert [r["name"] for r in results["runs"]] == RUN_NAMES
     for r in results["runs"]:
         assert KEYS <= set(r)
         assert r["final_loss"] > 0 and r["seconds"] > 0 and 0.0 <= r["underflow"] <= 1.0
@@ -83,7 +83,7 @@ def test_tiny_demo_end_to_end_writes_results_plot_and_csvs(tmp_path, capsys):
     width, height, _ = read_png(tmp_path / "demo.png")
     assert width > 200 and height > 200
     table = capsys.readouterr().out
-    for name in FIVE:
+    for name in RUN_NAMES:
         assert re.search(rf"^{re.escape(name)}\s+\d+\.\d{{4}}", table, re.M)
 
 

@@ -23,6 +23,8 @@ from typing import Any, Mapping
 
 import torch
 
+from lossscale._host import read_scalars
+
 from lossscale.result import StepResult
 
 __all__ = ["COLUMNS", "StepLogger", "step_record"]
@@ -59,12 +61,7 @@ def step_record(result: StepResult, **extra: Any) -> dict[str, Any]:
         if v.numel() != 1:
             raise ValueError(f"step_record(..., {k}=tensor of shape {tuple(v.shape)}): values must be numbers or "
                              f"one-element tensors.")
-    if tensors:
-        device = tensors[0][1].device
-        read = torch.stack([v.detach().reshape(()).to(device, torch.float64) for _, v in tensors]).tolist()
-        for (k, v), x in zip(tensors, read):
-            values[k] = bool(x) if v.dtype == torch.bool else (int(x) if not v.is_floating_point() else x)
-    return values
+    return read_scalars(values)
 
 
 class StepLogger:

@@ -57,8 +57,9 @@ def group_by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[tor
     return groups
 
 
-def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
-    """0-d bool: some value has magnitude >= threshold or is not finite. One read pass (``aminmax``)."""
+def _extremes(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-tensor minima and maxima as float32 vectors (NaN propagates), or None if all are empty.
+    One read pass (``aminmax``)."""
     lows, highs = [], []
     for g in grads:
         if g.numel():
@@ -66,11 +67,21 @@ def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
             lows.append(low)
             highs.append(high)
     if not lows:
-        return torch.zeros((), dtype=torch.bool, device=grads[0].device)
-    lo = torch.stack(lows).float()
-    hi = torch.stack(highs).float()
+        return None
+    return torch.stack(lows).float(), torch.stack(highs).float()
+
+
+def _outside(lo: torch.Tensor, hi: torch.Tensor, threshold: float) -> torch.Tensor:
     # Written as "not (inside the range)" so that NaN, which fails every comparison, counts.
     return ~((hi < threshold) & (lo > -threshold)).all()
+
+
+def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
+    """0-d bool: some value has magnitude >= threshold or is not finite. One read pass (``aminmax``)."""
+    ext = _extremes(grads)
+    if ext is None:
+        return torch.zeros((), dtype=torch.bool, device=grads[0].device)
+    return _outside(*ext, threshold)
 
 
 def check_with_amax_(
@@ -83,23 +94,16 @@ def check_with_amax_(
 
     One read pass (``aminmax`` per tensor), for policies that observe the gradient maximum. No host read.
     """
-    lows, highs = [], []
-    for g in grads:
-        if g.numel():
-            low, high = torch.aminmax(g)
-            lows.append(low)
-            highs.append(high)
-    if not lows:
+    ext = _extremes(grads)
+    if ext is None:
         return torch.zeros((), dtype=torch.float32, device=found_inf.device)
-    lo = torch.stack(lows).float()
-    hi = torch.stack(highs).float()
-    amax = torch.maximum(hi.max(), -lo.min())
+    lo, hi = ext
     if mode == "saturation":
-        bad = ~((hi < threshold) & (lo > -threshold)).all()
+        bad = _outside(lo, hi, threshold)
     else:
         bad = ~(torch.isfinite(lo).all() & torch.isfinite(hi).all())
     found_inf.add_(bad.to(found_inf.dtype))
-    return amax
+    return torch.maximum(hi.max(), -lo.min())
 
 
 # Below this many elements a tensor is checked inside one foreach call rather than by its own sum.

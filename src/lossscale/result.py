@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from lossscale._host import read_scalars
+
 __all__ = ["StepResult"]
 
 
@@ -48,17 +50,4 @@ class StepResult:
 
     def as_dict(self) -> dict[str, Any]:
         """Every field as plain Python values (reads the tensors on the host: one sync for all)."""
-        out: dict[str, Any] = {}
-        tensors: list[tuple[str, torch.Tensor]] = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                tensors.append((f.name, value))
-            else:
-                out[f.name] = value
-        if tensors:
-            device = tensors[0][1].device
-            read = torch.stack([t.detach().to(device, torch.float64) for _, t in tensors]).tolist()
-            for (name, t), v in zip(tensors, read):
-                out[name] = bool(v) if t.dtype == torch.bool else v
-        return {f.name: out[f.name] for f in dataclasses.fields(self)}
+        return read_scalars({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})

@@ -9,6 +9,7 @@ autocast precision and the loss-scale policy differ::
     fp16-dynamic    autocast float16;            DynamicScale(): torch's rule, 2**16 start, x2 every 2000 clean steps
     bf16            autocast bfloat16;           FixedScale(1.0): bfloat16 has float32's range, needs no scaling
     fast|step|0.9   PrecisionSchedule: float16 for the first 90% of steps, then float32; DynamicScale() while float16
+    fp16-predictive autocast float16;            PredictiveScale(): the scale set from the observed gradient maximum
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from lossscale import DynamicScale, FixedScale
+from lossscale import DynamicScale, FixedScale, PredictiveScale
 
 __all__ = ["RunSpec", "RUNS", "parse_runs"]
 
@@ -72,6 +73,8 @@ RUNS: dict[str, RunSpec] = {
         RunSpec("bf16", "bfloat16 autocast, no loss scaling", torch.bfloat16, _no_scaling),
         RunSpec("fast|step|0.9", "PrecisionSchedule: float16 (dynamic scale) for 90% of steps, then float32",
                 None, DynamicScale, schedule="fast|step|0.9"),
+        RunSpec("fp16-predictive", "float16 autocast, LossScaleOptimizer(PredictiveScale()): no blind growth",
+                torch.float16, PredictiveScale),
     ]
 }
 
