@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternate, emit, machine, table  # noqa: E402
+from _common import alternate, emit, grad_restorer, machine, table  # noqa: E402
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
 
@@ -66,12 +66,7 @@ def step_time(total: int, rounds: int) -> dict[str, float]:
         "PredictiveScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True), PredictiveScale()),
     }
 
-    def restore(_name: str) -> None:
-        for p, g in zip(params, base):
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+    restore = grad_restorer(params, base)
 
     return alternate({name: opt.step for name, opt in opts.items()}, rounds, setup=restore)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternate, emit, machine, table  # noqa: E402
+from _common import alternate, emit, grad_restorer, machine, table  # noqa: E402
 
 from lossscale import FixedScale, LossScaleOptimizer  # noqa: E402
 
@@ -46,12 +46,7 @@ def measure(total: int, opt_name: str, clip: bool, rounds: int) -> dict:
     scaler.scale(torch.ones(()))  # initialise its scale tensor, as the backward pass would
     ours = LossScaleOptimizer(make(params), FixedScale(SCALE), clip_grad_norm=1.0 if clip else None)
 
-    def restore(_name: str) -> None:
-        for p, g in zip(params, base):
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+    restore = grad_restorer(params, base)
 
     def bare() -> None:
         bare_opt.step()
