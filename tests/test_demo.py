@@ -74,7 +74,9 @@ def test_tiny_demo_end_to_end_writes_results_plot_and_csvs(tmp_path, capsys):
     for r in results["runs"]:
         assert KEYS <= set(r)
         assert r["final_loss"] > 0 and r["seconds"] > 0 and 0.0 <= r["underflow"] <= 1.0
-        assert len(r["train_loss"]) == len(r["scale"]) == 6
+        assert len(r["train_loss"]) == len(r["scale"]) == len(r["underflow_meter"]) == 6
+        if r["name"] in ("fp16-noscale", "fp16-dynamic", "fp16-predictive"):  # the meter runs while scaling
+            assert all(v is not None and 0.0 <= v <= 1.0 for v in r["underflow_meter"])
         assert (tmp_path / f"{cli._slug(r['name'])}.csv").exists()
     by_name = {r["name"]: r for r in results["runs"]}
     assert by_name["fp32"]["underflow"] == 0.0  # the float32 run is its own reference

@@ -59,6 +59,9 @@ def _plot_matplotlib(path: str, runs: list[dict[str, Any]], title: str) -> None:
         samples = r["underflow_samples"]
         under_ax.plot([s for s, _ in samples], [100 * v for _, v in samples], "o-", color=color, ms=3,
                       label=r["name"])
+        meter = [(s, v) for s, v in enumerate(r.get("underflow_meter") or []) if v is not None]
+        if meter:  # the library's per-step meter (StepResult.underflow), dashed
+            under_ax.plot([s for s, _ in meter], [100 * v for _, v in meter], "--", color=color, lw=0.8, alpha=0.7)
         if r.get("switch_step") is not None:
             for ax in (loss_ax, scale_ax, under_ax):
                 ax.axvline(r["switch_step"], color=color, ls=":", lw=1)
@@ -75,7 +78,9 @@ def _plot_matplotlib(path: str, runs: list[dict[str, Any]], title: str) -> None:
     scale_ax.legend(fontsize=8)
     under_ax.set_ylabel("% flushed to zero")
     under_ax.set_xlabel("optimizer step")
-    under_ax.set_title("measured underflow: gradient values nonzero in float32 but zero in the run's backward")
+    under_ax.set_title("measured underflow: gradient values nonzero in float32 but zero in the run's backward\n"
+                       "(dashed: the underflow meter, StepResult.underflow: sampled scaled gradients <= 2^-25)",
+                       fontsize=10)
     fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=9)
     fig.savefig(path, dpi=100)
 

@@ -44,6 +44,7 @@ def summarize(spec: RunSpec, history: RunHistory) -> dict[str, Any]:
         "underflow_samples": history.underflow,
         "train_loss": [r.get("loss") for r in rows],
         "scale": [r["scale"] for r in rows],
+        "underflow_meter": [r.get("underflow") for r in rows],
         "skipped": [r["step"] for r in rows if r["skipped"]],
         "precision": [r["precision"] for r in rows] if spec.schedule else None,
     }

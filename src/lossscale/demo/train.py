@@ -39,6 +39,11 @@ __all__ = ["RunHistory", "train_run", "load_checkpoint", "heldout_loss", "CHECKP
 CHECKPOINT_FORMAT = 1
 
 
+#: The library's underflow meter (``StepResult.underflow``) samples every 64th accumulated gradient value at
+#: every step; the demo's own measurement below re-runs a micro-batch in float32 at sampled steps.
+UNDERFLOW_METER_STRIDE = 64
+
+
 @dataclass
 class RunHistory:
     """What a run has recorded so far (saved in its checkpoints; ``results.json`` is made from it).
@@ -151,7 +156,8 @@ def train_run(
     inner = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     schedule = spec.make_schedule(cfg.steps)
     opt = LossScaleOptimizer(inner, policy=spec.policy(), accumulation_steps=cfg.accumulation,
-                             clip_grad_norm=cfg.clip_grad_norm, schedule=schedule)
+                             clip_grad_norm=cfg.clip_grad_norm, schedule=schedule,
+                             underflow_stride=UNDERFLOW_METER_STRIDE)
     history = RunHistory()
     start = 0
     saved = load_checkpoint(checkpoint_path, spec, cfg, device) if resume and checkpoint_path else None
