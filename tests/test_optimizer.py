@@ -326,3 +326,20 @@ def test_ema_validation():
         EMA(1.0)
     with pytest.raises(ValueError, match="overwrite_every must be an integer >= 1"):
         EMA(0.9, overwrite_every=0)
+
+
+def test_set_scale_keeps_the_counters_and_validates():
+    model, data = model_and_data()
+    opt = LossScaleOptimizer(SGD(model.parameters()), DynamicScale(init_scale=2.0**8, growth_interval=3))
+    run_steps(opt, model, data[:2])
+    tracker = int(opt.scale_state.growth_tracker)
+    with HostReadCounter() as reads:
+        opt.set_scale(torch.tensor(32.0))
+    assert reads.count == 0 and float(opt.scale) == 32.0 and int(opt.scale_state.growth_tracker) == tracker == 2
+    opt.set_scale(1024.0)
+    assert run_steps(opt, model, data[2:3]) == [(False, True, 2048.0)]  # the third clean step grows from it
+    for bad in [0.0, -1.0, float("inf"), float("nan")]:
+        with pytest.raises(ValueError, match=r"LossScaleOptimizer.set_scale\(new_scale=.*finite number > 0"):
+            opt.set_scale(bad)
+    with pytest.raises(ValueError, match="1-element tensor"):
+        opt.set_scale(torch.ones(2))

@@ -32,7 +32,15 @@ from lossscale.overflow import (
     saturation_threshold,
     unscale_and_check_,
 )
-from lossscale.policy import DynamicScale, FloorError, Policy, check_floor, state_from_dict, state_to_dict
+from lossscale.policy import (
+    DynamicScale,
+    FloorError,
+    Policy,
+    check_floor,
+    state_from_dict,
+    state_to_dict,
+    with_scale,
+)
 from lossscale.result import StepResult
 from lossscale.underflow import underflow_share
 
@@ -198,6 +206,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def scale_state(self) -> Any:
         """The policy's whole state record."""
         return self._state
+
+    def set_scale(self, new_scale: float | torch.Tensor) -> None:
+        """Set the loss scale (a finite float > 0 or a 1-element tensor); the policy's counters carry on.
+        No host read for a tensor."""
+        self._state = with_scale(self._state, new_scale, "LossScaleOptimizer.set_scale")
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]

@@ -83,6 +83,23 @@ def state_from_dict(template: Any, values: dict[str, Any]) -> Any:
     )
 
 
+def with_scale(state: Any, new_scale: float | torch.Tensor, call: str) -> Any:
+    """``state`` with its scale set to ``new_scale`` (a finite float > 0, or a 1-element tensor without grad,
+    copied), the counters untouched. No host read for a tensor."""
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or new_scale.requires_grad:
+            raise ValueError(f"{call}(new_scale=tensor of shape {tuple(new_scale.shape)}): new_scale must be a "
+                             f"1-element tensor without grad or a float.")
+        scale = new_scale.detach().reshape(()).to(state.scale, copy=True)
+    elif isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)) or not (
+        math.isfinite(new_scale) and new_scale > 0
+    ):
+        raise ValueError(f"{call}(new_scale={new_scale!r}): new_scale must be a finite number > 0; got {new_scale!r}.")
+    else:
+        scale = torch.full_like(state.scale, float(new_scale))
+    return dataclasses.replace(state, scale=scale)
+
+
 @runtime_checkable
 class Policy(Protocol):
     """What the scalers need from a policy."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from collections import abc
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -28,7 +27,15 @@ from lossscale.overflow import (
     saturation_threshold,
     unscale_and_check_,
 )
-from lossscale.policy import DynamicScale, FixedScale, Policy, check_floor, state_from_dict, state_to_dict
+from lossscale.policy import (
+    DynamicScale,
+    FixedScale,
+    Policy,
+    check_floor,
+    state_from_dict,
+    state_to_dict,
+    with_scale,
+)
 
 __all__ = ["GradScaler", "ScalerStep"]
 
@@ -313,7 +320,7 @@ class GradScaler:
             return
         state = self._require_state("update()")
         if new_scale is not None:
-            self._set_state(dataclasses.replace(state, scale=self._validated_new_scale(new_scale, state)))
+            self._set_state(with_scale(state, new_scale, "GradScaler.update"))
         else:
             seen = [r for r in self._records.values() if r.stage is not _Stage.READY]
             if not seen:
@@ -333,19 +340,6 @@ class GradScaler:
                 self._set_state(self.policy.update(state, total))
             check_floor(self.policy, self._state)
         self._records = {}
-
-    def _validated_new_scale(self, new_scale: float | torch.Tensor, state: Any) -> torch.Tensor:
-        if isinstance(new_scale, torch.Tensor):
-            if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise ValueError(f"GradScaler.update(new_scale=tensor of shape {tuple(new_scale.shape)}): "
-                                 f"new_scale must be a 1-element tensor without grad or a float.")
-            return new_scale.detach().reshape(()).to(state.scale)
-        if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)) or not (
-            math.isfinite(new_scale) and new_scale > 0
-        ):
-            raise ValueError(f"GradScaler.update(new_scale={new_scale!r}): new_scale must be a finite number > 0; "
-                             f"got {new_scale!r}.")
-        return torch.full_like(state.scale, float(new_scale))
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a host read); 1.0 when disabled."""

@@ -329,13 +329,11 @@ class TrainOneStepWithLossScaleCell:
         return self._opt.scale_state
 
     def set_sense_scale(self, sens: torch.Tensor) -> None:
-        """Set the loss scale to ``sens`` (a 1-element tensor); the counters carry on. One host read."""
+        """Set the loss scale to ``sens`` (a 1-element tensor); the counters carry on. No host read."""
         if not isinstance(sens, torch.Tensor) or sens.numel() != 1:
             raise TypeError(f"TrainOneStepWithLossScaleCell.set_sense_scale(sens={sens!r}): sens must be a "
                             f"1-element tensor; got {type(sens).__name__}.")
-        state_dict = self._opt.state_dict()
-        state_dict["policy_state"]["scale"] = float(sens)
-        self._opt.load_state_dict(state_dict)
+        self._opt.set_scale(sens.detach().float())
         self._policy.state = self._opt.scale_state
         if self.loss_scaling_manager is not None:
             self.loss_scaling_manager._state = self._opt.scale_state

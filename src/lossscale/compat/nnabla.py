@@ -117,9 +117,7 @@ class DynamicLossScalingUpdater:
 
     @scale.setter
     def scale(self, value: float) -> None:
-        state_dict = self._opt.state_dict()
-        state_dict["policy_state"]["scale"] = float(value)
-        self._opt.load_state_dict(state_dict)
+        self._opt.set_scale(float(value))
 
     @property
     def scale_state(self) -> Any:
