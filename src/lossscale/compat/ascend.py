@@ -12,7 +12,8 @@ incr_ratio=2, decr_ratio=0.8)``                              ``hysteresis=decr_e
                                                              growth only while ``S < 3.4e38 / incr_ratio``
 ``FixedLossScaleManager(loss_scale)`` (>= 1)                 ``FixedScale(loss_scale)``
 ``manager.get_loss_scale()`` (a float32 variable)            the 0-d float32 scale tensor (no host read)
-``manager.update_loss_scale(finite_grads)``                  ``policy.update(state, ~finite_grads)`` (no host read)
+``manager.update_loss_scale(finite_grads)``                  ``policy.update(state, ~finite_grads)`` (no host read);
+                                                             a float tensor is an NPU float status: 0 = finite
 ``NPULossScaleOptimizer(opt, loss_scale_manager,             ``LossScaleOptimizer(opt, policy=<the manager>)``:
 is_distributed=False)``                                      the optimizer's updates land in the manager
 ``compute_gradients(loss)`` (scales the loss)                ``opt.backward(loss)`` (or ``opt.scale_loss(loss)``)
@@ -61,13 +62,26 @@ __all__ = [
 
 
 def _found_inf(finite_grads: Any, device: torch.device) -> torch.Tensor:
-    """``not finite_grads`` as a bool tensor (a Python bool or a bool tensor; no host read)."""
-    if isinstance(finite_grads, torch.Tensor):
-        return ~finite_grads.to(device=device, dtype=torch.bool)
+    """The overflow flag (0-d bool) of one step's ``finite_grads``; no host read.
+
+    Rule: a Python bool or a one-value bool tensor is TF1's ``finite_grads`` (True: every gradient is
+    finite); a one-value floating tensor is an NPU float status (0: no overflow; anything else, NaN
+    included: overflow). Anything else is refused rather than cast (a 2-value tensor would turn the
+    scale into a vector).
+    """
+    call = f"update_loss_scale(finite_grads={finite_grads!r})"
     if isinstance(finite_grads, bool):
         return torch.tensor(not finite_grads, device=device)
-    raise TypeError(f"update_loss_scale(finite_grads={finite_grads!r}): finite_grads must be a bool or a bool "
-                    f"tensor (True when every gradient is finite); got {type(finite_grads).__name__}.")
+    if not isinstance(finite_grads, torch.Tensor) or not (finite_grads.dtype == torch.bool
+                                                          or finite_grads.is_floating_point()):
+        kind = type(finite_grads).__name__ if not isinstance(finite_grads, torch.Tensor) else finite_grads.dtype
+        raise TypeError(f"{call}: finite_grads must be a bool, a bool tensor (True when every gradient is finite) "
+                        f"or a floating NPU float status tensor (0 when nothing overflowed); got {kind}.")
+    if finite_grads.numel() != 1:
+        raise ValueError(f"{call}: finite_grads must hold one value (one step's verdict for all gradients); got "
+                         f"shape {tuple(finite_grads.shape)}. Reduce it first, e.g. finite_grads.all().")
+    flag = finite_grads.reshape(()).to(device)
+    return ~flag if flag.dtype == torch.bool else flag != 0
 
 
 class _LossScaleManager:
