@@ -366,6 +366,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
         # advance
         self._boundaries += 1
+        if self.schedule is not None:  # HELPER-CHANGE: the schedule warns once when it is never fed (issue 14)
+            self.schedule.note_optimizer_step()
         if self.ema is not None:
             self.ema.update(stepped, self._boundaries)
         state = self._state

@@ -19,6 +19,7 @@ import dataclasses
 import math
 import operator
 import re
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ContextManager, Iterable, Literal
@@ -95,8 +96,8 @@ def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss
 
         step = step if given else state.step + 1        (a loss alone reports one more completed step)
         if not switched and (trigger == 'step' and step >= ceil(total_steps * ratio)
-                             or trigger == 'loss' and loss <= target_loss * ratio):   # NaN never switches
-            switch_step = step                          (never cleared again)
+                             or trigger == 'loss' and loss is finite and loss <= target_loss * ratio):
+            switch_step = step                          (never cleared again; NaN, inf and -inf never switch)
     """
     position = state.step + 1 if step is None else step
     if state.switch_step is not None:
@@ -104,7 +105,7 @@ def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss
     if config.trigger == "step":
         switch = position >= config.switch_at_step  # type: ignore[operator]
     else:
-        switch = loss is not None and loss <= config.switch_below_loss  # type: ignore[operator]
+        switch = loss is not None and math.isfinite(loss) and loss <= config.switch_below_loss  # type: ignore[operator]
     return ScheduleState(position, position if switch else None)
 
 
@@ -119,6 +120,8 @@ class PrecisionSchedule:
     Feed it once per step with :meth:`update`: ``step`` is the index of the next step to run (the number of
     steps completed, like TF's ``global_step`` or Lightning's ``trainer.global_step``); ``loss`` is the loss of
     the step that just ran. Cost: a tensor ``loss`` is read on the host (one sync per call); nothing else is.
+    A loss that is NaN, inf or -inf never switches. Attached to a LossScaleOptimizer that has stepped twice
+    while ``update`` was never called, the schedule warns once (it would stay in low precision for good).
 
     Example::
 
@@ -165,6 +168,8 @@ class PrecisionSchedule:
                                      None if target_loss is None else float(target_loss),
                                      switch_at_step, switch_below_loss)
         self._state = ScheduleState()
+        self._told = False  # update() or load_state_dict() was called: the loop feeds the schedule
+        self._unfed_steps = 0
 
     # --- what users read -----------------------------------------------------------------------
 
@@ -235,6 +240,24 @@ class PrecisionSchedule:
                                 f"{type(loss).__name__}.")
             loss = float(loss)
         self._state = advance(self.config, self._state, step, loss)
+        self._told = True
+
+    def note_optimizer_step(self) -> None:
+        """Called by the optimizer the schedule is attached to after each of its steps.
+
+        Rule: once two optimizer steps have run and :meth:`update` was never called (nor a checkpoint
+        loaded), warn once: such a loop would stay in low precision for the whole run without a word
+        (as torch warns about a scheduler stepped before its optimizer). Cost: none.
+        """
+        if self._told:
+            return
+        self._unfed_steps += 1
+        if self._unfed_steps == 2:
+            warnings.warn(
+                f"{self!r}: {self._unfed_steps} optimizer steps ran and schedule.update() was never called, so "
+                f"the schedule cannot leave {self.config.low_dtype} (it stays there for the whole run). Call "
+                f"schedule.update(step=step) at the start of each step, or schedule.update(loss=loss) after it.",
+                UserWarning, stacklevel=3)
 
     def autocast(self, device_type: str) -> ContextManager[Any]:
         """``torch.autocast(device_type, dtype=self.dtype)`` before the switch; a context that does nothing after."""
@@ -254,6 +277,7 @@ class PrecisionSchedule:
             raise ValueError(f"{self!r}.load_state_dict(...): the checkpoint was saved by a schedule with mode "
                              f"{state_dict.get('mode')!r}; build the schedule with that mode to resume it.")
         self._state = ScheduleState(**{f.name: state_dict[f.name] for f in dataclasses.fields(ScheduleState)})
+        self._told = True
 
 
 def check_attachable(schedule: Any, params: Iterable[torch.Tensor]) -> None:
