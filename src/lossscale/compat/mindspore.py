@@ -9,7 +9,7 @@ MindSpore                                                   lossscale
 scale_factor, scale_window)``                               scale_window)``: growth on the W-th clean step,
                                                             ``S * float32(1/f)``, floor 1, float32 products
 ``cell(loss_scale, overflow)``: updates the Parameter in     same, on a 0-d (or shape (1,)) float32 tensor, in
-place, returns ``overflow``                                 place; no host read
+place, returns ``overflow``                                 place (another dtype is refused); no host read
 ``cell.get_loss_scale()``                                   ``loss_scale_value``, the value it was built with (as
                                                             MindSpore: the live scale is the tensor passed in)
 ``nn.FixedLossScaleUpdateCell(loss_scale_value)``           ``FixedScale``; the call returns ``overflow``
@@ -66,6 +66,18 @@ def _flag(overflow: Any, device: torch.device) -> torch.Tensor:
     if isinstance(overflow, bool):
         return torch.tensor(overflow, device=device)
     raise TypeError(f"overflow must be a bool or a bool tensor; got {type(overflow).__name__}.")
+
+
+def _check_loss_scale(call: str, loss_scale: Any) -> None:
+    """The cell's ``loss_scale`` is MindSpore's float32 Parameter: a 1-element float32 tensor, updated in
+    place, so another dtype is refused rather than rounded (an int64 scale would truncate ``S / 3``)."""
+    if not isinstance(loss_scale, torch.Tensor) or loss_scale.numel() != 1:
+        raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's "
+                        f"loss_scale Parameter); got {type(loss_scale).__name__}.")
+    if loss_scale.dtype != torch.float32:
+        raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a float32 tensor (MindSpore's "
+                        f"loss_scale Parameter is float32, and it is updated in place); got {loss_scale.dtype}. "
+                        f"Create it as torch.tensor(2.0**24) or convert it with .float().")
 
 
 def _check_rule(call: str, init_name: str, init: Any, scale_factor: Any, scale_window: Any) -> None:
@@ -125,9 +137,7 @@ class DynamicLossScaleUpdateCell(_StatefulRule):
     @torch.no_grad()
     def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
         """Update ``loss_scale`` (float32, shape () or (1,)) in place from ``overflow``; return ``overflow``."""
-        if not isinstance(loss_scale, torch.Tensor) or loss_scale.numel() != 1:
-            raise TypeError(f"DynamicLossScaleUpdateCell(loss_scale, overflow): loss_scale must be a 1-element "
-                            f"tensor (MindSpore's loss_scale Parameter); got {type(loss_scale).__name__}.")
+        _check_loss_scale("DynamicLossScaleUpdateCell", loss_scale)
         if self._state.scale.device != loss_scale.device:
             self._state = self._state.to(loss_scale.device)
         state = dataclasses.replace(self._state, scale=loss_scale.detach().reshape(()).float())
@@ -155,6 +165,7 @@ class FixedLossScaleUpdateCell(_StatefulRule):
 
     def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
         """Return ``overflow``; the scale does not move."""
+        _check_loss_scale("FixedLossScaleUpdateCell", loss_scale)
         return overflow
 
     def __repr__(self) -> str:
