@@ -25,7 +25,9 @@ dynamic_growth_steps=2000)``                                 initial_scale, dyna
                                                              1e-6)``; Keras divides by the norm alone)
 ``use_ema, ema_momentum=0.99``                               ``EMA(ema_momentum)``, advanced on applied steps; the
                                                              first applied step copies the weights (Keras's
-                                                             momentum 0 at iteration 0)
+                                                             momentum 0 at iteration 0); momentum in [0, 1], 1
+                                                             freezes the average; None (R's NULL) = default
+``name=None``                                                ``name`` (default ``"loss_scale_optimizer"``)
 ``ema_overwrite_frequency``                                  weights overwritten by the average when the applied
                                                              step count is a multiple of it
 ``loss_scale_factor``                                        a static extra factor: ``scale_loss`` multiplies by it,
@@ -45,6 +47,7 @@ Deviations of the rule: see :func:`lossscale.presets.keras` (no growth into inf,
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -68,6 +71,7 @@ BASE_KWARGS: dict[str, Any] = {
     "ema_overwrite_frequency": None,
     "loss_scale_factor": None,
     "gradient_accumulation_steps": None,
+    "name": None,
 }
 
 _CALL = "LossScaleOptimizer"
@@ -95,15 +99,33 @@ def _validated(kwargs: dict[str, Any]) -> dict[str, Any]:
     if len(clips) > 1:
         raise ValueError(f"{_CALL}({', '.join(f'{n}={args[n]!r}' for n in clips)}): only one of clipnorm, clipvalue "
                          f"and global_clipnorm can be set; got {len(clips)}.")
+    for name in ("use_ema", "ema_momentum"):  # R's NULL (None) means Keras's default
+        if args[name] is None:
+            args[name] = BASE_KWARGS[name]
     check_choice(_CALL, "use_ema", args["use_ema"], (True, False))
     m = args["ema_momentum"]
-    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
-        raise ValueError(f"{_CALL}(ema_momentum={m!r}): ema_momentum must be in [0, 1); got {m!r}.")
+    rule = f"{_CALL}(ema_momentum={m!r}): ema_momentum must be None or a number in [0, 1]"
+    if isinstance(m, bool) or not isinstance(m, (int, float)):
+        raise TypeError(f"{rule}; got {type(m).__name__}.")
+    if not 0.0 <= m <= 1.0:
+        raise ValueError(f"{rule}; got {m!r}.")
+    if args["name"] is not None and not isinstance(args["name"], str):
+        raise TypeError(f"{_CALL}(name={args['name']!r}): name must be a str or None; got "
+                        f"{type(args['name']).__name__}.")
     if args["ema_overwrite_frequency"] is not None:
         check_int_at_least(_CALL, "ema_overwrite_frequency", args["ema_overwrite_frequency"], 1)
     if args["gradient_accumulation_steps"] is not None:
         check_int_at_least(_CALL, "gradient_accumulation_steps", args["gradient_accumulation_steps"], 2)
     return args
+
+
+class _KerasEMA(EMA):
+    """Keras's average with its momentum range [0, 1]: 1 keeps the average at the first applied step's
+    weights (the facade copies them there); the core :class:`~lossscale.EMA` takes [0, 1)."""
+
+    def __init__(self, momentum: float) -> None:
+        super().__init__(0.0)
+        self.momentum = float(momentum)
 
 
 class LossScaleOptimizer:
@@ -144,7 +166,8 @@ class LossScaleOptimizer:
         self.dynamic_growth_steps = dynamic_growth_steps
         for name, value in args.items():
             setattr(self, name, value)
-        self.ema = EMA(args["ema_momentum"]) if args["use_ema"] else None
+        self.name = args["name"] if args["name"] is not None else "loss_scale_optimizer"
+        self.ema = _KerasEMA(args["ema_momentum"]) if args["use_ema"] else None
         self._opt = _CoreOptimizer(
             inner_optimizer, policy=policy,
             clip_grad_norm=args["global_clipnorm"], clip_grad_value=args["clipvalue"],
@@ -190,8 +213,16 @@ class LossScaleOptimizer:
 
     # --- the calls ----------------------------------------------------------------------------
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * dynamic_scale`` (times ``loss_scale_factor`` when set). No host read."""
+    def scale_loss(self, loss: Any) -> torch.Tensor:
+        """``loss * dynamic_scale`` (times ``loss_scale_factor`` when set). No host read.
+
+        A Python or NumPy real number is taken as a float32 loss on the scale's device, as Keras's
+        ``ops.multiply`` takes it."""
+        if not isinstance(loss, torch.Tensor):
+            if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+                raise TypeError(f"{_CALL}.scale_loss(loss={loss!r}): loss must be a tensor or a real number; got "
+                                f"{type(loss).__name__}.")
+            loss = torch.tensor(float(loss), device=self._opt.scale.device)
         factor = self._opt.scale if self.loss_scale_factor is None else self._opt.scale * self.loss_scale_factor
         return loss * factor.to(loss.device)
 
