@@ -26,6 +26,8 @@ from typing import Any, ContextManager, Iterable, Literal
 
 import torch
 
+from lossscale._validate import ArgumentTypeError
+
 __all__ = ["PrecisionSchedule", "ScheduleConfig", "ScheduleState", "advance", "check_attachable", "parse_mode"]
 
 Trigger = Literal["step", "loss"]
@@ -148,7 +150,10 @@ class PrecisionSchedule:
         call = f"PrecisionSchedule({mode!r}, total_steps={total_steps!r}, target_loss={target_loss!r})"
         switch_at_step = switch_below_loss = None
         if trigger == "step":
-            if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)):
+                raise ArgumentTypeError(f"{call}: total_steps must be an integer >= 1; got "
+                                        f"{total_steps!r} ({type(total_steps).__name__}).")
+            if total_steps is None or total_steps < 1:
                 raise ValueError(f"{call}: the 'step' trigger keeps low precision while step < total_steps * ratio, "
                                  f"so total_steps must be an integer >= 1; got {total_steps!r}.")
             if target_loss is not None:
@@ -156,8 +161,11 @@ class PrecisionSchedule:
                                  f"the step. Leave target_loss out, or use a 'loss' mode such as 'fast|loss|1.05'.")
             switch_at_step = math.ceil(total_steps * ratio)
         else:
-            if (isinstance(target_loss, bool) or not isinstance(target_loss, (int, float))
-                    or not math.isfinite(target_loss) or target_loss <= 0):
+            if target_loss is not None and (isinstance(target_loss, bool)
+                                            or not isinstance(target_loss, (int, float))):
+                raise ArgumentTypeError(f"{call}: target_loss must be a finite number > 0; got "
+                                        f"{target_loss!r} ({type(target_loss).__name__}).")
+            if target_loss is None or not math.isfinite(target_loss) or target_loss <= 0:
                 raise ValueError(f"{call}: the 'loss' trigger keeps low precision until a loss <= target_loss * "
                                  f"ratio, so target_loss must be a finite number > 0; got {target_loss!r}.")
             if total_steps is not None:
@@ -273,11 +281,34 @@ class PrecisionSchedule:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the mode must match (total_steps/target_loss may change on resume)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{self!r}.load_state_dict(state_dict={state_dict!r}): state_dict must be a dict "
+                            f"from PrecisionSchedule.state_dict(); got {type(state_dict).__name__}.")
         if state_dict.get("mode") != self.config.mode:
             raise ValueError(f"{self!r}.load_state_dict(...): the checkpoint was saved by a schedule with mode "
                              f"{state_dict.get('mode')!r}; build the schedule with that mode to resume it.")
-        self._state = ScheduleState(**{f.name: state_dict[f.name] for f in dataclasses.fields(ScheduleState)})
+        self._state = _checked_state(f"{self!r}.load_state_dict", state_dict)
         self._told = True
+
+
+def _checked_state(call: str, state_dict: dict[str, Any]) -> ScheduleState:
+    """The saved ``step`` (an integer >= 0) and ``switch_step`` (None or an integer >= 0), checked."""
+    values = {}
+    for f in dataclasses.fields(ScheduleState):
+        if f.name not in state_dict:
+            raise ValueError(f"{call}(state_dict={state_dict!r}): the state dict has no {f.name!r}; expected the "
+                             f"keys mode, step, switch_step of PrecisionSchedule.state_dict().")
+        value = state_dict[f.name]
+        if value is None and f.name == "switch_step":
+            values[f.name] = None
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{call}({f.name}={value!r}): {f.name} must be an integer >= 0"
+                            f"{' or None' if f.name == 'switch_step' else ''}; got {type(value).__name__}.")
+        if value < 0:
+            raise ValueError(f"{call}({f.name}={value!r}): {f.name} must be an integer >= 0; got {value!r}.")
+        values[f.name] = value
+    return ScheduleState(**values)
 
 
 def check_attachable(schedule: Any, params: Iterable[torch.Tensor]) -> None:
