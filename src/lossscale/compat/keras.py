@@ -53,7 +53,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from lossscale import presets
-from lossscale._validate import check_choice, check_int_at_least
+from lossscale._validate import ArgumentTypeError, check_choice, check_int_at_least
 from lossscale.ema import EMA
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
 from lossscale.result import StepResult
@@ -80,16 +80,18 @@ _CALL = "LossScaleOptimizer"
 def _optional_positive(name: str, value: Any, low: float = 0.0, inclusive: bool = False) -> None:
     if value is None:
         return
-    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-    if bad or value < low or (value == low and not inclusive):
-        rule = f">= {low:g}" if inclusive else f"> {low:g}"
+    rule = f">= {low:g}" if inclusive else f"> {low:g}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"{_CALL}({name}={value!r}): {name} must be None or a finite number {rule}; got "
+                                f"{type(value).__name__}.")
+    if not math.isfinite(value) or value < low or (value == low and not inclusive):
         raise ValueError(f"{_CALL}({name}={value!r}): {name} must be None or a finite number {rule}; got {value!r}.")
 
 
 def _validated(kwargs: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(kwargs) - set(BASE_KWARGS))
     if unknown:
-        raise TypeError(f"{_CALL}({', '.join(f'{k}=...' for k in unknown)}): unexpected keyword argument(s) "
+        raise TypeError(f"{_CALL}({', '.join(f'{k}={kwargs[k]!r}' for k in unknown)}): unexpected keyword argument(s) "
                         f"{', '.join(unknown)}; the base optimizer arguments are {', '.join(BASE_KWARGS)}.")
     args = {**BASE_KWARGS, **kwargs}
     for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
@@ -117,6 +119,19 @@ def _validated(kwargs: dict[str, Any]) -> dict[str, Any]:
     if args["gradient_accumulation_steps"] is not None:
         check_int_at_least(_CALL, "gradient_accumulation_steps", args["gradient_accumulation_steps"], 2)
     return args
+
+
+def _checked_grads(grads: Any) -> list[torch.Tensor | None]:
+    """``grads`` as a list of tensors or None; anything else is a TypeError naming the first bad entry."""
+    if isinstance(grads, (str, bytes, torch.Tensor)) or not isinstance(grads, Iterable):
+        raise TypeError(f"{_CALL}.apply(grads={grads!r}): grads must be a list of tensors (or None), one per "
+                        f"variable; got {type(grads).__name__}.")
+    out = list(grads)
+    for i, g in enumerate(out):
+        if g is not None and not isinstance(g, torch.Tensor):
+            raise TypeError(f"{_CALL}.apply(grads=...): grads[{i}] must be a tensor or None; got {g!r} "
+                            f"({type(g).__name__}).")
+    return out
 
 
 class _KerasEMA(EMA):
@@ -159,6 +174,9 @@ class LossScaleOptimizer:
 
     def __init__(self, inner_optimizer: torch.optim.Optimizer, initial_scale: float = 32768,
                  dynamic_growth_steps: int = 2000, **base_kwargs: Any) -> None:
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{_CALL}(inner_optimizer={inner_optimizer!r}): inner_optimizer must be a "
+                            f"torch.optim.Optimizer; got {type(inner_optimizer).__name__}.")
         args = _validated(base_kwargs)
         policy = presets.build_as(_CALL, presets.keras, initial_scale, dynamic_growth_steps)
         self.inner_optimizer = inner_optimizer
@@ -235,7 +253,7 @@ class LossScaleOptimizer:
         steps, advances the average, and grows the scale every ``dynamic_growth_steps`` clean steps.
         """
         variables = self.variables if trainable_variables is None else list(trainable_variables)
-        grads = list(grads)
+        grads = _checked_grads(grads)
         if len(grads) != len(variables):
             raise ValueError(f"{_CALL}.apply(grads, trainable_variables): got {len(grads)} gradients for "
                              f"{len(variables)} variables; pass one gradient (or None) per variable.")
@@ -244,6 +262,13 @@ class LossScaleOptimizer:
         if stray:
             raise ValueError(f"{_CALL}.apply(grads, trainable_variables): variable {stray[0]} is not a parameter of "
                              f"the inner optimizer; pass the parameters it was built with.")
+        for i, (v, g) in enumerate(zip(variables, grads)):
+            if g is not None and g.shape != v.shape:
+                raise ValueError(f"{_CALL}.apply(grads, trainable_variables): grads[{i}] has shape {tuple(g.shape)}, "
+                                 f"its variable {tuple(v.shape)}; pass one gradient per variable, in order.")
+        if all(g is None for g in grads):
+            raise ValueError(f"{_CALL}.apply(grads=[None] * {len(grads)}): No gradients provided for any variable "
+                             f"(as Keras says); nothing would be applied and the scale would count a clean step.")
         self._opt.zero_grad(set_to_none=True)  # a no-op inside an accumulation window
         divisor = self._opt.accumulation_steps * (self.loss_scale_factor or 1.0)
         for v, g in zip(variables, grads):
@@ -270,6 +295,9 @@ class LossScaleOptimizer:
     def apply_gradients(self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
         """``apply(grads, vars)`` for a list of ``(grad, var)`` pairs."""
         pairs = list(grads_and_vars)
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+            raise TypeError(f"{_CALL}.apply_gradients(grads_and_vars=...): grads_and_vars must hold (gradient, "
+                            f"variable) pairs; got {[type(p).__name__ for p in pairs][:4]}.")
         self.apply([g for g, _ in pairs], [v for _, v in pairs])
 
     def _keras_ema(self, stepped: torch.Tensor, first: torch.Tensor) -> None:
@@ -296,6 +324,13 @@ class LossScaleOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{_CALL}.load_state_dict(state_dict={state_dict!r}): state_dict must be the dict "
+                            f"of LossScaleOptimizer.state_dict(); got {type(state_dict).__name__}.")
+        missing = [k for k in ("core", "iterations", "applied") if k not in state_dict]
+        if missing:
+            raise ValueError(f"{_CALL}.load_state_dict(state_dict with keys {sorted(state_dict)}): missing {missing}; "
+                             f"expected the keys core, iterations, applied of LossScaleOptimizer.state_dict().")
         self._opt.load_state_dict(state_dict["core"])
         self._iterations.fill_(state_dict["iterations"])
         self._applied.fill_(state_dict["applied"])

@@ -60,24 +60,43 @@ __all__ = [
 BAD_STEP_MAX = 1000
 
 
-def _flag(overflow: Any, device: torch.device) -> torch.Tensor:
+def _flag(overflow: Any, device: torch.device, call: str = "DynamicLossScaleUpdateCell") -> torch.Tensor:
+    """One step's overflow verdict as a 0-d bool tensor: a bool or a one-value tensor (no host read)."""
     if isinstance(overflow, torch.Tensor):
+        if overflow.numel() != 1:
+            raise ValueError(f"{call}(overflow={overflow!r}): overflow must hold one value (one step's verdict); "
+                             f"got shape {tuple(overflow.shape)}.")
         return overflow.to(device=device, dtype=torch.bool).reshape(())
     if isinstance(overflow, bool):
         return torch.tensor(overflow, device=device)
-    raise TypeError(f"overflow must be a bool or a bool tensor; got {type(overflow).__name__}.")
+    raise TypeError(f"{call}(overflow={overflow!r}): overflow must be a bool or a bool tensor; got "
+                    f"{type(overflow).__name__}.")
 
 
 def _check_loss_scale(call: str, loss_scale: Any) -> None:
     """The cell's ``loss_scale`` is MindSpore's float32 Parameter: a 1-element float32 tensor, updated in
     place, so another dtype is refused rather than rounded (an int64 scale would truncate ``S / 3``)."""
-    if not isinstance(loss_scale, torch.Tensor) or loss_scale.numel() != 1:
+    if not isinstance(loss_scale, torch.Tensor):
         raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's "
                         f"loss_scale Parameter); got {type(loss_scale).__name__}.")
+    if loss_scale.numel() != 1:
+        raise ValueError(f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's "
+                         f"loss_scale Parameter); got shape {tuple(loss_scale.shape)}.")
     if loss_scale.dtype != torch.float32:
         raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a float32 tensor (MindSpore's "
                         f"loss_scale Parameter is float32, and it is updated in place); got {loss_scale.dtype}. "
                         f"Create it as torch.tensor(2.0**24) or convert it with .float().")
+
+
+def _policy_state(call: str, state_dict: Any) -> dict[str, Any]:
+    """``state_dict["policy_state"]``, or a clear error for anything that is not such a dict."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{call}.load_state_dict(state_dict={state_dict!r}): state_dict must be the dict that "
+                        f"state_dict() returned; got {type(state_dict).__name__}.")
+    if "policy_state" not in state_dict:
+        raise ValueError(f"{call}.load_state_dict(state_dict with keys {sorted(state_dict)}): missing "
+                         f"'policy_state'; pass the dict that state_dict() returned.")
+    return state_dict["policy_state"]
 
 
 def _check_rule(call: str, init_name: str, init: Any, scale_factor: Any, scale_window: Any) -> None:
@@ -103,7 +122,7 @@ class _StatefulRule:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self._state = state_from_dict(self._state, state_dict["policy_state"])
+        self._state = state_from_dict(self._state, _policy_state(type(self).__name__, state_dict))
 
 
 class DynamicLossScaleUpdateCell(_StatefulRule):
@@ -207,8 +226,8 @@ class DynamicLossScaleManager(_StatefulRule):
         Raises:
             RuntimeError: on the 1001st overflow in a row and every one after it.
         """
-        if isinstance(overflow, torch.Tensor):
-            overflow = bool(overflow)  # the consecutive-overflow limit is counted on the host
+        if isinstance(overflow, torch.Tensor):  # the consecutive-overflow limit is counted on the host
+            overflow = bool(_flag(overflow, overflow.device, "DynamicLossScaleManager.update_loss_scale"))
         if not isinstance(overflow, bool):
             raise TypeError(f"DynamicLossScaleManager.update_loss_scale(overflow={overflow!r}): overflow must be "
                             f"a bool; got {type(overflow).__name__}.")
@@ -308,6 +327,9 @@ class TrainOneStepWithLossScaleCell:
         call = "TrainOneStepWithLossScaleCell"
         if not callable(network):
             raise TypeError(f"{call}(network={network!r}): network must be a callable returning the loss.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{call}(optimizer={optimizer!r}): optimizer must be a torch.optim.Optimizer; got "
+                            f"{type(optimizer).__name__}.")
         self.network = network
         self.optimizer = optimizer
         self.loss_scaling_manager = None
@@ -342,8 +364,9 @@ class TrainOneStepWithLossScaleCell:
     def set_sense_scale(self, sens: torch.Tensor) -> None:
         """Set the loss scale to ``sens`` (a 1-element tensor); the counters carry on. No host read."""
         if not isinstance(sens, torch.Tensor) or sens.numel() != 1:
-            raise TypeError(f"TrainOneStepWithLossScaleCell.set_sense_scale(sens={sens!r}): sens must be a "
-                            f"1-element tensor; got {type(sens).__name__}.")
+            error = ValueError if isinstance(sens, torch.Tensor) else TypeError
+            raise error(f"TrainOneStepWithLossScaleCell.set_sense_scale(sens={sens!r}): sens must be a "
+                        f"1-element tensor; got {type(sens).__name__} of shape {tuple(getattr(sens, 'shape', ()))}.")
         self._opt.set_scale(sens.detach().float())
         self._policy.state = self._opt.scale_state
         if self.loss_scaling_manager is not None:

@@ -40,12 +40,12 @@ each step.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from lossscale import presets
-from lossscale._validate import check_int_at_least
+from lossscale._validate import ArgumentTypeError, check_choice, check_int_at_least
 from lossscale.distributed import all_reduce_grads_
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.result import StepResult
@@ -54,6 +54,21 @@ __all__ = ["DynamicLossScalingUpdater", "MAX_RETRIES"]
 
 #: nnabla's ``_max_recursive_count``: overflowing re-runs of one ``update()`` before it gives up.
 MAX_RETRIES = 100
+
+
+def _checked_grads(call: str, grads: Any) -> list[torch.Tensor]:
+    """``grads`` (None: none) as a list of tensors; anything else is a TypeError naming ``grads``."""
+    if grads is None:
+        return []
+    if isinstance(grads, (str, bytes, torch.Tensor)) or not isinstance(grads, Iterable):
+        raise TypeError(f"{call}(grads={grads!r}): grads must be a list of parameters or gradient tensors (or "
+                        f"None); got {type(grads).__name__}.")
+    out = list(grads)
+    bad = [g for g in out if not isinstance(g, torch.Tensor)]
+    if bad:
+        raise TypeError(f"{call}(grads={grads!r}): grads must hold parameters or gradient tensors; got "
+                        f"{bad[0]!r} ({type(bad[0]).__name__}).")
+    return out
 
 
 def _check_comm(call: str, comm: Any, grads: list[torch.Tensor]) -> None:
@@ -107,11 +122,14 @@ class DynamicLossScalingUpdater:
             if not callable(value):
                 raise TypeError(f"{call}({name}={value!r}): {name} must be a zero-argument callable ({role}).")
         check_int_at_least(call, "accum_grad", accum_grad, 1)
-        if weight_decay is not None and (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
-                                         or not 0 <= weight_decay < float("inf")):
+        if weight_decay is not None and (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))):
+            raise ArgumentTypeError(f"{call}(weight_decay={weight_decay!r}): weight_decay must be None or a finite "
+                                    f"number >= 0; got {type(weight_decay).__name__}.")
+        if weight_decay is not None and not 0 <= weight_decay < float("inf"):
             raise ValueError(f"{call}(weight_decay={weight_decay!r}): weight_decay must be None or a finite number "
                              f">= 0; got {weight_decay!r}.")
-        grads = [] if grads is None else list(grads)
+        check_choice(call, "clear_buffer", clear_buffer, (True, False))
+        grads = _checked_grads(call, grads)
         _check_comm(call, comm, grads)
         if weight_decay and kwargs.get("skip_mode", "auto") not in ("auto", "host", "masked"):
             raise ValueError(f"{call}(weight_decay={weight_decay!r}, skip_mode={kwargs['skip_mode']!r}): weight decay "
@@ -139,8 +157,11 @@ class DynamicLossScalingUpdater:
         return float(self._opt.scale)
 
     @scale.setter
-    def scale(self, value: float) -> None:
-        self._opt.set_scale(float(value))
+    def scale(self, value: float | torch.Tensor) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+            raise TypeError(f"DynamicLossScalingUpdater.scale = {value!r}: the scale must be a number (or a "
+                            f"1-element tensor); got {type(value).__name__}.")
+        self._opt.set_scale(value if isinstance(value, torch.Tensor) else float(value))
 
     @property
     def scale_state(self) -> Any:
