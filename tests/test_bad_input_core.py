@@ -123,7 +123,7 @@ def backward_done(world):
 
 SET_SCALE_NOW = [0.0, -1.0, inf, -inf, nan, torch.tensor([1.0, 2.0])]
 SET_SCALE_CORE = [1e-40, 2.0**-140, 1e39, torch.tensor(0.0), torch.tensor(1e-40), torch.tensor(inf),
-                  torch.tensor(nan), "8", True]
+                  torch.tensor(nan), "8", True, torch.tensor(8.0, device="meta")]
 OPTIMIZER_CALLS = [
     *[Bad(f"LossScaleOptimizer.set_scale({v!r})", lambda w, s, v=v: s.set_scale(v),
           TypeError if isinstance(v, (str, bool)) else ValueError, ("new_scale",), wrapped,

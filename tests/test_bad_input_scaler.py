@@ -96,11 +96,13 @@ CALLS = [
 NEW_SCALE_REFUSED_NOW = [0.0, -1.0, inf, -inf, nan, torch.tensor([1.0, 2.0]), torch.ones(0),
                          torch.tensor(2.0, requires_grad=True)]
 NEW_SCALE_CORE = [1e-46, 2.0**-140, 1e-40, 1e39, torch.tensor(0.0), torch.tensor(1e-40), torch.tensor(inf),
-                  torch.tensor(nan), torch.tensor(-8.0), "2048", True, [2048.0]]
+                  torch.tensor(nan), torch.tensor(-8.0), "2048", True, [2048.0],
+                  torch.tensor(2048.0, device="meta"), torch.tensor(2048, dtype=torch.bool)]
 
 
 def _new_scale_error(v):
-    return TypeError if isinstance(v, (str, bool, list)) else ValueError
+    wrong_type = isinstance(v, (str, bool, list)) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool)
+    return TypeError if wrong_type else ValueError
 
 
 NEW_SCALE = [Bad(f"update(new_scale={v!r})", lambda w, s, v=v: s.update(new_scale=v), _new_scale_error(v),

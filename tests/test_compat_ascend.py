@@ -146,3 +146,12 @@ def test_update_loss_scale_refuses_other_types(finite_grads):
     with pytest.raises(TypeError, match=r"update_loss_scale\(finite_grads=.*bool.*got"):
         m.update_loss_scale(finite_grads)
     assert float(m.get_loss_scale()) == 1024.0
+
+
+@pytest.mark.xfail(strict=True, reason="state ownership (lead): the manager reads the optimizer's scale")
+def test_set_scale_is_seen_by_get_loss_scale_at_once():
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = NPULossScaleOptimizer(torch.optim.SGD([w], lr=0.1), FixedLossScaleManager(1024))
+    opt.set_scale(2048.0)
+    assert float(opt.get_loss_scale()) == 2048.0
+    assert float(opt.loss_scale_manager.get_loss_scale()) == 2048.0
