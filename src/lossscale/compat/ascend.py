@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from lossscale import presets
 from lossscale._validate import check_choice, check_scale
+from lossscale.compat._checks import check_optimizer, checked_state_dict
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.overflow import OverflowMode
 from lossscale.policy import FLOAT32_MAX, FixedScale, ScaleState, check_floor, state_from_dict, state_to_dict
@@ -109,13 +110,7 @@ class _LossScaleManager:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        call = f"{type(self).__name__}.load_state_dict"
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"{call}(state_dict={state_dict!r}): state_dict must be the dict that state_dict() "
-                            f"returned; got {type(state_dict).__name__}.")
-        if "policy_state" not in state_dict:
-            raise ValueError(f"{call}(state_dict with keys {sorted(state_dict)}): missing 'policy_state'; pass the "
-                             f"dict that state_dict() returned.")
+        checked_state_dict(f"{type(self).__name__}.load_state_dict", state_dict, ("policy_state",))
         self._state = state_from_dict(self._state, state_dict["policy_state"])
 
     def __repr__(self) -> str:
@@ -199,8 +194,7 @@ class NPULossScaleOptimizer(LossScaleOptimizer):
     def __init__(self, opt: torch.optim.Optimizer, loss_scale_manager: _LossScaleManager,
                  is_distributed: bool = False, overflow_mode: OverflowMode = "inf_nan", **kwargs: Any) -> None:
         call = "NPULossScaleOptimizer"
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"{call}(opt={opt!r}): opt must be a torch.optim.Optimizer; got {type(opt).__name__}.")
+        check_optimizer(call, "opt", opt)
         if not isinstance(loss_scale_manager, _LossScaleManager):
             raise TypeError(f"{call}(loss_scale_manager={loss_scale_manager!r}): loss_scale_manager must be an "
                             f"ExponentialUpdateLossScaleManager or a FixedLossScaleManager from "

@@ -46,101 +46,20 @@ Deviations of the rule: see :func:`lossscale.presets.keras` (no growth into inf,
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from lossscale import presets
-from lossscale._validate import ArgumentTypeError, check_choice, check_int_at_least
-from lossscale.ema import EMA
+from lossscale.compat._checks import check_optimizer, checked_state_dict, checked_tensors
+from lossscale.compat._keras_args import BASE_KWARGS, KerasEMA, validated
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
 from lossscale.result import StepResult
 
 __all__ = ["LossScaleOptimizer", "BASE_KWARGS"]
 
-#: The base optimizer keyword arguments this facade accepts, with Keras's defaults.
-BASE_KWARGS: dict[str, Any] = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "clipvalue": None,
-    "global_clipnorm": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-    "name": None,
-}
-
 _CALL = "LossScaleOptimizer"
-
-
-def _optional_positive(name: str, value: Any, low: float = 0.0, inclusive: bool = False) -> None:
-    if value is None:
-        return
-    rule = f">= {low:g}" if inclusive else f"> {low:g}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentTypeError(f"{_CALL}({name}={value!r}): {name} must be None or a finite number {rule}; got "
-                                f"{type(value).__name__}.")
-    if not math.isfinite(value) or value < low or (value == low and not inclusive):
-        raise ValueError(f"{_CALL}({name}={value!r}): {name} must be None or a finite number {rule}; got {value!r}.")
-
-
-def _validated(kwargs: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(kwargs) - set(BASE_KWARGS))
-    if unknown:
-        raise TypeError(f"{_CALL}({', '.join(f'{k}={kwargs[k]!r}' for k in unknown)}): unexpected keyword argument(s) "
-                        f"{', '.join(unknown)}; the base optimizer arguments are {', '.join(BASE_KWARGS)}.")
-    args = {**BASE_KWARGS, **kwargs}
-    for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
-        _optional_positive(name, args[name])
-    _optional_positive("weight_decay", args["weight_decay"], inclusive=True)
-    clips = [n for n in ("clipnorm", "clipvalue", "global_clipnorm") if args[n] is not None]
-    if len(clips) > 1:
-        raise ValueError(f"{_CALL}({', '.join(f'{n}={args[n]!r}' for n in clips)}): only one of clipnorm, clipvalue "
-                         f"and global_clipnorm can be set; got {len(clips)}.")
-    for name in ("use_ema", "ema_momentum"):  # R's NULL (None) means Keras's default
-        if args[name] is None:
-            args[name] = BASE_KWARGS[name]
-    check_choice(_CALL, "use_ema", args["use_ema"], (True, False))
-    m = args["ema_momentum"]
-    rule = f"{_CALL}(ema_momentum={m!r}): ema_momentum must be None or a number in [0, 1]"
-    if isinstance(m, bool) or not isinstance(m, (int, float)):
-        raise TypeError(f"{rule}; got {type(m).__name__}.")
-    if not 0.0 <= m <= 1.0:
-        raise ValueError(f"{rule}; got {m!r}.")
-    if args["name"] is not None and not isinstance(args["name"], str):
-        raise TypeError(f"{_CALL}(name={args['name']!r}): name must be a str or None; got "
-                        f"{type(args['name']).__name__}.")
-    if args["ema_overwrite_frequency"] is not None:
-        check_int_at_least(_CALL, "ema_overwrite_frequency", args["ema_overwrite_frequency"], 1)
-    if args["gradient_accumulation_steps"] is not None:
-        check_int_at_least(_CALL, "gradient_accumulation_steps", args["gradient_accumulation_steps"], 2)
-    return args
-
-
-def _checked_grads(grads: Any) -> list[torch.Tensor | None]:
-    """``grads`` as a list of tensors or None; anything else is a TypeError naming the first bad entry."""
-    if isinstance(grads, (str, bytes, torch.Tensor)) or not isinstance(grads, Iterable):
-        raise TypeError(f"{_CALL}.apply(grads={grads!r}): grads must be a list of tensors (or None), one per "
-                        f"variable; got {type(grads).__name__}.")
-    out = list(grads)
-    for i, g in enumerate(out):
-        if g is not None and not isinstance(g, torch.Tensor):
-            raise TypeError(f"{_CALL}.apply(grads=...): grads[{i}] must be a tensor or None; got {g!r} "
-                            f"({type(g).__name__}).")
-    return out
-
-
-class _KerasEMA(EMA):
-    """Keras's average with its momentum range [0, 1]: 1 keeps the average at the first applied step's
-    weights (the facade copies them there); the core :class:`~lossscale.EMA` takes [0, 1)."""
-
-    def __init__(self, momentum: float) -> None:
-        super().__init__(0.0)
-        self.momentum = float(momentum)
 
 
 class LossScaleOptimizer:
@@ -174,10 +93,8 @@ class LossScaleOptimizer:
 
     def __init__(self, inner_optimizer: torch.optim.Optimizer, initial_scale: float = 32768,
                  dynamic_growth_steps: int = 2000, **base_kwargs: Any) -> None:
-        if not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise TypeError(f"{_CALL}(inner_optimizer={inner_optimizer!r}): inner_optimizer must be a "
-                            f"torch.optim.Optimizer; got {type(inner_optimizer).__name__}.")
-        args = _validated(base_kwargs)
+        check_optimizer(_CALL, "inner_optimizer", inner_optimizer)
+        args = validated(base_kwargs)
         policy = presets.build_as(_CALL, presets.keras, initial_scale, dynamic_growth_steps)
         self.inner_optimizer = inner_optimizer
         self.initial_scale = initial_scale
@@ -185,7 +102,7 @@ class LossScaleOptimizer:
         for name, value in args.items():
             setattr(self, name, value)
         self.name = args["name"] if args["name"] is not None else "loss_scale_optimizer"
-        self.ema = _KerasEMA(args["ema_momentum"]) if args["use_ema"] else None
+        self.ema = KerasEMA(args["ema_momentum"]) if args["use_ema"] else None
         self._opt = _CoreOptimizer(
             inner_optimizer, policy=policy,
             clip_grad_norm=args["global_clipnorm"], clip_grad_value=args["clipvalue"],
@@ -253,7 +170,7 @@ class LossScaleOptimizer:
         steps, advances the average, and grows the scale every ``dynamic_growth_steps`` clean steps.
         """
         variables = self.variables if trainable_variables is None else list(trainable_variables)
-        grads = _checked_grads(grads)
+        grads = checked_tensors(f"{_CALL}.apply", "grads", grads, none_items=True)
         if len(grads) != len(variables):
             raise ValueError(f"{_CALL}.apply(grads, trainable_variables): got {len(grads)} gradients for "
                              f"{len(variables)} variables; pass one gradient (or None) per variable.")
@@ -324,13 +241,7 @@ class LossScaleOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"{_CALL}.load_state_dict(state_dict={state_dict!r}): state_dict must be the dict "
-                            f"of LossScaleOptimizer.state_dict(); got {type(state_dict).__name__}.")
-        missing = [k for k in ("core", "iterations", "applied") if k not in state_dict]
-        if missing:
-            raise ValueError(f"{_CALL}.load_state_dict(state_dict with keys {sorted(state_dict)}): missing {missing}; "
-                             f"expected the keys core, iterations, applied of LossScaleOptimizer.state_dict().")
+        checked_state_dict(f"{_CALL}.load_state_dict", state_dict, ("core", "iterations", "applied"))
         self._opt.load_state_dict(state_dict["core"])
         self._iterations.fill_(state_dict["iterations"])
         self._applied.fill_(state_dict["applied"])

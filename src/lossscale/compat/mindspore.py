@@ -44,6 +44,7 @@ import torch
 
 from lossscale import presets
 from lossscale._validate import check_choice, check_factor_above_one, check_int_at_least, check_scale
+from lossscale.compat._checks import check_optimizer, checked_state_dict
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policy import FLOAT32_MAX, FixedScale, ScaleState, check_floor, state_from_dict, state_to_dict
 from lossscale.result import StepResult
@@ -88,17 +89,6 @@ def _check_loss_scale(call: str, loss_scale: Any) -> None:
                         f"Create it as torch.tensor(2.0**24) or convert it with .float().")
 
 
-def _policy_state(call: str, state_dict: Any) -> dict[str, Any]:
-    """``state_dict["policy_state"]``, or a clear error for anything that is not such a dict."""
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"{call}.load_state_dict(state_dict={state_dict!r}): state_dict must be the dict that "
-                        f"state_dict() returned; got {type(state_dict).__name__}.")
-    if "policy_state" not in state_dict:
-        raise ValueError(f"{call}.load_state_dict(state_dict with keys {sorted(state_dict)}): missing "
-                         f"'policy_state'; pass the dict that state_dict() returned.")
-    return state_dict["policy_state"]
-
-
 def _check_rule(call: str, init_name: str, init: Any, scale_factor: Any, scale_window: Any) -> None:
     check_scale(call, init_name, init, low=1.0, high=FLOAT32_MAX)
     check_factor_above_one(call, "scale_factor", scale_factor, "the scale is multiplied and divided by it")
@@ -122,7 +112,8 @@ class _StatefulRule:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self._state = state_from_dict(self._state, _policy_state(type(self).__name__, state_dict))
+        checked_state_dict(f"{type(self).__name__}.load_state_dict", state_dict, ("policy_state",))
+        self._state = state_from_dict(self._state, state_dict["policy_state"])
 
 
 class DynamicLossScaleUpdateCell(_StatefulRule):
@@ -327,9 +318,7 @@ class TrainOneStepWithLossScaleCell:
         call = "TrainOneStepWithLossScaleCell"
         if not callable(network):
             raise TypeError(f"{call}(network={network!r}): network must be a callable returning the loss.")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"{call}(optimizer={optimizer!r}): optimizer must be a torch.optim.Optimizer; got "
-                            f"{type(optimizer).__name__}.")
+        check_optimizer(call, "optimizer", optimizer)
         self.network = network
         self.optimizer = optimizer
         self.loss_scaling_manager = None

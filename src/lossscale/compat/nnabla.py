@@ -40,12 +40,13 @@ each step.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from lossscale import presets
 from lossscale._validate import ArgumentTypeError, check_choice, check_int_at_least
+from lossscale.compat._checks import checked_tensors
 from lossscale.distributed import all_reduce_grads_
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.result import StepResult
@@ -54,21 +55,6 @@ __all__ = ["DynamicLossScalingUpdater", "MAX_RETRIES"]
 
 #: nnabla's ``_max_recursive_count``: overflowing re-runs of one ``update()`` before it gives up.
 MAX_RETRIES = 100
-
-
-def _checked_grads(call: str, grads: Any) -> list[torch.Tensor]:
-    """``grads`` (None: none) as a list of tensors; anything else is a TypeError naming ``grads``."""
-    if grads is None:
-        return []
-    if isinstance(grads, (str, bytes, torch.Tensor)) or not isinstance(grads, Iterable):
-        raise TypeError(f"{call}(grads={grads!r}): grads must be a list of parameters or gradient tensors (or "
-                        f"None); got {type(grads).__name__}.")
-    out = list(grads)
-    bad = [g for g in out if not isinstance(g, torch.Tensor)]
-    if bad:
-        raise TypeError(f"{call}(grads={grads!r}): grads must hold parameters or gradient tensors; got "
-                        f"{bad[0]!r} ({type(bad[0]).__name__}).")
-    return out
 
 
 def _check_comm(call: str, comm: Any, grads: list[torch.Tensor]) -> None:
@@ -129,7 +115,7 @@ class DynamicLossScalingUpdater:
             raise ValueError(f"{call}(weight_decay={weight_decay!r}): weight_decay must be None or a finite number "
                              f">= 0; got {weight_decay!r}.")
         check_choice(call, "clear_buffer", clear_buffer, (True, False))
-        grads = _checked_grads(call, grads)
+        grads = [] if grads is None else checked_tensors(call, "grads", grads, none_items=False)
         _check_comm(call, comm, grads)
         if weight_decay and kwargs.get("skip_mode", "auto") not in ("auto", "host", "masked"):
             raise ValueError(f"{call}(weight_decay={weight_decay!r}, skip_mode={kwargs['skip_mode']!r}): weight decay "
