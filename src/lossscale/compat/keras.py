@@ -51,6 +51,7 @@ import torch
 
 from lossscale import presets
 from lossscale._validate import check_choice, check_int_at_least
+from lossscale.clip import PerTensorClip
 from lossscale.ema import EMA
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
 from lossscale.result import StepResult
@@ -148,7 +149,7 @@ class LossScaleOptimizer:
         self._opt = _CoreOptimizer(
             inner_optimizer, policy=policy,
             clip_grad_norm=args["global_clipnorm"], clip_grad_value=args["clipvalue"],
-            clip_grad_norm_per_param=args["clipnorm"],
+            transform_unscaled=None if args["clipnorm"] is None else PerTensorClip(args["clipnorm"]),
             accumulation_steps=args["gradient_accumulation_steps"] or 1,
             ema=self.ema, weight_decay=args["weight_decay"])
         device = self._opt.scale.device

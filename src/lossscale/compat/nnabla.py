@@ -117,7 +117,7 @@ class DynamicLossScalingUpdater:
 
     @scale.setter
     def scale(self, value: float) -> None:
-        self._opt.set_scale(float(value))
+        self._opt.loss_scale.set_scale(value, f"DynamicLossScalingUpdater.scale = {value!r}")
 
     @property
     def scale_state(self) -> Any:
