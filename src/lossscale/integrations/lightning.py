@@ -17,5 +17,6 @@ from lossscale.integrations import require
 require("lightning.pytorch", "lightning", "lightning")
 
 from lossscale.integrations._lightning_amp import MixedPrecision  # noqa: E402
+from lossscale.integrations._lightning_monitor import LossScaleMonitor  # noqa: E402
 
-__all__ = ["MixedPrecision"]
+__all__ = ["LossScaleMonitor", "MixedPrecision"]
