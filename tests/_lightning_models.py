@@ -31,14 +31,19 @@ def data(batches: int = 8) -> torch.utils.data.DataLoader:
 
 
 class Tiny(pl.LightningModule):
-    """Two linear layers; the loss is inf at the micro-batches in ``inf_at``."""
+    """Two linear layers; the loss is inf at the micro-batches in ``inf_at``. ``wrap``: return
+    ``LossScaleOptimizer(SGD, policy=DynamicScale(**TORCH_ARGS), **wrap)`` from configure_optimizers.
+    ``own_backward``: in manual optimization call ``self.optimizers().backward(loss)`` (through Lightning's proxy)."""
 
-    def __init__(self, inf_at: set[tuple[int, int]] = INF_AT, manual: bool = False) -> None:
+    def __init__(self, inf_at: set[tuple[int, int]] = INF_AT, manual: bool = False, wrap: dict | None = None,
+                 own_backward: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         self.inf_at = inf_at
         self.automatic_optimization = not manual
+        self.wrap = wrap
+        self.own_backward = own_backward
         self.step_returns: list[Any] = []
 
     def loss(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -51,14 +56,20 @@ class Tiny(pl.LightningModule):
         if self.automatic_optimization:
             return loss
         opt = self.optimizers()
-        self.manual_backward(loss)
+        if self.own_backward:
+            opt.backward(loss)
+        else:
+            self.manual_backward(loss)
         self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
         self.step_returns.append(opt.step())
         opt.zero_grad()
         return None
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sgd = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if self.wrap is None:
+            return sgd
+        return lossscale.LossScaleOptimizer(sgd, policy=lossscale.DynamicScale(**TORCH_ARGS), **self.wrap)
 
 
 class Recorder(pl.Callback):
@@ -70,7 +81,7 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         plugin = trainer.precision_plugin
-        self.scales.append(plugin.scaler.get_scale())
+        self.scales.append(plugin.scaler.get_scale() if hasattr(plugin, "scaler") else float(trainer.optimizers[0].scale))
         result = getattr(plugin, "last_result", None)
         if result is not None and (not self.results or result is not self.results[-1]):
             self.results.append(result)

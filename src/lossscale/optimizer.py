@@ -56,6 +56,13 @@ def _positive(call: str, name: str, value: Any) -> None:
         raise ValueError(f"{call}({name}={value!r}): {name} must be None or a finite number > 0; got {value!r}.")
 
 
+def _shared(name: str) -> Any:  # HELPER-CHANGE: proxy safety until the lead's one-inner-state refactor
+    """An attribute kept in ``self._shared_state``: a proxy that copies ``__dict__`` reads and writes the same one
+    (Lightning's optimizer proxy forwards reads to the wrapper but would keep plain writes for itself)."""
+    return property(lambda self: self._shared_state[name],
+                    lambda self, value: self._shared_state.__setitem__(name, value))
+
+
 class LossScaleOptimizer(torch.optim.Optimizer):
     """Wraps any ``torch.optim.Optimizer`` with dynamic loss scaling; ``step()`` returns a :class:`StepResult`.
 
@@ -105,6 +112,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     Policies that observe the gradient maximum (``PredictiveScale``) get it from the overflow pass
     (``aminmax``: one read, replacing the plain check); with global-norm clipping it is one extra read.
     """
+
+    _state = _shared("state")  # HELPER-CHANGE
+    _window = _shared("window")  # HELPER-CHANGE
 
     def __init__(
         self,
@@ -163,6 +173,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if skip_mode == "auto":
             skip_mode = "fused" if fusable and not needs_written_grads else "host"
 
+        self._shared_state: dict[str, Any] = {}  # HELPER-CHANGE
         self.inner = inner
         self.policy = policy
         self.overflow_mode = overflow_mode

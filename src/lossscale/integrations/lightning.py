@@ -4,6 +4,7 @@
 name                            what it is
 ==============================  ===================================================================
 ``MixedPrecision``              Lightning's own float16 AMP plugin with :class:`lossscale.GradScaler`
+``LossScalePrecision``          a precision plugin for :class:`lossscale.LossScaleOptimizer`
 ``LossScaleMonitor``            a callback logging the scale, skipped steps and underflow
 ==============================  ===================================================================
 
@@ -18,5 +19,6 @@ require("lightning.pytorch", "lightning", "lightning")
 
 from lossscale.integrations._lightning_amp import MixedPrecision  # noqa: E402
 from lossscale.integrations._lightning_monitor import LossScaleMonitor  # noqa: E402
+from lossscale.integrations._lightning_precision import LossScalePrecision  # noqa: E402
 
-__all__ = ["LossScaleMonitor", "MixedPrecision"]
+__all__ = ["LossScaleMonitor", "LossScalePrecision", "MixedPrecision"]
