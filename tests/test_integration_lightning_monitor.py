@@ -6,12 +6,12 @@ from argparse import Namespace
 from typing import Any
 
 import pytest
-from _lightning_models import LIGHTNING_WARNINGS, TORCH_ARGS, fit, torch_plugin
+from _lightning_models import LIGHTNING_WARNINGS, TORCH_ARGS, Tiny, fit, torch_plugin
 from lightning.pytorch.loggers.logger import Logger
 
 import lossscale
 from lossscale._host import read_scalars as _read
-from lossscale.integrations.lightning import LossScaleMonitor, MixedPrecision
+from lossscale.integrations.lightning import LossScaleMonitor, LossScalePrecision, MixedPrecision
 
 pytestmark = [pytest.mark.filterwarnings(w) for w in LIGHTNING_WARNINGS]  # the reasons are in _lightning_models
 
@@ -51,6 +51,16 @@ def test_logs_scale_and_skipped_steps_at_lightnings_cadence() -> None:
     assert [m["lossscale/scale"] for _, m in rows] == [float(rec.results[s].scale) for s in (1, 3, 5, 7)]
     assert all("lossscale/underflow" not in m for _, m in rows)  # the scaler does not measure it
     assert monitor.state_dict() == {"skipped_steps": 3}
+
+
+def test_logs_the_underflow_the_wrapper_measures_under_loss_scale_precision() -> None:
+    logger = MemoryLogger()
+    _, rec, _ = fit(LossScalePrecision(device="cpu"), Tiny(wrap=dict(underflow_stride=1)), logger=logger,
+                    log_every_n_steps=2, callbacks=[LossScaleMonitor(prefix="amp")])
+    rows = [m for _, m in logger.rows if "amp/scale" in m]
+    assert [m["amp/skipped_steps"] for m in rows] == [1, 2, 3, 3]
+    assert [m["amp/underflow"] for m in rows] == [float(rec.results[s].underflow) for s in (1, 3, 5, 7)]
+    assert all(0.0 <= m["amp/underflow"] <= 1.0 for m in rows)
 
 
 def test_reads_the_host_only_when_it_logs(monkeypatch: pytest.MonkeyPatch) -> None:
