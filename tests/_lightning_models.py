@@ -21,7 +21,8 @@ LIGHTNING_WARNINGS = [
 ]
 
 TORCH_ARGS = dict(init_scale=2.0**10, growth_interval=2)
-INF_AT = {(0, 1), (0, 6), (1, 3)}  # (epoch, micro-batch) whose loss is inf: steps 0, 3 and 5 overflow (4 steps an epoch)
+# (epoch, micro-batch) whose loss is inf: optimizer steps 0, 3 and 5 overflow (4 steps an epoch)
+INF_AT = {(0, 1), (0, 6), (1, 3)}
 
 
 def data(batches: int = 8) -> torch.utils.data.DataLoader:
@@ -81,7 +82,8 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         plugin = trainer.precision_plugin
-        self.scales.append(plugin.scaler.get_scale() if hasattr(plugin, "scaler") else float(trainer.optimizers[0].scale))
+        scale = plugin.scaler.get_scale() if hasattr(plugin, "scaler") else float(trainer.optimizers[0].scale)
+        self.scales.append(scale)
         result = getattr(plugin, "last_result", None)
         if result is not None and (not self.results or result is not self.results[-1]):
             self.results.append(result)

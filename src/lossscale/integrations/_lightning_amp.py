@@ -64,6 +64,5 @@ class MixedPrecision(_LightningMixedPrecision):
         out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if not isinstance(out, ScalerStep):  # no step: the closure skipped backward
             return out
-        step = model.trainer.global_step if getattr(model, "_trainer", None) is not None else 0
-        self.last_result = scaler_result(out, self._carried, self.scaler, step, self._grad_norm)
+        self.last_result = scaler_result(out, self._carried, self.scaler, model.trainer.global_step, self._grad_norm)
         return out.value
