@@ -67,6 +67,15 @@ def test_automatic_optimization_skips_like_torch_and_updates_like_the_plain_loop
     torch.testing.assert_close(norms, plain_norms, rtol=0, atol=0, equal_nan=True)
 
 
+def test_clip_by_value_runs_inside_the_wrapper_when_the_wrapper_has_the_same_value() -> None:
+    ours, rec, _ = fit(plugin(), Tiny(wrap=dict(clip_grad_value=0.5)), epochs=1, gradient_clip_val=0.5,
+                       gradient_clip_algorithm="value")
+    net, results = plain_loop(epochs=1, clip_grad_value=0.5)
+    skips = [bool(r.found_inf) for r in rec.results]
+    assert skips == [bool(r.found_inf) for r in results] == [True, False, False, True]
+    assert_same_weights(ours.net, net)
+
+
 def test_resume_from_a_mid_run_checkpoint_continues_identically(tmp_path: Any) -> None:
     ref, ref_rec, _ = fit(plugin(), Tiny(wrap={}))
     _, rec1, trainer = fit(plugin(), Tiny(wrap={}), epochs=1)
