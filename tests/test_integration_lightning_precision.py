@@ -135,3 +135,14 @@ def test_set_scale_through_lightnings_optimizer_proxy_reaches_the_wrapper() -> N
     assert isinstance(proxy, lossscale.LossScaleOptimizer)
     proxy.set_scale(8.0)
     assert float(wrapper.scale) == 8.0 == float(proxy.scale)
+
+
+def test_the_lightning_module_is_found_inside_a_strategy_wrapper() -> None:
+    from lossscale.integrations._lightning_precision import _lightning_module
+
+    module = Tiny()
+    wrapped = nn.Module()
+    wrapped.module = module  # what DistributedDataParallel(module) looks like
+    assert _lightning_module(wrapped) is module and _lightning_module(module) is module
+    with pytest.raises(TypeError, match=r"found no LightningModule in the strategy's model Linear"):
+        _lightning_module(nn.Linear(2, 2))

@@ -24,6 +24,17 @@ def _unwrap(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+def _lightning_module(model: Any) -> pl.LightningModule:
+    """The LightningModule itself, or the one a strategy wrapped (DDP: ``model.module``)."""
+    found = model
+    while not isinstance(found, pl.LightningModule) and isinstance(getattr(found, "module", None), torch.nn.Module):
+        found = found.module
+    if not isinstance(found, pl.LightningModule):
+        raise TypeError(f"LossScalePrecision.connect: found no LightningModule in the strategy's model "
+                        f"{type(model).__name__}; LossScalePrecision serves single-device and DDP strategies.")
+    return found
+
+
 class LossScalePrecision(Precision):
     """Lightning's precision slot driving :class:`~lossscale.LossScaleOptimizer`, returned from
     ``configure_optimizers`` as in a plain loop.
@@ -88,9 +99,9 @@ class LossScalePrecision(Precision):
                             f"{', '.join(wrong)}. Wrap it: LossScaleOptimizer({wrong[0]}(...)), or use "
                             f"lossscale.integrations.lightning.MixedPrecision for a plain optimizer.")
         self._wrappers = [_unwrap(o) for o in optimizers]
-        self._module = model if isinstance(model, pl.LightningModule) else None
-        trainer = self._module.trainer if self._module is not None else None
-        if trainer is not None and self._module.automatic_optimization:
+        self._module = _lightning_module(model)
+        trainer = self._module.trainer
+        if self._module.automatic_optimization:
             self._check_accumulation(trainer.accumulate_grad_batches)
             self._map_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
         self._check_schedules()
