@@ -62,8 +62,8 @@ def step_time(total: int, rounds: int) -> dict[str, float]:
     params = [torch.nn.Parameter(torch.randn(total // 100) * 0.02) for _ in range(100)]
     base = [torch.randn_like(p) * 1e-3 * 2**16 for p in params]
     opts = {
-        "DynamicScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True), DynamicScale()),
-        "PredictiveScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True), PredictiveScale()),
+        "DynamicScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True), policy=DynamicScale()),
+        "PredictiveScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True), policy=PredictiveScale()),
     }
 
     restore = grad_restorer(params, base)

@@ -205,7 +205,7 @@ def test_works_in_both_scalers_and_predicts_from_the_observed_maximum(make_opt):
         if shell == "scaler":
             opt, scaler = make_opt(model.parameters()), GradScaler(policy=policy)
         else:
-            opt = LossScaleOptimizer(make_opt(model.parameters()), policy, underflow_stride=1)
+            opt = LossScaleOptimizer(make_opt(model.parameters()), policy=policy, underflow_stride=1)
         results = []
         for step in range(6):
             opt.zero_grad()
@@ -244,13 +244,13 @@ def test_works_in_both_scalers_and_predicts_from_the_observed_maximum(make_opt):
 def test_optimizer_state_dict_round_trips_the_predictive_state():
     from lossscale import LossScaleOptimizer
     model = tiny_model()
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), PredictiveScale(history=4))
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=PredictiveScale(history=4))
     for _ in range(3):
         opt.zero_grad()
         opt.backward(model(torch.ones(2, 4)).sum())
         opt.step()
     saved = opt.state_dict()
     assert len(saved["policy_state"]["history"]) == 4 and saved["policy_state"]["position"] == 3
-    other = LossScaleOptimizer(torch.optim.SGD(tiny_model().parameters(), lr=0.1), PredictiveScale(history=4))
+    other = LossScaleOptimizer(torch.optim.SGD(tiny_model().parameters(), lr=0.1), policy=PredictiveScale(history=4))
     other.load_state_dict(saved)
     assert torch.equal(other.scale_state.history, opt.scale_state.history)

@@ -274,7 +274,7 @@ def test_scaler_is_active_before_the_switch_and_idle_after():
     model, data = regression()
     schedule = PrecisionSchedule("fast|step|0.5", total_steps=30)
     opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                             DynamicScale(init_scale=2.0**24, growth_interval=4), schedule=schedule)
+                             policy=DynamicScale(init_scale=2.0**24, growth_interval=4), schedule=schedule)
     results = train(model, opt, schedule, data, 0, 30, "step", inject={22})
     early, late = results[:15], results[15:]
     assert [r.precision for r in results] == ["float16"] * 15 + ["float32"] * 15
@@ -307,7 +307,7 @@ def test_a_switch_in_the_middle_of_an_accumulation_window_keeps_the_window_scale
     def run(switch_mid_window):
         model, data = regression(2)
         schedule = PrecisionSchedule("fast|loss|1.05", target_loss=1.0)
-        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), FixedScale(1024.0),
+        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=FixedScale(1024.0),
                                  accumulation_steps=2, schedule=schedule)
         results = []
         for i, (x, y) in enumerate(data[:4]):
@@ -346,7 +346,7 @@ def test_a_checkpoint_before_the_switch_resumes_to_the_same_switch_step(feed):
         schedule = (PrecisionSchedule("fast|step|0.5", total_steps=24) if feed == "step"
                     else PrecisionSchedule("fast|loss|1.05", target_loss=target_loss))
         opt = LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
-                                 DynamicScale(init_scale=2.0**20, growth_interval=3), schedule=schedule)
+                                 policy=DynamicScale(init_scale=2.0**20, growth_interval=3), schedule=schedule)
         return model, data, schedule, opt
 
     target = None

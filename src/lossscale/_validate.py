@@ -53,3 +53,24 @@ def check_choice(call: str, name: str, value: Any, allowed: Iterable[Any]) -> No
     if not ok:
         shown = ", ".join(repr(a) for a in allowed)
         raise ValueError(f"{call}({name}={value!r}): {name} must be one of {shown}; got {value!r}.")
+
+
+#: The largest value an int32 counter holds: every counter's limit is refused above it.
+INT32_MAX = 2**31 - 1
+
+
+def check_int_in_range(call: str, name: str, value: Any, low: int, high: int = INT32_MAX) -> None:
+    """An int (not a bool) in ``[low, high]`` (default high: the largest int32, what the counters hold)."""
+    check_int_at_least(call, name, value, low)
+    if value > high:
+        raise ValueError(f"{call}({name}={value!r}): {name} must be an integer <= {high} (it is counted in an "
+                         f"int32 tensor); got {value!r}.")
+
+
+def check_positive_or_none(call: str, name: str, value: Any) -> None:
+    """None, or a finite number > 0."""
+    if value is None:
+        return
+    _require_real(call, name, value, "None or a finite number > 0")
+    if not (0 < value < math.inf):
+        raise ValueError(f"{call}({name}={value!r}): {name} must be None or a finite number > 0; got {value!r}.")

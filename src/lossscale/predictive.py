@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from lossscale._validate import check_choice, check_int_at_least, check_scale
-from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, _as_flag
+from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, Policy, _as_flag
 
 __all__ = ["PredictiveScale", "PredictiveState"]
 
@@ -48,7 +49,7 @@ def _pow2_floor(x: float) -> float:
 
 
 @dataclass(frozen=True)
-class PredictiveScale:
+class PredictiveScale(Policy):
     """Loss scale predicted from the observed gradient maximum over a history window.
 
     The rule, per call of ``update(state, found_inf, amax)`` (amax: max |scaled gradient| this step)::
@@ -100,7 +101,7 @@ class PredictiveScale:
     min_scale: float = SMALLEST_NORMAL_FLOAT32
     max_scale: float = FLOAT32_MAX
 
-    observes_amax = True  # the scalers pass amax= to update()
+    observes_amax: ClassVar[bool] = True  # the pipeline passes amax= to update()
 
     def __post_init__(self) -> None:
         call = type(self).__name__

@@ -346,6 +346,10 @@ def ascend(init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_
                       good = bad = 0
                   else: good += 1
 
+    The growth guard ``S < 3.4e38 / incr_ratio`` is read from Ascend's source; it is not in the recorded
+    trajectories (npu_bridge is not on PyPI, so the TF1 contrib recording stands in, whose guard is
+    "the grown scale is finite"): it is checked against the pure-Python oracle only.
+
     Example:
         >>> from lossscale import presets
         >>> p = presets.ascend(2.0**32, 1000)

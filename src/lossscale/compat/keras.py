@@ -52,6 +52,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from lossscale import presets
+from lossscale.clip import PerTensorClip
 from lossscale.compat._checks import check_optimizer, checked_state_dict, checked_tensors
 from lossscale.compat._keras_args import BASE_KWARGS, KerasEMA, validated
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
@@ -106,7 +107,7 @@ class LossScaleOptimizer:
         self._opt = _CoreOptimizer(
             inner_optimizer, policy=policy,
             clip_grad_norm=args["global_clipnorm"], clip_grad_value=args["clipvalue"],
-            clip_grad_norm_per_param=args["clipnorm"],
+            transform_unscaled=None if args["clipnorm"] is None else PerTensorClip(args["clipnorm"]),
             accumulation_steps=args["gradient_accumulation_steps"] or 1,
             ema=self.ema, weight_decay=args["weight_decay"])
         device = self._opt.scale.device

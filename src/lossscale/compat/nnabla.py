@@ -143,11 +143,8 @@ class DynamicLossScalingUpdater:
         return float(self._opt.scale)
 
     @scale.setter
-    def scale(self, value: float | torch.Tensor) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-            raise TypeError(f"DynamicLossScalingUpdater.scale = {value!r}: the scale must be a number (or a "
-                            f"1-element tensor); got {type(value).__name__}.")
-        self._opt.set_scale(value if isinstance(value, torch.Tensor) else float(value))
+    def scale(self, value: float) -> None:
+        self._opt.loss_scale.set_scale(value, f"DynamicLossScalingUpdater.scale = {value!r}")
 
     @property
     def scale_state(self) -> Any:
