@@ -6,8 +6,9 @@ error it expects (type, and the words the message must contain: the argument's n
 received). After the call, the model's parameters and the inner optimizer's state must be exactly as
 before, and finite.
 
-Cases the lead's core work will fix are marked ``xfail(strict=True, reason=CORE)``: when the core lands,
-they pass, the strict mark fails the run, and the mark is removed.
+Cases that wait for core work are listed by id in each file's ``WAITING`` set and marked
+``xfail(strict=True, reason=CORE)``: when the core fixes one, the strict mark fails the run and the id is
+removed from the set.
 """
 
 from __future__ import annotations
@@ -95,17 +96,16 @@ class Bad:
     error: type[BaseException]
     words: tuple[str, ...]
     setup: Callable[[World], Any] = lambda world: None
-    core: bool = False  # waits for the lead's core validation: xfail(strict=True)
     marks: tuple[Any, ...] = field(default=())
 
 
-def params(cases: list[Bad]) -> list[Any]:
-    """pytest parameters, with the strict xfail on the cases that wait for the core."""
+def params(cases: list[Bad], waiting: frozenset[str] = frozenset()) -> list[Any]:
+    """pytest parameters; the ids in ``waiting`` (cases that wait for core work) get the strict xfail."""
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), f"duplicate case ids: {sorted(i for i in ids if ids.count(i) > 1)}"
     out = []
     for c in cases:
-        marks = list(c.marks) + ([pytest.mark.xfail(strict=True, reason=CORE)] if c.core else [])
+        marks = list(c.marks) + ([pytest.mark.xfail(strict=True, reason=CORE)] if c.id in waiting else [])
         out.append(pytest.param(c, id=c.id, marks=marks))
     return out
 
@@ -124,12 +124,10 @@ def run(case: Bad) -> None:
 
 
 def ctor_cases(prefix: str, build: Callable[[World, dict[str, Any]], Any], bad: dict[str, list[Any]],
-               core: set[tuple[str, str]] = frozenset(), words: Callable[[str, Any], tuple[str, ...]] | None = None,
-               ) -> list[Bad]:
+               words: Callable[[str, Any], tuple[str, ...]] | None = None) -> list[Bad]:
     """One case per (argument, bad value): ValueError, or TypeError for a value of the wrong type.
 
-    ``bad[name]`` lists values; a ``(value, error)`` pair overrides the error. ``core`` holds the
-    ``(name, repr(value))`` pairs that wait for the lead."""
+    ``bad[name]`` lists values; a ``(value, error)`` pair overrides the error."""
     out = []
     for name, values in bad.items():
         for entry in values:
@@ -138,7 +136,7 @@ def ctor_cases(prefix: str, build: Callable[[World, dict[str, Any]], Any], bad: 
             expected = words(name, value) if words else (f"{name}=", shown(value))
             out.append(Bad(f"{prefix}({name}={_short(value)})",
                            lambda w, s, name=name, value=value: build(w, {name: value}),
-                           error, expected, core=(name, repr(value)) in core))
+                           error, expected))
     return out
 
 

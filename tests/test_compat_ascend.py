@@ -148,7 +148,6 @@ def test_update_loss_scale_refuses_other_types(finite_grads):
     assert float(m.get_loss_scale()) == 1024.0
 
 
-@pytest.mark.xfail(strict=True, reason="state ownership (lead): the manager reads the optimizer's scale")
 def test_set_scale_is_seen_by_get_loss_scale_at_once():
     w = torch.nn.Parameter(torch.ones(2))
     opt = NPULossScaleOptimizer(torch.optim.SGD([w], lr=0.1), FixedLossScaleManager(1024))
