@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lossscale._validate import check_int_in_range
+from lossscale.state import StateDictError
 
 __all__ = ["optimizer_state_dict", "load_optimizer_state_dict"]
 
@@ -43,7 +44,7 @@ def _validated_position(door: str, state_dict: dict[str, Any], accumulation_step
                         f"{type(state_dict).__name__}.")
     missing = [k for k in _REQUIRED if k not in state_dict]
     if missing:
-        raise KeyError(f"{door}: the state dict lacks {missing} (keys of LossScaleOptimizer.state_dict(): "
+        raise StateDictError(f"{door}: the state dict lacks {missing} (keys of LossScaleOptimizer.state_dict(): "
                        f"{list(_REQUIRED)}); got keys {sorted(state_dict)}. A plain torch optimizer's state_dict "
                        f"goes to opt.inner.load_state_dict(...).")
     micro, boundaries = state_dict["micro_step"], state_dict["boundaries"]

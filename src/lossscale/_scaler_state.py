@@ -12,8 +12,24 @@ import dataclasses
 from typing import Any
 
 from lossscale.dynamic import DynamicScale
+from lossscale.policy import Policy, check_policy
+from lossscale.state import StateDictError
 
-__all__ = ["ScalerCheckpoint"]
+__all__ = ["ScalerCheckpoint", "policy_from_args"]
+
+_TORCH_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+
+
+def policy_from_args(policy: Policy | None, torch_args: dict[str, Any]) -> Policy:
+    """torch's four arguments as a DynamicScale, or ``policy`` (then those arguments must be left alone)."""
+    if policy is None:
+        return DynamicScale(**torch_args)
+    changed = {k: v for k, v in torch_args.items() if v != _TORCH_DEFAULTS[k]}
+    if changed:
+        raise ValueError(f"GradScaler(policy=..., {', '.join(f'{k}={v!r}' for k, v in changed.items())}): pass "
+                         f"either policy= or torch's scale arguments, not both; got both.")
+    check_policy("GradScaler", policy)
+    return policy
 
 
 class ScalerCheckpoint:
@@ -82,17 +98,14 @@ class ScalerCheckpoint:
         if not state_dict:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled "
                                "instance of GradScaler: GradScaler.load_state_dict({}) has nothing to restore.")
-        policy = self.policy
-        if isinstance(policy, DynamicScale) and "growth_factor" in state_dict:
-            policy = dataclasses.replace(policy, growth_factor=state_dict["growth_factor"],
-                                         backoff_factor=state_dict["backoff_factor"],
-                                         growth_interval=state_dict["growth_interval"])
-        values = self._owner.state_dict()
-        values.update(state_dict.get("policy_state", {}))
-        if "policy_state" not in state_dict:  # torch's format
+        policy = self._policy_from(state_dict, door)
+        if "policy_state" in state_dict:  # ours: the whole record
+            values = state_dict["policy_state"]
+        else:  # torch's format
             if "scale" not in state_dict:
-                raise KeyError(f"{door}: the state dict has neither 'policy_state' nor torch's 'scale'; got keys "
-                               f"{sorted(state_dict)}.")
+                raise StateDictError(f"{door}: the state dict has neither 'policy_state' nor torch's 'scale'; got "
+                                     f"keys {sorted(state_dict)}.")
+            values = self._owner.state_dict()
             values["scale"] = state_dict["scale"]
             if "_growth_tracker" in state_dict and "growth_tracker" in values:
                 values["growth_tracker"] = state_dict["_growth_tracker"]
@@ -100,3 +113,15 @@ class ScalerCheckpoint:
         self._owner.set_policy(policy)
         self._replicas = {}
 
+    def _policy_from(self, state_dict: dict[str, Any], door: str) -> Any:
+        """The policy with torch's three knobs from ``state_dict`` (a DynamicScale; validated), else unchanged."""
+        policy = self._owner.policy
+        knobs = ("growth_factor", "backoff_factor", "growth_interval")
+        if not isinstance(policy, DynamicScale) or not any(k in state_dict for k in knobs):
+            return policy
+        missing = [k for k in knobs if k not in state_dict]
+        missing += ["scale"] if "scale" not in state_dict and "policy_state" not in state_dict else []
+        if missing:
+            raise StateDictError(f"{door}: torch's format holds scale, growth_factor, backoff_factor and "
+                                 f"growth_interval together; missing {missing} (got keys {sorted(state_dict)}).")
+        return dataclasses.replace(policy, **{k: state_dict[k] for k in knobs})

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from lossscale._validate import check_choice, check_factor_above_one, check_int_in_range, check_scale
+from lossscale._validate import _require_real, check_choice, check_factor_above_one, check_int_in_range, check_scale
 from lossscale.policy import _SATURATE, FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, FloorError, Policy, _as_flag, _f32
 from lossscale.state import ScaleState
 
@@ -119,11 +119,10 @@ class DynamicScale(Policy):
         check_factor_above_one(call, "growth_factor", self.growth_factor,
                                "it multiplies the scale after growth_interval clean steps")
         b = self.backoff_factor
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0.0 < b < 1.0):
-            raise ValueError(
-                f"{call}(backoff_factor={b!r}): backoff_factor must be in (0, 1) "
-                f"(it multiplies the scale when it backs off); got {b!r}."
-            )
+        _require_real(call, "backoff_factor", b, "in (0, 1) (it multiplies the scale when it backs off)")
+        if not (0.0 < b < 1.0):
+            raise ValueError(f"{call}(backoff_factor={b!r}): backoff_factor must be in (0, 1) "
+                             f"(it multiplies the scale when it backs off); got {b!r}.")
         check_int_in_range(call, "growth_interval", self.growth_interval, 1)
         check_int_in_range(call, "hysteresis", self.hysteresis, 1)
         check_choice(call, "hysteresis_mode", self.hysteresis_mode, ("consecutive", "cumulative"))

@@ -18,7 +18,7 @@ from lossscale import step as stages
 from lossscale._masked import MaskedSkip
 from lossscale._optimizer_view import OptimizerView
 from lossscale._pipeline import run_boundary
-from lossscale.options import StepOptions, refuse_float16_params, upgrade_old_spellings
+from lossscale.options import StepOptions, check_module, refuse_float16_params, upgrade_old_spellings
 from lossscale.policy import Policy
 from lossscale.result import StepResult
 from lossscale.state import LossScale
@@ -103,6 +103,7 @@ class LossScaleOptimizer(OptimizerView):
             raise TypeError(f"LossScaleOptimizer(inner={type(inner).__name__}): inner must be a torch.optim.Optimizer.")
         if isinstance(inner, LossScaleOptimizer):
             raise TypeError("LossScaleOptimizer(inner=LossScaleOptimizer): wrap the inner optimizer once, not a wrapper.")
+        check_module("LossScaleOptimizer", module)
         self._run = _Run(options=StepOptions(**options))
         self._run.options.resolved_skip_mode(inner)  # refuses skip_mode="fused" for an optimizer without it
         self._init_view(inner)

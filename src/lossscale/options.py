@@ -14,7 +14,13 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from lossscale._validate import check_choice, check_int_at_least, check_positive_or_none
+from lossscale._validate import (
+    ArgumentTypeError,
+    _require_real,
+    check_choice,
+    check_int_at_least,
+    check_positive_or_none,
+)
 from lossscale.ema import EMA
 from lossscale.overflow import OverflowMode, check_mode, saturation_threshold
 
@@ -58,6 +64,24 @@ def upgrade_old_spellings(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[s
     return out
 
 
+def _check_process_group(call: str, group: Any) -> None:
+    """None (the world) or a ``torch.distributed.ProcessGroup``."""
+    if group is None:
+        return
+    kind = getattr(torch.distributed, "ProcessGroup", None)
+    if kind is None or not isinstance(group, kind):
+        raise ArgumentTypeError(f"{call}(process_group={group!r}): process_group must be None (the world) or a "
+                                f"torch.distributed.ProcessGroup (e.g. torch.distributed.new_group(...)); got "
+                                f"{type(group).__name__}.")
+
+
+def check_module(call: str, module: Any) -> None:
+    """None or a ``torch.nn.Module`` (it names the parameters in attribution)."""
+    if module is not None and not isinstance(module, torch.nn.Module):
+        raise ArgumentTypeError(f"{call}(module={module!r}): module must be None or the torch.nn.Module whose "
+                                f"parameters the optimizer updates (it names them); got {type(module).__name__}.")
+
+
 @dataclass(frozen=True)
 class StepOptions:
     """How a boundary step runs; validated once (see :class:`~lossscale.LossScaleOptimizer` for each)."""
@@ -89,9 +113,12 @@ class StepOptions:
         if self.ema is not None and not isinstance(self.ema, EMA):
             raise TypeError(f"{call}(ema={self.ema!r}): ema must be a lossscale.EMA or None.")
         wd = self.weight_decay
-        if wd is not None and (isinstance(wd, bool) or not isinstance(wd, (int, float)) or not 0 <= wd < float("inf")):
-            raise ValueError(f"{call}(weight_decay={wd!r}): weight_decay must be None or a finite number >= 0; "
-                             f"got {wd!r}.")
+        if wd is not None:
+            _require_real(call, "weight_decay", wd, "None or a finite number >= 0")
+            if not 0 <= wd < float("inf"):
+                raise ValueError(f"{call}(weight_decay={wd!r}): weight_decay must be None or a finite number >= 0; "
+                                 f"got {wd!r}.")
+        _check_process_group(call, self.process_group)
         check_choice(call, "skip_mode", self.skip_mode, ("auto", "fused", "host", "masked"))
         check_choice(call, "check_when_unscaled", self.check_when_unscaled, (True, False))
         check_choice(call, "sharded_grads", self.sharded_grads, (None, True, False))

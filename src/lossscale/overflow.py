@@ -18,7 +18,7 @@ from typing import Iterable, Literal, Sequence
 
 import torch
 
-from lossscale._validate import check_choice
+from lossscale._validate import ArgumentTypeError, check_choice
 
 __all__ = [
     "OverflowMode",
@@ -42,8 +42,12 @@ def check_mode(call: str, mode: str) -> None:
 
 def saturation_threshold(dtype: torch.dtype = torch.float16) -> float:
     """The magnitude at which a scaled gradient counts as saturated: the format's largest finite value."""
+    if not isinstance(dtype, torch.dtype):
+        raise ArgumentTypeError(f"saturation_dtype={dtype!r}: saturation_dtype must be a floating-point torch.dtype "
+                                f"such as torch.float16; got {type(dtype).__name__} {dtype!r}.")
     if not dtype.is_floating_point:
-        raise ValueError(f"saturation_threshold(dtype={dtype}): dtype must be a floating-point dtype; got {dtype}.")
+        raise ValueError(f"saturation_dtype={dtype}: saturation_dtype must be a floating-point torch.dtype such as "
+                         f"torch.float16; got {dtype}.")
     return float(torch.finfo(dtype).max)
 
 

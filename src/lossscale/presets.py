@@ -41,13 +41,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from lossscale._validate import (
-    ArgumentTypeError,
-    check_choice,
     check_factor_above_one,
     check_int_at_least,
-    check_scale,
 )
-from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, DynamicScale
+from lossscale.policy import DynamicScale
+from lossscale._preset_args import _fraction, _scale
+from lossscale._presets_hysteresis import deepspeed, megatron
 
 __all__ = [
     "torch_amp",
@@ -73,18 +72,6 @@ def build_as(call: str, preset: Callable[..., DynamicScale], *args: Any, **kwarg
         return preset(*args, **kwargs)
     except ValueError as err:  # ArgumentTypeError (a wrong type) keeps its class
         raise type(err)(str(err).replace(f"presets.{preset.__name__}(", f"{call}(", 1)) from None
-
-
-def _scale(call: str, name: str, value: Any, floor: float = SMALLEST_NORMAL_FLOAT32) -> None:
-    check_scale(call, name, value, low=floor, high=FLOAT32_MAX)
-
-
-def _fraction(call: str, name: str, value: Any, why: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be in (0, 1) ({why}); got "
-                                f"{value!r} ({type(value).__name__}).")
-    if not (0.0 < value < 1.0):
-        raise ValueError(f"{call}({name}={value!r}): {name} must be in (0, 1) ({why}); got {value!r}.")
 
 
 def torch_amp(init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -220,85 +207,6 @@ def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000) -> Dy
     check_int_at_least(call, "N", N, 0)
     return DynamicScale(init_scale=scale, growth_factor=scaling_factor, backoff_divisor=scaling_factor,
                         growth_interval=N + 1, growth_delay=1)
-
-
-def deepspeed(init_scale: float = 2.0**16, scale_factor: float = 2.0, scale_window: int = 1000,
-              min_scale: float = 1.0, delayed_shift: int = 2, consecutive_hysteresis: bool = False,
-              raise_error_at_min_scale: bool = True) -> DynamicScale:
-    """DeepSpeed's ZeRO ``DynamicLossScaler`` (``initial_scale_power`` 16, window 1000, hysteresis 2).
-
-    Rule (Python floats; ``cur_iter`` starts at 0, ``last_overflow_iter`` at -1, ``h = delayed_shift``)::
-
-        overflow: if delayed_shift == 1 or h == 1:
-                      raise if S == min_scale and raise_error_at_min_scale
-                      S = max(S / scale_factor, min_scale)
-                  else: h -= 1
-                  last_overflow_iter = cur_iter
-        clean:    if consecutive_hysteresis: h = delayed_shift
-                  stable = cur_iter - last_overflow_iter - 1
-                  if stable > 0 and stable % W == 0:
-                      if not consecutive_hysteresis: h = delayed_shift
-                      S *= scale_factor
-        cur_iter += 1
-
-    so the first growth after the start or an overflow comes on the (W+1)-th clean step and later ones
-    every W (``growth_delay=1``; DeepSpeed before ``stable_interval`` grew on the W-th). ``h`` is not
-    refilled by a backoff, so once it reaches 1 every overflow backs off until a growth (or, with
-    ``consecutive_hysteresis``, a clean step) refills it. Raising at the floor is ``at_floor="raise"``:
-    the optimizers raise :class:`~lossscale.FloorError`, and the raising step changes no state, as in
-    DeepSpeed. DeepSpeed 0.19 fixes ``scale_factor`` at 2; other values follow the same rule.
-    Deviation: DeepSpeed's float64 scale has no cap; ours refuses growth past float32's range.
-
-    Example:
-        >>> from lossscale import presets
-        >>> p = presets.deepspeed()
-        >>> (p.hysteresis, p.hysteresis_mode, p.refill_after_backoff, p.at_floor)
-        (2, 'cumulative', False, 'raise')
-    """
-    call = "presets.deepspeed"
-    _scale(call, "min_scale", min_scale)
-    _scale(call, "init_scale", init_scale, floor=min_scale)
-    check_factor_above_one(call, "scale_factor", scale_factor, "the scale is multiplied and divided by it")
-    check_int_at_least(call, "scale_window", scale_window, 1)
-    check_int_at_least(call, "delayed_shift", delayed_shift, 1)
-    check_choice(call, "consecutive_hysteresis", consecutive_hysteresis, (True, False))
-    check_choice(call, "raise_error_at_min_scale", raise_error_at_min_scale, (True, False))
-    return DynamicScale(init_scale=init_scale, growth_factor=scale_factor, backoff_divisor=scale_factor,
-                        growth_interval=scale_window, hysteresis=delayed_shift,
-                        hysteresis_mode="consecutive" if consecutive_hysteresis else "cumulative",
-                        refill_after_backoff=False, min_scale=min_scale, growth_delay=1,
-                        at_floor="raise" if raise_error_at_min_scale else "skip")
-
-
-def megatron(initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_factor: float = 2.0,
-             backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2) -> DynamicScale:
-    """Megatron-core ``DynamicGradScaler`` (defaults of its optimizer config).
-
-    Rule (float32 tensors)::
-
-        overflow: growth_tracker = 0; h -= 1
-                  if h <= 0: S = max(S * backoff_factor, min_scale)     # h is not refilled
-        clean:    growth_tracker += 1
-                  if growth_tracker == growth_interval:
-                      growth_tracker = 0; h = hysteresis; S = S * growth_factor
-
-    Deviation: Megatron grows into float32 inf; ours refuses that growth.
-
-    Example:
-        >>> from lossscale import presets
-        >>> presets.megatron().hysteresis_mode
-        'cumulative'
-    """
-    call = "presets.megatron"
-    _scale(call, "min_scale", min_scale)
-    _scale(call, "initial_scale", initial_scale, floor=min_scale)
-    check_factor_above_one(call, "growth_factor", growth_factor, "it multiplies the scale on growth")
-    _fraction(call, "backoff_factor", backoff_factor, "it multiplies the scale on a backoff")
-    check_int_at_least(call, "growth_interval", growth_interval, 1)
-    check_int_at_least(call, "hysteresis", hysteresis, 1)
-    return DynamicScale(init_scale=initial_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                        growth_interval=growth_interval, hysteresis=hysteresis, hysteresis_mode="cumulative",
-                        refill_after_backoff=False, min_scale=min_scale, arithmetic="float32")
 
 
 def paddle(init_loss_scaling: float = 2.0**16, incr_ratio: float = 2.0, decr_ratio: float = 0.5,

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from lossscale._validate import ArgumentTypeError
+
 __all__ = ["checked_scale", "to_float32", "ScaleTypeError", "SMALLEST_NORMAL_FLOAT32", "FLOAT32_MAX"]
 
 #: 2**-126, the smallest normal float32: the lowest scale whose inverse is finite.
@@ -31,9 +33,8 @@ def to_float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-class ScaleTypeError(TypeError, ValueError):
-    """A scale of the wrong kind (not a number, or a tensor that is not one real element without grad).
-    Both a TypeError and a ValueError, so either ``except`` catches it."""
+#: A scale of the wrong kind: a TypeError that is also a ValueError (either ``except`` catches it).
+ScaleTypeError = ArgumentTypeError
 
 
 def _as_number(door: str, name: str, value: Any) -> float:
@@ -47,6 +48,9 @@ def _as_number(door: str, name: str, value: Any) -> float:
                                  f"{value.dtype} tensor of shape {tuple(value.shape)}"
                                  f"{' that requires grad' if value.requires_grad else ''}.")
         flat = value.detach().reshape(())
+        if flat.device.type == "meta":
+            raise ValueError(f"{door}: {name} is a tensor on the meta device, which holds no value; pass a float or "
+                             f"a tensor on a real device; got {value!r}.")
         if flat.device.type == "cpu":
             return float(flat.to(torch.float64).numpy())
         return float(flat.to("cpu", torch.float64).numpy())  # one device sync

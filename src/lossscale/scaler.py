@@ -19,17 +19,14 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from lossscale import step as stages
-from lossscale._scaler_state import ScalerCheckpoint
+from lossscale._validate import ArgumentTypeError
+from lossscale._scaler_state import ScalerCheckpoint, policy_from_args
 from lossscale._torch_private import TorchPrivateAttributes
-from lossscale.dynamic import DynamicScale
 from lossscale.overflow import OverflowMode, check_mode, saturation_threshold
-from lossscale.policy import Policy, check_policy
+from lossscale.policy import Policy
 from lossscale.state import LossScale
 
 __all__ = ["GradScaler", "ScalerStep"]
-
-_TORCH_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
-
 
 @dataclass(frozen=True)
 class ScalerStep:
@@ -44,18 +41,6 @@ class ScalerStep:
     stepped: torch.Tensor
     found_inf: torch.Tensor
     value: Any = None
-
-
-def _policy_from_args(policy: Policy | None, torch_args: dict[str, Any]) -> Policy:
-    """torch's four arguments as a DynamicScale, or ``policy`` (then those arguments must be left alone)."""
-    if policy is None:
-        return DynamicScale(**torch_args)
-    changed = {k: v for k, v in torch_args.items() if v != _TORCH_DEFAULTS[k]}
-    if changed:
-        raise ValueError(f"GradScaler(policy=..., {', '.join(f'{k}={v!r}' for k, v in changed.items())}): pass "
-                         f"either policy= or torch's scale arguments, not both; got both.")
-    check_policy("GradScaler", policy)
-    return policy
 
 
 class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
@@ -87,7 +72,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  policy: Policy | None = None, overflow_mode: OverflowMode = "inf_nan",
                  saturation_dtype: torch.dtype = torch.float16, process_group: Any = None) -> None:
-        policy = _policy_from_args(policy, dict(init_scale=init_scale, growth_factor=growth_factor,
+        policy = policy_from_args(policy, dict(init_scale=init_scale, growth_factor=growth_factor,
                                                 backoff_factor=backoff_factor, growth_interval=growth_interval))
         check_mode("GradScaler", overflow_mode)
         if not isinstance(enabled, bool):
@@ -143,8 +128,8 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
                 mapped = map(apply, value)
                 return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
-            raise ValueError(f"GradScaler.scale(outputs): outputs must be a Tensor or an iterable of Tensors; "
-                             f"got {type(value).__name__}.")
+            raise ArgumentTypeError(f"GradScaler.scale(outputs): outputs must be a Tensor or an iterable of "
+                                    f"Tensors (the loss); got {type(value).__name__} {value!r}.")
 
         return apply(outputs)
 
@@ -155,6 +140,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         """
         if not self._enabled:
             return
+        stages.check_optimizer("GradScaler.unscale_(optimizer)", optimizer)
         owner = self._require_state("unscale_()")
         record = self._per_optimizer_states[id(optimizer)]
         if record["stage"] is OptState.UNSCALED:
@@ -204,6 +190,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled: "
                                "GradScaler.step(optimizer, closure=...) cannot scale the closure's loss.")
+        stages.check_optimizer("GradScaler.step(optimizer)", optimizer)
         self._require_state("step()")
         record = self._per_optimizer_states[id(optimizer)]
         if record["stage"] is OptState.STEPPED:

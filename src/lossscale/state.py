@@ -19,7 +19,15 @@ import torch
 from lossscale._validate import INT32_MAX
 from lossscale.scale_value import checked_scale
 
-__all__ = ["ScaleState", "LossScale", "state_to_dict", "state_from_dict"]
+__all__ = ["ScaleState", "LossScale", "StateDictError", "state_to_dict", "state_from_dict"]
+
+
+class StateDictError(KeyError, ValueError):
+    """A state dict that lacks what it must hold (or is another object's). A ValueError, and a KeyError
+    for code that caught the missing key before; printed as its plain message."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,7 @@ def state_from_dict(template: Any, values: dict[str, Any], door: str = "load_sta
     names = [f.name for f in dataclasses.fields(template)]
     missing = [n for n in names if n not in values]
     if missing:
-        raise KeyError(f"{door}: the loss-scale state is missing {missing}; expected the fields {names}")
+        raise StateDictError(f"{door}: the loss-scale state is missing {missing}; expected the fields {names}")
     fields = {n: _field_tensor(door, n, values[n], getattr(template, n)) for n in names}
     batches = {tuple(t.shape) for n, t in fields.items() if getattr(template, n).dim() == 0}
     if len(batches) > 1:

@@ -27,10 +27,12 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from lossscale import distributed as _dist
+from lossscale._validate import ArgumentTypeError
 from lossscale.overflow import OverflowMode, check_, check_with_amax_, group_by_device_and_dtype, overflowing
 
 __all__ = [
     "NoGradientsError",
+    "check_optimizer",
     "scale_loss",
     "gradients",
     "grouped",
@@ -52,6 +54,13 @@ class NoGradientsError(RuntimeError, AssertionError):
 
     An ``AssertionError`` too, because ``torch.amp.GradScaler`` signals the same misuse with an assert.
     """
+
+
+def check_optimizer(call: str, optimizer: Any) -> None:
+    """A TypeError unless ``optimizer`` looks like a torch optimizer (``param_groups`` and a ``step``)."""
+    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+        raise ArgumentTypeError(f"{call}: optimizer must be a torch.optim.Optimizer (param_groups and step()); got "
+                                f"{type(optimizer).__name__}.")
 
 
 def scale_loss(loss: Any, scale: torch.Tensor, divisor: int = 1) -> torch.Tensor:

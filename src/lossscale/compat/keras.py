@@ -53,7 +53,8 @@ import torch
 
 from lossscale import presets
 from lossscale.clip import PerTensorClip
-from lossscale.compat._checks import check_optimizer, checked_state_dict, checked_tensors
+from lossscale.compat._checks import check_optimizer, checked_state_dict
+from lossscale.compat._keras_apply import checked_grads, keras_ema_rules, write_grads
 from lossscale.compat._keras_args import BASE_KWARGS, KerasEMA, validated
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
 from lossscale.result import StepResult
@@ -171,33 +172,9 @@ class LossScaleOptimizer:
         steps, advances the average, and grows the scale every ``dynamic_growth_steps`` clean steps.
         """
         variables = self.variables if trainable_variables is None else list(trainable_variables)
-        grads = checked_tensors(f"{_CALL}.apply", "grads", grads, none_items=True)
-        if len(grads) != len(variables):
-            raise ValueError(f"{_CALL}.apply(grads, trainable_variables): got {len(grads)} gradients for "
-                             f"{len(variables)} variables; pass one gradient (or None) per variable.")
-        known = {id(p) for p in self.variables}
-        stray = [i for i, v in enumerate(variables) if id(v) not in known]
-        if stray:
-            raise ValueError(f"{_CALL}.apply(grads, trainable_variables): variable {stray[0]} is not a parameter of "
-                             f"the inner optimizer; pass the parameters it was built with.")
-        for i, (v, g) in enumerate(zip(variables, grads)):
-            if g is not None and g.shape != v.shape:
-                raise ValueError(f"{_CALL}.apply(grads, trainable_variables): grads[{i}] has shape {tuple(g.shape)}, "
-                                 f"its variable {tuple(v.shape)}; pass one gradient per variable, in order.")
-        if all(g is None for g in grads):
-            raise ValueError(f"{_CALL}.apply(grads=[None] * {len(grads)}): No gradients provided for any variable "
-                             f"(as Keras says); nothing would be applied and the scale would count a clean step.")
+        grads = checked_grads(f"{_CALL}.apply", grads, variables, self.variables)
         self._opt.zero_grad(set_to_none=True)  # a no-op inside an accumulation window
-        divisor = self._opt.accumulation_steps * (self.loss_scale_factor or 1.0)
-        for v, g in zip(variables, grads):
-            if g is None:
-                continue
-            g = g.detach().to(device=v.device, dtype=v.dtype)
-            g = g / divisor if divisor != 1 else g.clone()  # never write into the caller's tensor
-            if v.grad is None:
-                v.grad = g
-            else:
-                v.grad.add_(g)
+        write_grads(grads, variables, self._opt.accumulation_steps * (self.loss_scale_factor or 1.0))
         first = self._applied == 0
         result = self._opt.step()
         self.last_result = result
@@ -219,14 +196,7 @@ class LossScaleOptimizer:
         self.apply([g for g, _ in pairs], [v for _, v in pairs])
 
     def _keras_ema(self, stepped: torch.Tensor, first: torch.Tensor) -> None:
-        """Keras's first applied step sets the average to the weights; ``ema_overwrite_frequency`` then writes
-        the average into the weights every so many applied steps. Masks, no host read."""
-        ema = self.ema
-        copy = (stepped & first).to(ema.shadow[0].dtype)
-        torch._foreach_lerp_(ema.shadow, [p.detach() for p in ema.params], copy)
-        if self.ema_overwrite_frequency:
-            due = stepped & (self._applied % self.ema_overwrite_frequency == 0)
-            torch._foreach_lerp_([p.detach() for p in ema.params], ema.shadow, due.to(ema.shadow[0].dtype))
+        keras_ema_rules(self.ema, stepped, first, self._applied, self.ema_overwrite_frequency)
 
     def finalize_variable_values(self, var_list: Sequence[torch.Tensor] | None = None) -> None:
         """Copy the moving average into the weights (when ``use_ema``), as Keras does at the end of ``fit``."""

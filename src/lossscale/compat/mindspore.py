@@ -38,18 +38,22 @@ where ours stops, and with a factor that is not a power of two ours rounds to fl
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from lossscale import presets
-from lossscale._validate import check_choice, check_factor_above_one, check_int_at_least, check_scale
-from lossscale.compat._checks import check_optimizer, checked_state_dict
-from lossscale.optimizer import LossScaleOptimizer
-from lossscale.policy import FLOAT32_MAX, FixedScale, ScaleState
-from lossscale.scale_value import checked_scale
+from lossscale._validate import check_choice, check_scale
+from lossscale.policy import FLOAT32_MAX, FixedScale
 from lossscale.state import LossScale
-from lossscale.result import StepResult
+from lossscale.compat._mindspore_cells import (
+    DynamicLossScaleUpdateCell,
+    FixedLossScaleUpdateCell,
+    _check_rule,
+    _flag,
+    _StatefulRule,
+)
+from lossscale.compat._mindspore_train import TrainOneStepWithLossScaleCell
 
 __all__ = [
     "DynamicLossScaleUpdateCell",
@@ -61,131 +65,6 @@ __all__ = [
 
 #: MindSpore's ``DynamicLossScaleManager.bad_step_max``: more overflows in a row than this raise.
 BAD_STEP_MAX = 1000
-
-
-def _flag(overflow: Any, device: torch.device, call: str = "DynamicLossScaleUpdateCell") -> torch.Tensor:
-    """One step's overflow verdict as a 0-d bool tensor: a bool or a one-value tensor (no host read)."""
-    if isinstance(overflow, torch.Tensor):
-        if overflow.numel() != 1:
-            raise ValueError(f"{call}(overflow={overflow!r}): overflow must hold one value (one step's verdict); "
-                             f"got shape {tuple(overflow.shape)}.")
-        return overflow.to(device=device, dtype=torch.bool).reshape(())
-    if isinstance(overflow, bool):
-        return torch.tensor(overflow, device=device)
-    raise TypeError(f"{call}(overflow={overflow!r}): overflow must be a bool or a bool tensor; got "
-                    f"{type(overflow).__name__}.")
-
-
-def _check_loss_scale(call: str, loss_scale: Any) -> None:
-    """The cell's ``loss_scale`` is MindSpore's float32 Parameter: a 1-element float32 tensor, updated in
-    place, so another dtype is refused rather than rounded (an int64 scale would truncate ``S / 3``)."""
-    if not isinstance(loss_scale, torch.Tensor):
-        raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's "
-                        f"loss_scale Parameter); got {type(loss_scale).__name__}.")
-    if loss_scale.numel() != 1:
-        raise ValueError(f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's "
-                         f"loss_scale Parameter); got shape {tuple(loss_scale.shape)}.")
-    if loss_scale.dtype != torch.float32:
-        raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a float32 tensor (MindSpore's "
-                        f"loss_scale Parameter is float32, and it is updated in place); got {loss_scale.dtype}. "
-                        f"Create it as torch.tensor(2.0**24) or convert it with .float().")
-
-
-def _check_rule(call: str, init_name: str, init: Any, scale_factor: Any, scale_window: Any) -> None:
-    check_scale(call, init_name, init, low=1.0, high=FLOAT32_MAX)
-    check_factor_above_one(call, "scale_factor", scale_factor, "the scale is multiplied and divided by it")
-    check_int_at_least(call, "scale_window", scale_window, 1)
-
-
-class _StatefulRule:
-    """A policy's :class:`~lossscale.state.LossScale` (``loss_scale``), with ``state_dict``/``load_state_dict``."""
-
-    loss_scale: LossScale
-
-    @property
-    def policy(self) -> Any:
-        """The rule (frozen)."""
-        return self.loss_scale.policy
-
-    @property
-    def scale_state(self) -> ScaleState:
-        """The whole state record (for a cell: its counters; the live scale is the tensor it updates)."""
-        return self.loss_scale.state
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scale and counters as plain numbers (reads them on the host)."""
-        return {"policy_state": self.loss_scale.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (validated first)."""
-        checked_state_dict(f"{type(self).__name__}.load_state_dict", state_dict, ("policy_state",))
-        self.loss_scale.load_state_dict(state_dict["policy_state"], f"{type(self).__name__}.load_state_dict")
-
-
-class DynamicLossScaleUpdateCell(_StatefulRule):
-    """The loss-scale update cell: ``cell(loss_scale, overflow)`` updates ``loss_scale`` in place.
-
-    Rule: :func:`lossscale.presets.mindspore`. The cell keeps the counters; the scale is the tensor passed
-    in, as MindSpore's cell reads and assigns the ``loss_scale`` Parameter. No host read.
-
-    Example:
-        >>> import torch
-        >>> cell = DynamicLossScaleUpdateCell(loss_scale_value=2**12, scale_factor=2, scale_window=1000)
-        >>> scale = torch.tensor(2.0**12)
-        >>> cell(scale, torch.tensor(True))
-        tensor(True)
-        >>> float(scale)
-        2048.0
-    """
-
-    def __init__(self, loss_scale_value: float, scale_factor: float, scale_window: int) -> None:
-        _check_rule("DynamicLossScaleUpdateCell", "loss_scale_value", loss_scale_value, scale_factor, scale_window)
-        self.loss_scale_value = loss_scale_value
-        self.scale_factor = scale_factor
-        self.scale_window = scale_window
-        self.loss_scale = LossScale(presets.mindspore(loss_scale_value, scale_factor, scale_window))
-
-    def get_loss_scale(self) -> float:
-        """``loss_scale_value``, as MindSpore's cell returns it (the live scale is the tensor it updates)."""
-        return self.loss_scale_value
-
-    @torch.no_grad()
-    def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
-        """Update ``loss_scale`` (float32, shape () or (1,)) in place from ``overflow``; return ``overflow``.
-        No host read."""
-        _check_loss_scale("DynamicLossScaleUpdateCell", loss_scale)
-        owner = self.loss_scale
-        if owner.device != loss_scale.device:
-            owner.to(loss_scale.device)
-        owner.follow(loss_scale)
-        owner.update(_flag(overflow, loss_scale.device))
-        loss_scale.copy_(owner.scale.reshape(loss_scale.shape))
-        return overflow
-
-    def __repr__(self) -> str:
-        return (f"DynamicLossScaleUpdateCell(loss_scale_value={self.loss_scale_value!r}, "
-                f"scale_factor={self.scale_factor!r}, scale_window={self.scale_window!r})")
-
-
-class FixedLossScaleUpdateCell(_StatefulRule):
-    """An update cell that keeps the scale: ``cell(loss_scale, overflow)`` returns ``overflow``."""
-
-    def __init__(self, loss_scale_value: float) -> None:
-        check_scale("FixedLossScaleUpdateCell", "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)
-        self.loss_scale_value = loss_scale_value
-        self.loss_scale = LossScale(FixedScale(float(loss_scale_value)))
-
-    def get_loss_scale(self) -> float:
-        """``loss_scale_value``."""
-        return self.loss_scale_value
-
-    def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
-        """Return ``overflow``; the scale does not move."""
-        _check_loss_scale("FixedLossScaleUpdateCell", loss_scale)
-        return overflow
-
-    def __repr__(self) -> str:
-        return f"FixedLossScaleUpdateCell(loss_scale_value={self.loss_scale_value!r})"
 
 
 class DynamicLossScaleManager(_StatefulRule):
@@ -277,85 +156,3 @@ class FixedLossScaleManager(_StatefulRule):
     def get_update_cell(self) -> FixedLossScaleUpdateCell | None:
         """A :class:`FixedLossScaleUpdateCell`, or None when overflowing steps are not dropped."""
         return FixedLossScaleUpdateCell(self.get_loss_scale()) if self.drop_overflow_update else None
-
-
-class TrainOneStepWithLossScaleCell:
-    """One training step with loss scaling: ``train_cell(*inputs) -> (loss, overflow, loss_scale)``.
-
-    Runs ``network(*inputs)`` (which returns the loss), the backward pass of ``loss * scale``, unscales,
-    checks for overflow, steps ``optimizer`` unless it overflowed, and updates the scale through the update
-    cell. The returned ``overflow`` and ``loss_scale`` are tensors (no host read): ``loss_scale`` is the
-    scale this step's gradients carried; :attr:`scale_sense` is the live one.
-
-    Args:
-        network: A module (or callable) returning the loss (MindSpore's ``WithLossCell``).
-        optimizer: A torch optimizer over the network's parameters.
-        scale_sense: A :class:`DynamicLossScaleUpdateCell`/:class:`FixedLossScaleUpdateCell`, or a tensor of
-            shape () or (1,) holding a fixed scale.
-        **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments (``skip_mode``, clipping, ...).
-    """
-
-    def __init__(self, network: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
-                 scale_sense: Any, **kwargs: Any) -> None:
-        call = "TrainOneStepWithLossScaleCell"
-        if not callable(network):
-            raise TypeError(f"{call}(network={network!r}): network must be a callable returning the loss.")
-        check_optimizer(call, "optimizer", optimizer)
-        self.network = network
-        self.optimizer = optimizer
-        self.loss_scaling_manager = None
-        if isinstance(scale_sense, (DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell)):
-            self.loss_scaling_manager = scale_sense
-            owner = scale_sense.loss_scale  # one owner: the cell's scale is the optimizer's
-        elif isinstance(scale_sense, torch.Tensor):
-            if tuple(scale_sense.shape) not in ((), (1,)):
-                raise ValueError(f"{call}(scale_sense=tensor of shape {tuple(scale_sense.shape)}): the shape of "
-                                 f"scale_sense must be (1,) or (); got {tuple(scale_sense.shape)}.")
-            owner = LossScale(FixedScale(checked_scale(f"{call}(scale_sense={scale_sense!r})", scale_sense)))
-        else:
-            raise TypeError(f"{call}(scale_sense={scale_sense!r}): scale_sense must be an update cell "
-                            f"(DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell) or a tensor; got "
-                            f"{type(scale_sense).__name__}.")
-        self._opt = LossScaleOptimizer(optimizer, policy=owner, **kwargs)
-
-    @property
-    def scale_sense(self) -> torch.Tensor:
-        """The current loss scale, a 0-d float32 tensor (no host read)."""
-        return self._opt.scale
-
-    @property
-    def scale_state(self) -> ScaleState:
-        """The whole state record (scale and counters)."""
-        return self._opt.scale_state
-
-    def set_sense_scale(self, sens: torch.Tensor) -> None:
-        """Set the loss scale to ``sens`` (a 1-element tensor, validated: one host read); the counters carry on."""
-        if not isinstance(sens, torch.Tensor) or sens.numel() != 1:
-            error = ValueError if isinstance(sens, torch.Tensor) else TypeError
-            raise error(f"TrainOneStepWithLossScaleCell.set_sense_scale(sens={sens!r}): sens must be a "
-                        f"1-element tensor; got {type(sens).__name__} of shape {tuple(getattr(sens, 'shape', ()))}.")
-        self._opt.loss_scale.set_scale(sens, f"TrainOneStepWithLossScaleCell.set_sense_scale({sens!r})")
-
-    def __call__(self, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        result = self.step(*inputs)
-        return self._last_loss, result.found_inf, result.scale
-
-    def step(self, *inputs: Any) -> StepResult:
-        """Like calling the cell, returning the whole :class:`~lossscale.StepResult`."""
-        self._opt.zero_grad()
-        loss = self.network(*inputs)
-        self._opt.backward(loss)
-        self._last_loss = loss.detach()
-        return self._opt.step()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's and the scale's state (see :meth:`lossscale.LossScaleOptimizer.state_dict`)."""
-        return self._opt.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        self._opt.load_state_dict(state_dict)
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("TrainOneStepWithLossScaleCell is not pickled directly; save train_cell.state_dict() with "
-                        "torch.save.")
