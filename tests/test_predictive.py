@@ -1,6 +1,7 @@
 """PredictiveScale: a pure-Python oracle of its rule, the issue-18 targets on seeded streams, faults,
 bounds, state and host reads."""
 
+import functools
 import math
 import pickle
 import sys
@@ -137,6 +138,7 @@ def test_drift_is_followed_not_lagged(stream_outcomes):
             assert ours.underflow < 0.5 * theirs.underflow
 
 
+@functools.lru_cache(maxsize=None)
 def settle(policy, steps=3000, seed=0):
     """Both rules after ``steps`` steps of a stationary stream: (policy state, torch log2 scale, amaxes)."""
     s = streams.make_stream("stationary", steps + 60, seed)
