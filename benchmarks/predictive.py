@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--millions", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--demo-steps", type=int, default=None, help="default: the demo's own default run")
+    parser.add_argument("--demo-steps", type=int, default=None, help="default: the demo's --quick run")
+    parser.add_argument("--full-demo", action="store_true", help="the demo's default run instead of --quick")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     t = step_time(20_000 if args.tiny else int(args.millions * 10**6), 2 if args.tiny else args.rounds)
     timing = [{"policy": k, "LossScaleOptimizer.step ms": v * 1e3, "ratio to DynamicScale": v / t["DynamicScale"]}
               for k, v in t.items()]
-    demo = [] if args.tiny else demo_comparison(args.demo_steps, quick=False)
+    demo = [] if args.tiny else demo_comparison(args.demo_steps, quick=not args.full_demo)
 
     md = ("Seeded synthetic streams (`benchmarks/streams.py`: a step overflows when its max |g| x scale >= 65504; "
           "underflow = mean share of gradient values float16 rounds to zero on applied steps; torch's rule is "
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
           + f"Step time on {('20k' if args.tiny else f'{args.millions:g}M')} float32 parameters, fused AdamW:\n\n"
           + table(timing, list(timing[0])))
     if demo:
-        md += "\n\nThe demo model (`lossscale demo --runs fp16-dynamic,fp16-predictive`):\n\n" + table(demo, list(demo[0]))
+        md += (f"\n\nThe demo model (`lossscale demo --runs fp16-dynamic,fp16-predictive{'' if args.full_demo else ' --quick'}`;"
+               " fp16-dynamic is DynamicScale(), torch's rule):\n\n") + table(demo, list(demo[0]))
     payload = {"machine": machine(), "rows": rows, "timing": timing, "demo": demo, "markdown": md}
     emit("predictive", payload, args.json)
     return payload
