@@ -47,8 +47,10 @@ __all__ = ["LayerScales"]
 _FLOAT16_LIMIT = 65504.0
 
 
-def _units(source: torch.nn.Module | Sequence[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) for every module that owns parameters directly (or the modules given)."""
+def _units(source: torch.nn.Module | Sequence[torch.nn.Module]
+           ) -> list[tuple[str, torch.nn.Module, list[torch.nn.Parameter]]]:
+    """(name, module, parameters) for every module that owns parameters directly (its own parameters),
+    or for each module given (all its parameters: a residual block is one unit)."""
     if isinstance(source, torch.nn.Module):
         found = [(n or type(source).__name__, m) for n, m in source.named_modules()
                  if any(p.requires_grad for p in m.parameters(recurse=False))]
@@ -59,12 +61,12 @@ def _units(source: torch.nn.Module | Sequence[torch.nn.Module]) -> list[tuple[st
                              f"contains modules with parameters, so its own parameters' gradients have no single "
                              f"place in the backward chain; wrap them in a submodule, or pass a list of modules "
                              f"that form a chain.")
-        return found
+        return [(n, m, list(m.parameters(recurse=False))) for n, m in found]
     modules = list(source)
     if not modules or not all(isinstance(m, torch.nn.Module) for m in modules):
         raise TypeError(f"LayerScales(modules): modules must be a torch.nn.Module or a non-empty sequence of them; "
                         f"got {type(source).__name__} of {[type(m).__name__ for m in modules][:4]}.")
-    return [(f"{i}:{type(m).__name__}", m) for i, m in enumerate(modules)]
+    return [(f"{i}:{type(m).__name__}", m, list(m.parameters())) for i, m in enumerate(modules)]
 
 
 class LayerScales:
@@ -101,11 +103,13 @@ class LayerScales:
             check_int_at_least(call, name, value, low)
         self.margin, self.search_step, self.max_exponent = margin, search_step, max_exponent
         self.history, self.forget_interval = history, forget_interval
-        self.units = _units(modules)
+        found = _units(modules)
+        self.units = [(name, module) for name, module, _ in found]
+        self._params = [params for _, _, params in found]
         self._check_shared()
         n = len(self.units)
         if device is None:
-            device = next(p for _, m in self.units for p in m.parameters(recurse=False)).device
+            device = next(p for params in self._params for p in params).device
         self.exponent = torch.zeros(n, device=device)
         self.level = torch.zeros(n, device=device)
         self.observed = torch.zeros(n, dtype=torch.bool, device=device)
@@ -120,8 +124,8 @@ class LayerScales:
 
     def _check_shared(self) -> None:
         owner: dict[int, str] = {}
-        for name, module in self.units:
-            for p in module.parameters(recurse=False):
+        for (name, _), params in zip(self.units, self._params):
+            for p in params:
                 if id(p) in owner and owner[id(p)] != name:
                     raise ValueError(f"LayerScales: a parameter is shared by units {owner[id(p)]!r} and {name!r}; "
                                      f"its gradient would mix two scales. Pass a module that contains both as one "
@@ -178,7 +182,7 @@ class LayerScales:
     # -- per step ------------------------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:
         """Every parameter a unit owns (the optimizer checks that its parameters are all here)."""
-        return [p for _, m in self.units for p in m.parameters(recurse=False)]
+        return [p for params in self._params for p in params]
 
     def unscale_(self, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Divide each unit's gradients by ``global_scale * 2**e[m]``; return per-unit (found_inf, amax).
@@ -191,8 +195,8 @@ class LayerScales:
         found = torch.zeros(n, dtype=torch.bool, device=self.exponent.device)
         amax = torch.zeros(n, device=self.exponent.device)
         inv = torch.exp2(-self.exponent) / global_scale.to(self.exponent.device).float()
-        for i, (_, module) in enumerate(self.units):
-            grads = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
+        for i, params in enumerate(self._params):
+            grads = [p.grad for p in params if p.grad is not None]
             if not grads:
                 continue
             extremes = [torch.aminmax(g) for g in grads]
