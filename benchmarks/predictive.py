@@ -1,7 +1,7 @@
 """PredictiveScale against torch's defaults: skipped steps, underflow, final loss and step time.
 
 Three measurements, all in one process:
-  1. Seeded synthetic gradient streams (``streams.py``: stationary, drifting, heavy-tailed, and the
+  1. Seeded synthetic gradient streams (``_streams.py``: stationary, drifting, heavy-tailed, and the
      hard iid-max case), 20,000 steps each: skipped steps, mean share of gradient values float16
      rounds to zero on applied steps, and the final scale, for torch's rule (advanced by torch's own
      ``_amp_update_scale_``), ``DynamicScale()`` (the same rule in this library) and
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import streams  # noqa: E402
+import _streams as streams  # noqa: E402
 from _common import alternate, emit, grad_restorer, machine, table  # noqa: E402
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
               for k, v in t.items()]
     demo = [] if args.tiny else demo_comparison(args.demo_steps, quick=not args.full_demo)
 
-    md = ("Seeded synthetic streams (`benchmarks/streams.py`: a step overflows when its max |g| x scale >= 65504; "
+    md = ("Seeded synthetic streams (`benchmarks/_streams.py`: a step overflows when its max |g| x scale >= 65504; "
           "underflow = mean share of gradient values float16 rounds to zero on applied steps; torch's rule is "
           "advanced by `torch._amp_update_scale_`). iid-max is the hard case: step maxima with no structure "
           "to forecast.\n\n"

@@ -115,6 +115,7 @@ class LayerScales:
         self.observed = torch.zeros(n, dtype=torch.bool, device=device)
         self.penalty = torch.zeros(n, device=device)
         self._order: list[int] = []  # units in the order the last forward ran them
+        self._set_order([])
         self._recording: list[int] | None = None
         self._factors: torch.Tensor | None = None
         self._handles = []
@@ -159,7 +160,7 @@ class LayerScales:
     def _scale_gradient(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         if self._recording is not None:  # the first hook of this backward: the forward's order is final
             if self._recording != self._order:
-                self._order, self._factors = self._recording, None
+                self._set_order(self._recording)
             self._recording = None
         factor = self._chain_factors()[index].to(grad.device)
         # in float32: a factor can pass float16's range; a power of two, so the product is exact
@@ -171,12 +172,20 @@ class LayerScales:
             self._factors = torch.exp2(self.exponent - self._downstream(self.exponent, 0.0))
         return self._factors
 
+    def _set_order(self, order: list[int]) -> None:
+        """Remember the chain order and, as index tensors, each unit's position and its downstream neighbour."""
+        following, rank = [-1] * len(self.units), [-1] * len(self.units)
+        for a, b in zip(order, order[1:]):
+            following[a] = b
+        for position, unit in enumerate(order):
+            rank[unit] = position
+        self._order, self._factors = list(order), None
+        self._following = torch.tensor(following, device=self.exponent.device)
+        self._rank = torch.tensor(rank, device=self.exponent.device)
+
     def _downstream(self, values: torch.Tensor, last: float | bool) -> torch.Tensor:
         """values[next(m)] per unit (``last`` for the unit that ran last, or that did not run)."""
-        following = [-1] * len(self.units)
-        for a, b in zip(self._order, self._order[1:]):
-            following[a] = b
-        index = torch.tensor(following, device=values.device)
+        index = self._following
         return torch.where(index >= 0, values[index.clamp_min(0)], torch.full_like(values, last))
 
     # -- per step ------------------------------------------------------------------------------------
@@ -188,24 +197,20 @@ class LayerScales:
         """Divide each unit's gradients by ``global_scale * 2**e[m]``; return per-unit (found_inf, amax).
 
         found_inf: bool [units], some gradient of the unit is inf/NaN. amax: float32 [units], the largest
-        scaled magnitude (before the division; 0 for a unit without gradients). One read and one write
-        pass; no host read.
+        scaled magnitude (before the division; 0 for a unit without gradients). One read pass
+        (``_foreach_norm(inf)``) and one write pass (``_foreach_mul_``); no host read.
         """
-        n = len(self.units)
-        found = torch.zeros(n, dtype=torch.bool, device=self.exponent.device)
-        amax = torch.zeros(n, device=self.exponent.device)
-        inv = torch.exp2(-self.exponent) / global_scale.to(self.exponent.device).float()
-        for i, params in enumerate(self._params):
-            grads = [p.grad for p in params if p.grad is not None]
-            if not grads:
-                continue
-            extremes = [torch.aminmax(g) for g in grads]
-            lo = torch.stack([e.min.float() for e in extremes]).min()
-            hi = torch.stack([e.max.float() for e in extremes]).max()
-            found[i] = ~(torch.isfinite(lo) & torch.isfinite(hi))
-            amax[i] = torch.maximum(hi, -lo)
-            torch._foreach_mul_(grads, inv[i].to(grads[0].device))
-        return found, amax
+        dev = self.exponent.device
+        pairs = [(i, p.grad) for i, params in enumerate(self._params) for p in params if p.grad is not None]
+        if not pairs:
+            return torch.zeros(len(self.units), dtype=torch.bool, device=dev), torch.zeros(len(self.units), device=dev)
+        owner = torch.tensor([i for i, _ in pairs], device=dev)
+        grads = [g for _, g in pairs]
+        norms = torch.stack([n.to(dev) for n in torch._foreach_norm(grads, math.inf, dtype=torch.float32)])
+        amax = torch.zeros(len(self.units), device=dev).scatter_reduce(0, owner, norms, "amax")  # NaN, inf pass
+        inv = (torch.exp2(-self.exponent) / global_scale.to(dev).float())[owner]
+        torch._foreach_mul_(grads, [f.to(g.device) for f, g in zip(inv.unbind(), grads)])
+        return ~torch.isfinite(amax), amax
 
     def update(self, found_inf: torch.Tensor, amax: torch.Tensor, global_scale: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -219,10 +224,7 @@ class LayerScales:
         found, amax = found_inf.to(dev).bool(), amax.to(dev).float()
         scale = torch.ones((), device=dev) if global_scale is None else global_scale.to(dev).float()
         any_bad = found.any()
-        rank = torch.full((len(self.units),), -1, dtype=torch.long)
-        for position, unit in enumerate(self._order):
-            rank[unit] = position
-        rank = rank.to(dev)
+        rank = self._rank
         culprit = found & (rank == torch.where(found, rank, torch.full_like(rank, -2)).max())
         local = culprit & (self.exponent > 0)
 
@@ -265,7 +267,7 @@ class LayerScales:
         for k in ("exponent", "level", "observed", "penalty"):
             old = getattr(self, k)
             setattr(self, k, torch.as_tensor(state[k], dtype=old.dtype, device=old.device))
-        self._order, self._factors = list(state["order"]), None
+        self._set_order(list(state["order"]))
 
     def remove(self) -> None:
         """Remove the hooks (the model then backpropagates at the global scale only)."""
