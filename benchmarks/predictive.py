@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--millions", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--demo-steps", type=int, default=None, help="default: the demo's --quick run")
+    parser.add_argument("--demo-steps", type=int, default=20, help="steps of the demo's --quick run (default 20)")
     parser.add_argument("--full-demo", action="store_true", help="the demo's default run instead of --quick")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json", default=None)
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
           + f"Step time on {('20k' if args.tiny else f'{args.millions:g}M')} float32 parameters, fused AdamW:\n\n"
           + table(timing, list(timing[0])))
     if demo:
-        md += (f"\n\nThe demo model (`lossscale demo --runs fp16-dynamic,fp16-predictive{'' if args.full_demo else ' --quick'}`;"
+        quick = "" if args.full_demo else " --quick"
+        md += (f"\n\nThe demo model (`lossscale demo --runs fp16-dynamic,fp16-predictive{quick} --steps {args.demo_steps}`;"
                " fp16-dynamic is DynamicScale(), torch's rule):\n\n") + table(demo, list(demo[0]))
     payload = {"machine": machine(), "rows": rows, "timing": timing, "demo": demo, "markdown": md}
     emit("predictive", payload, args.json)

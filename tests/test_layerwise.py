@@ -66,7 +66,7 @@ def train(model, steps, *, half=True, layerwise=False, lr=0.05, policy=None, lay
     if layerwise and layers is None:
         layers = LayerScales(model)
     groups = [{"params": list(model[4 * b: 4 * b + 4].parameters()),  # block b's gradients are 2**(4 * (11 - b))
-               "lr": lr * (2.0 ** (4 * (BLOCKS - 1 - b)) if compensate else 1.0)} for b in range(BLOCKS)]
+               "lr": lr * 2.0 ** (4 * (BLOCKS - 1 - b))} for b in range(BLOCKS)] if compensate else model.parameters()
     opt = torch.optim.SGD(groups, lr=lr)
     skipped = 0
     for step in range(steps):
@@ -91,9 +91,18 @@ def train(model, steps, *, half=True, layerwise=False, lr=0.05, policy=None, lay
         yield step, grads, skipped, layers, state.scale
 
 
+def plain_copy(model):
+    """A copy of ``model`` without the LayerScales hooks (a deepcopy would keep them)."""
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        m._forward_hooks.clear()
+        m._forward_pre_hooks.clear()
+    return ref
+
+
 def zero_shares(model, grads, step):
     """Per parameter: share of gradient values that are zero where the float32 backward has them nonzero."""
-    ref = copy.deepcopy(model)
+    ref = plain_copy(model)
     for p in ref.parameters():
         p.grad = None
     loss_of(ref, step, half=False).backward()
@@ -110,7 +119,7 @@ def run(layerwise, steps=20):
 
 def model_before_step(model, grads, step):
     """The parameters the last gradients were taken at (undo the last SGD step: p + lr * g)."""
-    before = copy.deepcopy(model)
+    before = plain_copy(model)
     with torch.no_grad():
         for p, g in zip(before.parameters(), grads):
             p.add_(g, alpha=0.05)
@@ -271,8 +280,37 @@ def test_remove_restores_plain_backward():
         p.grad = None
     loss_of(model, 0, half=False).backward()
     plain = [p.grad.clone() for p in model.parameters()]
-    ref = copy.deepcopy(model)
+    ref = plain_copy(model)
     for p in ref.parameters():
         p.grad = None
     loss_of(ref, 0, half=False).backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(plain, ref.parameters()))
+
+
+class Residual(torch.nn.Module):
+    """x + tanh(LayerNorm(Linear(x))), with the block's backward signal attenuated by 2**-4."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.norm, self.gate = torch.nn.Linear(WIDTH, WIDTH), torch.nn.LayerNorm(WIDTH), Attenuate(2.0**-4)
+
+    def forward(self, x):
+        return self.gate(x + torch.tanh(self.norm(self.linear(x))))
+
+
+def test_residual_blocks_as_units():
+    """A skip connection joins two paths: with the blocks themselves as units both carry one factor."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Residual() for _ in range(BLOCKS)])
+    layers = LayerScales(list(model))
+    assert len(layers.units) == BLOCKS and len(layers.parameters()) == 4 * BLOCKS
+    *_, (step, grads, skipped, _, _) = train(model, 20, layers=layers)
+    shares = zero_shares(model_before_step(model, grads, step), grads, step)
+    assert skipped == 0 and max(shares) < 1e-3, shares
+    ref = model_before_step(model, grads, step)
+    for p in ref.parameters():
+        p.grad = None
+    loss_of(ref, step, half=False).backward()
+    for g, p in zip(grads, ref.parameters()):  # the unscaled float16 gradients are the float32 ones, roughly
+        a, b = g.double().flatten(), p.grad.double().flatten()
+        assert float(a @ b / (a.norm() * b.norm())) > 0.99
