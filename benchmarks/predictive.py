@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
           + table(timing, list(timing[0])))
     if demo:
         quick = "" if args.full_demo else " --quick"
-        md += (f"\n\nThe demo model (`lossscale demo --runs fp16-dynamic,fp16-predictive{quick} --steps {args.demo_steps}`;"
-               " fp16-dynamic is DynamicScale(), torch's rule):\n\n") + table(demo, list(demo[0]))
+        md += ("\n\nThe demo model (`lossscale demo --runs fp16-dynamic,fp16-predictive"
+               f"{quick} --steps {args.demo_steps}`; fp16-dynamic is DynamicScale(), torch's rule):\n\n") + table(demo, list(demo[0]))
     payload = {"machine": machine(), "rows": rows, "timing": timing, "demo": demo, "markdown": md}
     emit("predictive", payload, args.json)
     return payload

@@ -36,7 +36,7 @@ about twenty element-wise ops on ``[units]`` tensors. No host read.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -80,6 +80,7 @@ class LayerScales:
         max_exponent: Largest factor, as a power of two (>= 1).
         history: Steps the per-unit level averages over (>= 1).
         forget_interval: Steps to forget one power of two of a unit's overflow penalty (>= 1).
+        device: Where the per-unit state lives (default: the first parameter's device).
 
     Example:
         >>> import torch
@@ -118,7 +119,7 @@ class LayerScales:
         self._set_order([])
         self._recording: list[int] | None = None
         self._factors: torch.Tensor | None = None
-        self._handles = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for i, (_, module) in enumerate(self.units):
             self._handles.append(module.register_forward_pre_hook(self._forward_hook(i)))
             self._handles.append(module.register_forward_hook(self._output_hook(i)))
@@ -134,7 +135,7 @@ class LayerScales:
                 owner[id(p)] = name
 
     # -- hooks ---------------------------------------------------------------------------------------
-    def _forward_hook(self, index: int):
+    def _forward_hook(self, index: int) -> Callable[[torch.nn.Module, Any], None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
             if not torch.is_grad_enabled():
                 return
@@ -146,7 +147,7 @@ class LayerScales:
             self._recording.append(index)
         return hook
 
-    def _output_hook(self, index: int):
+    def _output_hook(self, index: int) -> Callable[[torch.nn.Module, Any, Any], None]:
         """After the unit's forward: hook each output tensor so its gradient is scaled before the unit's backward."""
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             if not torch.is_grad_enabled():

@@ -128,6 +128,7 @@ class PredictiveScale:
     max_scale: float = FLOAT32_MAX
 
     observes_amax = True  # the scalers pass amax= to update()
+    observes_loss_finite = True  # the scalers may pass loss_finite= (torch.isfinite(loss), ANDed over micro-batches)
 
     def __post_init__(self) -> None:
         call = type(self).__name__
