@@ -1,6 +1,7 @@
 # Two commands for a fresh machine (Python 3.11, nothing installed):
 #   make demo   -> creates .venv, installs lossscale with the demo extra, runs the quick demo
-#   make test   -> creates .venv, installs lossscale with the dev and demo extras, runs the test suite
+#   make test   -> creates .venv, installs lossscale with the dev, demo, lightning and accelerate extras,
+#                  runs the test suite (the integration tests run the real frameworks)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -20,10 +21,10 @@ $(VENV)/.installed-%: pyproject.toml
 demo: $(VENV)/.installed-demo
 	$(PY) -m lossscale demo --quick --out demo-out
 
-test: $(VENV)/.installed-dev,demo
+test: $(VENV)/.installed-dev,demo,lightning,accelerate
 	$(PY) -m pytest
 
-bench: $(VENV)/.installed-dev,demo
+bench: $(VENV)/.installed-dev,demo,lightning,accelerate
 	$(PY) benchmarks/run_all.py
 
 clean:

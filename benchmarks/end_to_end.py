@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, dtype, policy in [("fp32", None, FixedScale(1.0)), ("fp16 LossScaleOptimizer", torch.float16, DynamicScale()),
                                 ("bf16", torch.bfloat16, FixedScale(1.0))]:
         model = build()
-        opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), policy)
+        opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), policy=policy)
         setups[name] = (model, opt, dtype)
     torch_model = build()
     torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-3, fused=True)

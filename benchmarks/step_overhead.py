@@ -44,7 +44,7 @@ def measure(total: int, opt_name: str, clip: bool, rounds: int) -> dict:
     torch_opt = make(params)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10**9)
     scaler.scale(torch.ones(()))  # initialise its scale tensor, as the backward pass would
-    ours = LossScaleOptimizer(make(params), FixedScale(SCALE), clip_grad_norm=1.0 if clip else None)
+    ours = LossScaleOptimizer(make(params), policy=FixedScale(SCALE), clip_grad_norm=1.0 if clip else None)
 
     restore = grad_restorer(params, base)
 

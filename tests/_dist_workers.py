@@ -272,11 +272,12 @@ def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer
+    from lossscale.clip import PerTensorClip
 
     model = DDP(make_model())
     clips = {None: {}, "norm": {"clip_grad_norm": 0.3}, "value": {"clip_grad_value": 0.05},
-             "per_param": {"clip_grad_norm_per_param": 0.2}}[clip]
-    opt = LossScaleOptimizer(OPTIMIZERS[opt_name](model.parameters()), DynamicScale(init_scale=2.0**10, growth_interval=3),
+             "per_param": {"transform_unscaled": PerTensorClip(0.2)}}[clip]
+    opt = LossScaleOptimizer(OPTIMIZERS[opt_name](model.parameters()), policy=DynamicScale(init_scale=2.0**10, growth_interval=3),
                              skip_mode=skip_mode, process_group=None if agree else own_group(rank, world_size), **clips)
     stepped, scales, reduces, reads = [], [], [], []
     for step in range(20):
@@ -311,9 +312,9 @@ def accumulation(rank: int, world_size: int) -> dict:
     size = world_size * micro * per
     model, reference = DDP(make_model()), make_model()
     policy = DynamicScale(init_scale=2.0**10, growth_interval=2)
-    opt = LossScaleOptimizer(OPTIMIZERS["fused_adamw"](model.parameters()), policy, clip_grad_norm=0.3,
+    opt = LossScaleOptimizer(OPTIMIZERS["fused_adamw"](model.parameters()), policy=policy, clip_grad_norm=0.3,
                              accumulation_steps=micro)
-    ref = LossScaleOptimizer(OPTIMIZERS["fused_adamw"](reference.parameters()), policy, clip_grad_norm=0.3)
+    ref = LossScaleOptimizer(OPTIMIZERS["fused_adamw"](reference.parameters()), policy=policy, clip_grad_norm=0.3)
     out: dict[str, list] = {"stepped": [], "ref_stepped": [], "norms": [], "ref_norms": [], "scales": [],
                             "ref_scales": [], "micro_all_reduces": [], "boundary_all_reduces": []}
     for boundary in range(6):
@@ -353,7 +354,7 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from lossscale import DynamicScale, GradScaler, HostReadCounter, LossScaleOptimizer
-    from lossscale.clip import squared_norms
+    from lossscale.clip import PerTensorClip, squared_norms
 
     model = make_model()
     reference = copy.deepcopy(model)
@@ -364,14 +365,14 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
     poison = 1e5 if kind == "lso_saturation" else INF  # finite but saturated once scaled
     lso_args = {"lso_fused": dict(clip_grad_norm=0.3), "lso_host": dict(clip_grad_norm=0.3, skip_mode="host"),
                 "lso_saturation": dict(clip_grad_norm=0.3, overflow_mode="saturation"),
-                "lso_per_param": dict(clip_grad_norm_per_param=0.2),
+                "lso_per_param": dict(transform_unscaled=PerTensorClip(0.2)),
                 "lso_masked": dict(clip_grad_norm=0.3, skip_mode="masked")}.get(kind)
 
     def trainer(module: torch.nn.Module) -> Any:
         inner = OPTIMIZERS[opt_name](module.parameters())
         if lso_args is None:
             return inner, GradScaler("cpu", policy=policy)
-        return LossScaleOptimizer(inner, policy, module=module, **lso_args), None
+        return LossScaleOptimizer(inner, policy=policy, module=module, **lso_args), None
 
     opt, scaler = trainer(model)
     ref_opt, ref_scaler = trainer(reference)
@@ -434,7 +435,7 @@ def checkpoint(rank: int, world_size: int, kind: str, path: str) -> dict:
         model = DDP(module)
         inner = OPTIMIZERS["fused_adamw"](model.parameters())
         if kind == "lso":
-            opt, scaler = LossScaleOptimizer(inner, policy, clip_grad_norm=0.3), None
+            opt, scaler = LossScaleOptimizer(inner, policy=policy, clip_grad_norm=0.3), None
         else:
             opt, scaler = inner, GradScaler("cpu", policy=policy)
         if state is not None:

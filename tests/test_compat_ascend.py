@@ -33,7 +33,7 @@ def test_managers_keep_tf1s_method_names_without_host_reads():
     fixed = FixedLossScaleManager(loss_scale=1024)
     fixed.update_loss_scale(False)
     assert float(fixed.get_loss_scale()) == 1024.0
-    with pytest.raises(TypeError, match="finite_grads must be a bool or a bool tensor"):
+    with pytest.raises(TypeError, match="finite_grads must be a bool, a bool tensor"):
         m.update_loss_scale("yes")
 
 
@@ -109,3 +109,48 @@ def test_facades_are_not_exported_at_the_top():
 
     for name in ("NPULossScaleOptimizer", "DynamicLossScaleUpdateCell", "DynamicLossScalingUpdater"):
         assert not hasattr(lossscale, name)
+
+
+# --- issue 14: update_loss_scale(finite_grads) ------------------------------------------------------------
+
+def _manager():
+    return ExponentialUpdateLossScaleManager(init_loss_scale=1024, incr_every_n_steps=1, decr_every_n_nan_or_inf=1,
+                                             decr_ratio=0.5)
+
+
+@pytest.mark.parametrize("finite_grads, expected", [
+    (True, 2048.0), (False, 512.0),
+    (torch.tensor(True), 2048.0), (torch.tensor(False), 512.0), (torch.tensor([True]), 2048.0),
+    # an NPU float status: 0 means no overflow, anything else (or NaN) means overflow
+    (torch.tensor(0.0), 2048.0), (torch.tensor([0.0]), 2048.0), (torch.tensor(1.0), 512.0),
+    (torch.tensor(-3.0), 512.0), (torch.tensor(math.nan), 512.0), (torch.tensor(0.0, dtype=torch.float16), 2048.0),
+])
+def test_update_loss_scale_reads_bools_and_float_statuses(finite_grads, expected):
+    m = _manager()
+    m.update_loss_scale(finite_grads)
+    assert m.get_loss_scale().shape == () and float(m.get_loss_scale()) == expected
+
+
+@pytest.mark.parametrize("finite_grads", [torch.tensor([True, False]), torch.zeros(2), torch.zeros(0, dtype=torch.bool),
+                                          torch.zeros(8)])
+def test_update_loss_scale_refuses_more_than_one_value(finite_grads):
+    m = _manager()
+    with pytest.raises(ValueError, match=r"update_loss_scale\(finite_grads=.*one value.*got shape"):
+        m.update_loss_scale(finite_grads)
+    assert float(m.get_loss_scale()) == 1024.0 and m.get_loss_scale().shape == ()
+
+
+@pytest.mark.parametrize("finite_grads", [torch.tensor(1), torch.tensor(0, dtype=torch.int32), 1, 0.0, "True", None])
+def test_update_loss_scale_refuses_other_types(finite_grads):
+    m = _manager()
+    with pytest.raises(TypeError, match=r"update_loss_scale\(finite_grads=.*bool.*got"):
+        m.update_loss_scale(finite_grads)
+    assert float(m.get_loss_scale()) == 1024.0
+
+
+def test_set_scale_is_seen_by_get_loss_scale_at_once():
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = NPULossScaleOptimizer(torch.optim.SGD([w], lr=0.1), FixedLossScaleManager(1024))
+    opt.set_scale(2048.0)
+    assert float(opt.get_loss_scale()) == 2048.0
+    assert float(opt.loss_scale_manager.get_loss_scale()) == 2048.0

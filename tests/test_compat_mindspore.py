@@ -162,3 +162,24 @@ def test_train_one_step_with_a_managers_update_cell():
     x, y = data(1)[0]
     train(x, y)
     assert float(train.scale_sense) == 512.0
+
+
+# --- issue 14: the update cell's loss_scale is MindSpore's float32 Parameter -------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float16, torch.float64, torch.bfloat16, torch.bool])
+def test_update_cell_refuses_a_loss_scale_that_is_not_float32(dtype):
+    cell = DynamicLossScaleUpdateCell(loss_scale_value=3, scale_factor=3, scale_window=2)
+    loss_scale = torch.tensor(3, dtype=dtype) if dtype != torch.bool else torch.tensor(True)
+    before = loss_scale.clone()
+    counters = cell.scale_state
+    with pytest.raises(TypeError, match=rf"DynamicLossScaleUpdateCell\(loss_scale, overflow\): loss_scale must "
+                                        rf"be a float32 tensor.*got {dtype}"):
+        cell(loss_scale, torch.tensor(True))
+    assert torch.equal(loss_scale, before) and cell.scale_state is counters
+
+
+def test_update_cell_keeps_a_float32_loss_scale_exact():
+    cell = DynamicLossScaleUpdateCell(loss_scale_value=3, scale_factor=3, scale_window=2)
+    loss_scale = torch.tensor([3.0])
+    cell(loss_scale, torch.tensor(True))
+    assert loss_scale.dtype == torch.float32 and loss_scale.shape == (1,) and float(loss_scale) == 1.0

@@ -111,7 +111,7 @@ def test_comm_sums_the_listed_gradients_before_the_overflow_check(monkeypatch):
 
     monkeypatch.setattr(nnabla_compat, "all_reduce_grads_", fake_all_reduce)
     model = linear()
-    group = object()
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)  # one rank, never initialized
     x, y = torch.ones(1, 5), torch.zeros(1, 2)
     updater = DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.0), lambda: sum_loss(model, x, y),
                                         scale=8.0, comm=group, grads=[model.weight])
@@ -133,3 +133,65 @@ def test_scale_attribute_reads_and_assigns():
 def test_rejects_non_callables():
     with pytest.raises(TypeError, match=r"DynamicLossScalingUpdater\(loss=.*zero-argument callable"):
         DynamicLossScalingUpdater(torch.optim.SGD(linear().parameters(), lr=0.1), torch.ones(()))
+
+
+# --- issue 14: facade defects found porting nnabla's examples -------------------------------------------
+
+def test_weight_decay_is_added_after_the_overflow_check():
+    # nnabla checks the scaled gradients, unscales, then adds weight_decay * param. Adding it to the scaled
+    # gradients first (2**14 * 2**120 = 2**134 > float32 max) reads as an overflow nnabla never sees.
+    w = torch.nn.Parameter(torch.full((2,), 2.0**120))
+    ref = torch.nn.Parameter(w.detach().clone())
+    x = torch.tensor([1.0, -2.0])
+    attempts = []
+    updater = DynamicLossScalingUpdater(torch.optim.SGD([w], lr=2.0**-10), lambda: (w * x).sum(),
+                                        data_feeder=lambda: attempts.append(1), scale=2.0**14, weight_decay=1.0)
+    updater.update()
+    ref_opt = torch.optim.SGD([ref], lr=2.0**-10, weight_decay=1.0)
+    (ref * x).sum().backward()
+    ref_opt.step()
+    assert len(attempts) == 1
+    assert updater.scale == 2.0**14
+    assert torch.equal(w, ref) and torch.isfinite(w).all()
+
+
+def test_weight_decay_leaves_the_solver_unhooked_between_updates():
+    w = torch.nn.Parameter(torch.ones(2))
+    solver = torch.optim.SGD([w], lr=0.5)
+    updater = DynamicLossScalingUpdater(solver, lambda: w.sum(), weight_decay=1.0)
+    updater.update()
+    w.grad = torch.zeros(2)
+    solver.step()  # a plain step outside the updater: no weight decay added
+    assert torch.equal(w.detach(), torch.full((2,), 1.0 - 0.5 * (1.0 + 1.0)))
+
+
+def test_weight_decay_refuses_the_fused_skip_mode():
+    w = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match=r"weight_decay=0.1.*skip_mode='fused'"):
+        DynamicLossScalingUpdater(torch.optim.SGD([w], lr=0.5), lambda: w.sum(), weight_decay=0.1,
+                                  skip_mode="fused")
+
+
+def test_grads_none_means_no_gradients_to_all_reduce():
+    model = linear()
+    updater = DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        lambda: model(torch.ones(1, 5)).sum(), grads=None)
+    before = model.weight.detach().clone()
+    updater.update()
+    assert updater.grads == [] and not torch.equal(model.weight, before)
+
+
+@pytest.mark.parametrize("comm", ["nccl", 1, object()])
+def test_comm_must_be_a_process_group(comm):
+    model = linear()
+    with pytest.raises(TypeError, match=r"DynamicLossScalingUpdater\(comm=.*ProcessGroup.*got"):
+        DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.1), lambda: model.weight.sum(),
+                                  comm=comm, grads=[model.weight])
+
+
+def test_comm_without_grads_is_refused():
+    model = linear()
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
+    with pytest.raises(ValueError, match=r"DynamicLossScalingUpdater\(comm=.*grads=\[\]\)"):
+        DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.1), lambda: model.weight.sum(),
+                                  comm=group)

@@ -182,7 +182,7 @@ SUBJECTS = [
             [(dict(dynamic_growth_steps=0), "dynamic_growth_steps must be an integer >= 1; got 0"),
              (dict(clipnorm=-1.0), "clipnorm must be None or a finite number > 0; got -1.0"),
              (dict(gradient_accumulation_steps=1), "gradient_accumulation_steps must be an integer >= 2; got 1"),
-             (dict(ema_momentum=1.5), r"ema_momentum must be in \[0, 1\); got 1.5"),
+             (dict(ema_momentum=1.5), r"ema_momentum must be None or a number in \[0, 1\]; got 1.5"),
              (dict(clipnorm=1.0, clipvalue=1.0), "only one of clipnorm, clipvalue and global_clipnorm")]),
     Subject("mindspore.TrainOneStepWithLossScaleCell", "optimizer", _train_cell,
             lambda t, o: t(t.test_input.fill_(math.inf if o else 1.0)),

@@ -214,7 +214,7 @@ def test_init_from_env_names_the_missing_torchrun_variables(monkeypatch):
 def test_fused_kernels_skip_when_several_checks_fire():
     # Fused optimizers skip only where found_inf == 1.0; two checks that both fire must not make it 2.
     p = torch.nn.Parameter(torch.ones(4))
-    opt = LossScaleOptimizer(torch.optim.AdamW([p], fused=True), DynamicScale(init_scale=8.0),
+    opt = LossScaleOptimizer(torch.optim.AdamW([p], fused=True), policy=DynamicScale(init_scale=8.0),
                              overflow_mode="saturation", clip_grad_norm=1.0)
     opt.backward((p * torch.tensor([1.0, 2.0, 3.0, float("inf")])).sum())  # saturated and non-finite
     assert opt.skip_mode == "fused" and not bool(opt.step().stepped)

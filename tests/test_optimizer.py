@@ -40,7 +40,7 @@ def test_twin_run_equals_fp32_control_that_skips_by_hand(make_opt, skip_mode):
     control, data = model_and_data()
     model = copy.deepcopy(control)
     ref_opt = make_opt(control.parameters())
-    opt = LossScaleOptimizer(make_opt(model.parameters()), DynamicScale(init_scale=2.0**8, growth_interval=3),
+    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=DynamicScale(init_scale=2.0**8, growth_interval=3),
                              skip_mode=skip_mode)
     stepped, scales = [], []
     for i, (x, y) in enumerate(data):
@@ -68,7 +68,7 @@ def test_clipping_equals_clip_grad_norm_on_the_control(make_opt, fused):
     control, data = model_and_data(3)
     model = copy.deepcopy(control)
     ref_opt = make_opt(control.parameters())
-    opt = LossScaleOptimizer(make_opt(model.parameters()), FixedScale(2.0**10), clip_grad_norm=0.05)
+    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=FixedScale(2.0**10), clip_grad_norm=0.05)
     assert opt.skip_mode == ("fused" if fused else "host")
     for x, y in data[:10]:
         ref_opt.zero_grad()
@@ -89,7 +89,7 @@ def test_accumulation_of_four_micro_batches_equals_one_batch_of_the_mean(make_op
     control, data = model_and_data(5)
     model = copy.deepcopy(control)
     ref_opt = make_opt(control.parameters())
-    opt = LossScaleOptimizer(make_opt(model.parameters()), FixedScale(2.0**12), accumulation_steps=4)
+    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=FixedScale(2.0**12), accumulation_steps=4)
     for k in range(3):
         batch = data[4 * k:4 * k + 4]
         ref_opt.zero_grad()
@@ -153,7 +153,7 @@ def test_random_overflows_never_corrupt_and_every_skip_is_exact(make_opt, skip_m
     rng = random.Random(7)
     model, _ = model_and_data(11)
     ema = EMA(0.9)
-    opt = LossScaleOptimizer(make_opt(model.parameters()), DynamicScale(init_scale=2.0**20, growth_interval=5,
+    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=DynamicScale(init_scale=2.0**20, growth_interval=5,
                              hysteresis=2), skip_mode=skip_mode, clip_grad_norm=1.0, ema=ema, weight_decay=0.01)
     gen = torch.Generator().manual_seed(0)
     skipped = 0
@@ -196,7 +196,7 @@ def test_state_dict_round_trip_mid_run_with_hysteresis_and_accumulation_in_fligh
 
     def make():
         model, data = model_and_data(2)
-        opt = LossScaleOptimizer(ADAM(model.parameters()), DynamicScale(init_scale=2.0**9, growth_interval=2,
+        opt = LossScaleOptimizer(ADAM(model.parameters()), policy=DynamicScale(init_scale=2.0**9, growth_interval=2,
                                  hysteresis=2, hysteresis_mode="cumulative"), accumulation_steps=3, ema=EMA(0.5))
         return model, data, opt
 
@@ -220,7 +220,7 @@ def test_ema_and_weight_decay_only_on_applied_steps():
     model, data = model_and_data()
     p0 = [p.detach().clone() for p in model.parameters()]
     ema = EMA(momentum=0.5)
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), FixedScale(1.0), ema=ema, weight_decay=0.5,
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=FixedScale(1.0), ema=ema, weight_decay=0.5,
                              skip_mode="masked")
     opt.zero_grad()
     opt.backward(loss_fn(model, *data[0]))
@@ -248,7 +248,7 @@ def test_ema_overwrite_every():
 
 def test_floor_error_names_scale_steps_and_cause():
     model, data = model_and_data()
-    opt = LossScaleOptimizer(SGD(model.parameters()), DynamicScale(init_scale=4.0, min_scale=1.0, at_floor="raise"))
+    opt = LossScaleOptimizer(SGD(model.parameters()), policy=DynamicScale(init_scale=4.0, min_scale=1.0, at_floor="raise"))
     x = data[0][0].clone()
     x[0, 0] = float("nan")
     with pytest.raises(FloorError, match=r"step 3: .*min_scale=1.0.*NaN or inf in the data"):
@@ -272,7 +272,7 @@ def test_attribution_by_name_after_an_overflow():
 def test_saturation_mode_skips_saturated_scaled_gradients():
     for mode, skipped in [("inf_nan", False), ("saturation", True)]:
         model, data = model_and_data()
-        opt = LossScaleOptimizer(FUSED_ADAMW(model.parameters()), FixedScale(2.0**4), overflow_mode=mode)
+        opt = LossScaleOptimizer(FUSED_ADAMW(model.parameters()), policy=FixedScale(2.0**4), overflow_mode=mode)
         opt.zero_grad()
         opt.backward(loss_fn(model, *data[0]))
         model[2].bias.grad[1] = 65504.0
@@ -330,7 +330,7 @@ def test_ema_validation():
 
 def test_set_scale_keeps_the_counters_and_validates():
     model, data = model_and_data()
-    opt = LossScaleOptimizer(SGD(model.parameters()), DynamicScale(init_scale=2.0**8, growth_interval=3))
+    opt = LossScaleOptimizer(SGD(model.parameters()), policy=DynamicScale(init_scale=2.0**8, growth_interval=3))
     run_steps(opt, model, data[:2])
     tracker = int(opt.scale_state.growth_tracker)
     with HostReadCounter() as reads:

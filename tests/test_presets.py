@@ -114,7 +114,7 @@ def test_raising_step_leaves_the_counters_as_deepspeed_does():
 
 def test_optimizer_raises_floor_error_with_the_deepspeed_preset():
     w = torch.nn.Parameter(torch.ones(1))
-    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.1), presets.deepspeed(init_scale=2.0, delayed_shift=1))
+    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.1), policy=presets.deepspeed(init_scale=2.0, delayed_shift=1))
     for expect_raise in [False, True]:  # 2 -> 1, then at the floor
         opt.zero_grad()
         opt.backward((w * float("inf")).sum())

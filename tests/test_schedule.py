@@ -274,7 +274,7 @@ def test_scaler_is_active_before_the_switch_and_idle_after():
     model, data = regression()
     schedule = PrecisionSchedule("fast|step|0.5", total_steps=30)
     opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                             DynamicScale(init_scale=2.0**24, growth_interval=4), schedule=schedule)
+                             policy=DynamicScale(init_scale=2.0**24, growth_interval=4), schedule=schedule)
     results = train(model, opt, schedule, data, 0, 30, "step", inject={22})
     early, late = results[:15], results[15:]
     assert [r.precision for r in results] == ["float16"] * 15 + ["float32"] * 15
@@ -307,7 +307,7 @@ def test_a_switch_in_the_middle_of_an_accumulation_window_keeps_the_window_scale
     def run(switch_mid_window):
         model, data = regression(2)
         schedule = PrecisionSchedule("fast|loss|1.05", target_loss=1.0)
-        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), FixedScale(1024.0),
+        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=FixedScale(1024.0),
                                  accumulation_steps=2, schedule=schedule)
         results = []
         for i, (x, y) in enumerate(data[:4]):
@@ -321,7 +321,8 @@ def test_a_switch_in_the_middle_of_an_accumulation_window_keeps_the_window_scale
         return model, results
 
     switched, results = run(True)
-    control, _ = run(False)
+    with pytest.warns(UserWarning, match="never called"):  # the control feeds the schedule only at the end
+        control, _ = run(False)
     assert results[1].precision == "float16" and not results[1].switched
     assert results[3].precision == "float32" and results[3].switched
     model, data = regression(2)
@@ -345,20 +346,21 @@ def test_a_checkpoint_before_the_switch_resumes_to_the_same_switch_step(feed):
         schedule = (PrecisionSchedule("fast|step|0.5", total_steps=24) if feed == "step"
                     else PrecisionSchedule("fast|loss|1.05", target_loss=target_loss))
         opt = LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
-                                 DynamicScale(init_scale=2.0**20, growth_interval=3), schedule=schedule)
+                                 policy=DynamicScale(init_scale=2.0**20, growth_interval=3), schedule=schedule)
         return model, data, schedule, opt
 
     target = None
     if feed == "loss":  # a pilot that never switches gives the loss trace; aim for the loss near step 12
         model, data, schedule, opt = fresh(target_loss=1e-9)
         losses = []
-        for x, y in data:
-            with schedule.autocast("cpu"):
-                loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            opt.backward(loss)
-            opt.step()
-            losses.append(float(loss.detach()))
+        with pytest.warns(UserWarning, match="never called"):  # the pilot never feeds its schedule
+            for x, y in data:
+                with schedule.autocast("cpu"):
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                opt.backward(loss)
+                opt.step()
+                losses.append(float(loss.detach()))
         target = min(losses[:13]) / 1.05 * (1 + 1e-6)
 
     model, data, schedule, opt = fresh(target)
@@ -441,3 +443,63 @@ def test_config_and_hook_misuse_names_the_fix():
     ExperimentalConfig(accelerate_train_mode="fast|step").schedule(step_hook)
     with pytest.raises(RuntimeError, match="already feeds PrecisionSchedule"):
         ExperimentalConfig(accelerate_train_mode="fast|step").schedule(step_hook)
+
+
+# --- issue 14: no non-finite loss switches; a schedule that is never told anything says so -------------------
+
+@pytest.mark.parametrize("loss", [float("-inf"), float("inf"), float("nan"), torch.tensor(float("-inf")),
+                                  torch.tensor(float("-inf"), dtype=torch.float16)])
+def test_no_non_finite_loss_switches(loss):
+    s = PrecisionSchedule("fast|loss|1.05", target_loss=2.0)
+    s.update(loss=loss)
+    assert s.dtype == torch.float16 and not s.switched and s.step == 1
+    s.update(loss=-1.0)  # a finite loss below the target still switches
+    assert s.switched and s.switch_step == 2
+
+
+def test_advance_ignores_minus_inf():
+    config = PrecisionSchedule("fast|loss|1.05", target_loss=2.0).config
+    assert advance(config, ScheduleState(), None, float("-inf")) == ScheduleState(1, None)
+
+
+def never_told(steps):
+    model, data = regression(steps=steps)
+    schedule = PrecisionSchedule("fast|step|0.5", total_steps=steps)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), schedule=schedule)
+    for x, y in data:
+        with schedule.autocast("cpu"):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.step()
+    return schedule
+
+
+def test_a_loop_that_never_tells_the_schedule_is_warned_once():
+    with pytest.warns(UserWarning, match=r"PrecisionSchedule\('fast\|step\|0.5', total_steps=6\).*2 optimizer "
+                                         r"steps.*update\(\) was never called.*schedule.update\(step=") as record:
+        schedule = never_told(6)
+    assert len([w for w in record if "never called" in str(w.message)]) == 1
+    assert schedule.dtype == torch.float16
+
+
+def test_a_loop_that_reports_after_the_first_step_is_not_warned():
+    model, data = regression(steps=6)
+    schedule = PrecisionSchedule("fast|loss|1.05", target_loss=1e-9)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), schedule=schedule)
+    train(model, opt, schedule, data, 0, 6, "loss")  # pytest turns any warning into an error
+    assert schedule.step == 6
+
+
+def test_a_resumed_schedule_is_not_warned():
+    saved = PrecisionSchedule("fast|step|0.5", total_steps=6)
+    saved.update(step=2)
+    model, data = regression(steps=6)
+    schedule = PrecisionSchedule("fast|step|0.5", total_steps=6)
+    schedule.load_state_dict(saved.state_dict())
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), schedule=schedule)
+    for x, y in data[:3]:
+        opt.zero_grad()
+        opt.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+    assert schedule.step == 2

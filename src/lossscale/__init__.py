@@ -5,11 +5,12 @@ from lossscale.diagnostics import HostReadCounter
 from lossscale.ema import EMA
 from lossscale.metrics import StepLogger
 from lossscale.optimizer import LossScaleOptimizer
-from lossscale.policy import DynamicScale, FixedScale, FloorError, ScaleState
+from lossscale.policy import DynamicScale, FixedScale, FloorError, Policy, ScaleState
 from lossscale.predictive import PredictiveScale
 from lossscale.result import StepResult
 from lossscale.schedule import PrecisionSchedule
 from lossscale.scaler import GradScaler, ScalerStep
+from lossscale.state import LossScale
 
 __all__ = [
     "DynamicScale",
@@ -20,6 +21,8 @@ __all__ = [
     "FloorError",
     "GradScaler",
     "HostReadCounter",
+    "LossScale",
+    "Policy",
     "PrecisionSchedule",
     "PredictiveScale",
     "ScaleState",

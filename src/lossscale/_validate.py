@@ -6,13 +6,25 @@ import math
 from typing import Any, Iterable
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type. A TypeError, and also a ValueError, which these checks raised for
+    every bad argument before they told the two apart (code that catches ValueError keeps working)."""
+
+
 def _is_real(x: Any) -> bool:
     return not isinstance(x, bool) and isinstance(x, (int, float))
 
 
+def _require_real(call: str, name: str, value: Any, rule: str) -> None:
+    if not _is_real(value):
+        raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be {rule}; got {value!r} "
+                                f"({type(value).__name__}).")
+
+
 def check_scale(call: str, name: str, value: Any, *, low: float, high: float) -> None:
     """A finite positive number in ``[low, high]``."""
-    if not _is_real(value) or not math.isfinite(value) or not (low <= value <= high):
+    _require_real(call, name, value, f"a finite number in [{low!r}, {high!r}]")
+    if not math.isfinite(value) or not (low <= value <= high):
         raise ValueError(
             f"{call}({name}={value!r}): {name} must be a finite number in [{low!r}, {high!r}]; got {value!r}."
         )
@@ -20,13 +32,17 @@ def check_scale(call: str, name: str, value: Any, *, low: float, high: float) ->
 
 def check_factor_above_one(call: str, name: str, value: Any, why: str) -> None:
     """A finite number > 1."""
-    if not _is_real(value) or not math.isfinite(value) or value <= 1.0:
+    _require_real(call, name, value, f"a finite number > 1 ({why})")
+    if not math.isfinite(value) or value <= 1.0:
         raise ValueError(f"{call}({name}={value!r}): {name} must be a finite number > 1 ({why}); got {value!r}.")
 
 
 def check_int_at_least(call: str, name: str, value: Any, low: int) -> None:
     """An int (not a bool) >= ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be an integer >= {low}; got "
+                                f"{value!r} ({type(value).__name__}).")
+    if value < low:
         raise ValueError(f"{call}({name}={value!r}): {name} must be an integer >= {low}; got {value!r}.")
 
 
@@ -37,3 +53,24 @@ def check_choice(call: str, name: str, value: Any, allowed: Iterable[Any]) -> No
     if not ok:
         shown = ", ".join(repr(a) for a in allowed)
         raise ValueError(f"{call}({name}={value!r}): {name} must be one of {shown}; got {value!r}.")
+
+
+#: The largest value an int32 counter holds: every counter's limit is refused above it.
+INT32_MAX = 2**31 - 1
+
+
+def check_int_in_range(call: str, name: str, value: Any, low: int, high: int = INT32_MAX) -> None:
+    """An int (not a bool) in ``[low, high]`` (default high: the largest int32, what the counters hold)."""
+    check_int_at_least(call, name, value, low)
+    if value > high:
+        raise ValueError(f"{call}({name}={value!r}): {name} must be an integer <= {high} (it is counted in an "
+                         f"int32 tensor); got {value!r}.")
+
+
+def check_positive_or_none(call: str, name: str, value: Any) -> None:
+    """None, or a finite number > 0."""
+    if value is None:
+        return
+    _require_real(call, name, value, "None or a finite number > 0")
+    if not (0 < value < math.inf):
+        raise ValueError(f"{call}({name}={value!r}): {name} must be None or a finite number > 0; got {value!r}.")

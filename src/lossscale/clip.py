@@ -17,7 +17,8 @@ import torch
 from lossscale import distributed as _dist
 from lossscale.overflow import group_by_device_and_dtype
 
-__all__ = ["squared_norms", "global_norm_squared", "global_clip_coefficient", "clip_per_tensor_"]
+__all__ = ["squared_norms", "global_norm_squared", "global_clip_coefficient", "clip_per_tensor_", "PerTensorClip",
+           "per_tensor_clipper"]
 
 # torch.nn.utils.clip_grad_norm_'s guard against division by zero.
 EPS = 1e-6
@@ -133,3 +134,23 @@ def _per_tensor_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for index in buckets.values():
         out[index] = squared_norms([tensors[i] for i in index]).to(device)
     return out
+
+
+class PerTensorClip:
+    """Keras's ``clipnorm`` as a ``transform_unscaled`` for :class:`~lossscale.LossScaleOptimizer`: each
+    unscaled gradient clipped to ``max_norm`` (:func:`clip_per_tensor_`). One read + one write pass."""
+
+    def __init__(self, max_norm: float) -> None:
+        self.max_norm = max_norm
+
+    def __call__(self, grads: Sequence[torch.Tensor], *, process_group: Any = None,
+                 sharded: bool | None = None) -> None:
+        clip_per_tensor_(grads, self.max_norm, process_group, sharded)
+
+    def __repr__(self) -> str:
+        return f"PerTensorClip({self.max_norm!r})"
+
+
+def per_tensor_clipper(max_norm: float) -> PerTensorClip:
+    """A :class:`PerTensorClip` (Keras's ``clipnorm``)."""
+    return PerTensorClip(max_norm)

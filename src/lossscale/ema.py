@@ -6,7 +6,7 @@ from typing import Iterable
 
 import torch
 
-from lossscale._validate import check_int_at_least
+from lossscale._validate import ArgumentTypeError, check_int_at_least
 
 __all__ = ["EMA"]
 
@@ -26,7 +26,10 @@ class EMA:
     """
 
     def __init__(self, momentum: float = 0.99, overwrite_every: int | None = None) -> None:
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (0.0 <= momentum < 1.0):
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+            raise ArgumentTypeError(f"EMA(momentum={momentum!r}): momentum must be a number in [0, 1); got "
+                                    f"{type(momentum).__name__}.")
+        if not (0.0 <= momentum < 1.0):
             raise ValueError(f"EMA(momentum={momentum!r}): momentum must be in [0, 1); got {momentum!r}.")
         if overwrite_every is not None:
             check_int_at_least("EMA", "overwrite_every", overwrite_every, 1)

@@ -30,7 +30,8 @@ from lossscale.result import StepResult
 __all__ = ["COLUMNS", "StepLogger", "step_record"]
 
 #: The columns every row has, in order: ``step``, StepResult's other fields, ``skipped`` and the running count.
-COLUMNS: tuple[str, ...] = ("step",) + tuple(f.name for f in dataclasses.fields(StepResult) if f.name != "step") + (
+COLUMNS: tuple[str, ...] = ("step",) + tuple(
+    f.name for f in dataclasses.fields(StepResult) if f.name != "step" and f.metadata.get("column", True)) + (
     "skipped", "skipped_steps")
 
 
@@ -53,8 +54,11 @@ def step_record(result: StepResult, **extra: Any) -> dict[str, Any]:
     if clash:
         raise ValueError(f"step_record(..., {clash[0]}=...): {clash[0]!r} is a StepResult column; name the extra "
                          f"value differently.")
-    values: dict[str, Any] = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    values: dict[str, Any] = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
+                              if f.metadata.get("column", True)}
     values["skipped"] = result.skipped
+    if isinstance(result.loss, torch.Tensor) and "loss" not in extra:  # a closure's loss, when step(closure) ran
+        values["loss"] = result.loss.detach()
     values.update(extra)
     tensors = [(k, v) for k, v in values.items() if isinstance(v, torch.Tensor)]
     for k, v in tensors:

@@ -1,22 +1,23 @@
 """Loss-scale policies: frozen configs whose whole rule is one sync-free transition.
 
-A policy is validated once at construction. Its state (:class:`ScaleState`) is a small record of
-0-d tensors that lives on the gradients' device; ``update(state, found_inf)`` returns the next state
-using tensor ops only (no ``.item()``, no ``bool(tensor)``, no Python branch on data), so advancing
-the scale never waits for the device.
+A policy is validated once at construction. Its state (e.g. :class:`ScaleState`) is a small record of
+0-d tensors on the gradients' device; ``update(state, found_inf, amax=None)`` returns the next state
+with tensor ops only (no ``.item()``, no Python branch on data), so advancing the scale never waits for
+the device. :class:`Policy` names every method and attribute the step pipeline uses, with defaults;
+a new policy subclasses it and overrides what it needs. The state itself is owned by
+:class:`~lossscale.state.LossScale`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import struct
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 import torch
 
-from lossscale._validate import check_choice, check_factor_above_one, check_int_at_least, check_scale
+from lossscale.scale_value import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, checked_scale, to_float32
+from lossscale.state import ScaleState, state_from_dict, state_to_dict
 
 __all__ = [
     "DynamicScale",
@@ -26,87 +27,56 @@ __all__ = [
     "ScaleState",
     "FLOAT32_MAX",
     "SMALLEST_NORMAL_FLOAT32",
+    "check_policy",
+    "state_from_dict",
+    "state_to_dict",
 ]
 
-#: The largest finite float32: growth that would pass it is refused, so the scale never becomes inf.
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-#: 2**-126, the smallest normal float32 (a power of two): the default floor, never flushed to zero.
-SMALLEST_NORMAL_FLOAT32 = 2.0**-126
-
 _SATURATE = 2**30  # counters stop here instead of wrapping
+_f32 = to_float32
 
 
 class FloorError(RuntimeError):
     """Raised when a policy with ``at_floor="raise"`` must back off below ``min_scale``."""
 
 
-@dataclass(frozen=True)
-class ScaleState:
-    """The mutable half of a policy, as 0-d tensors on one device.
+class Policy:
+    """The protocol of a loss-scale policy: everything the step pipeline calls, with its defaults.
 
-    Attributes:
-        scale: float32, the factor the loss is multiplied by.
-        growth_tracker: int32, clean steps since the scale last changed or overflowed.
-        hysteresis_left: int32, overflows still absorbed before the next backoff.
-        floor_hits: int32, consecutive overflowing steps that found the scale already at its floor.
+    Required: ``init(device) -> state`` (a frozen dataclass of tensors with a ``scale`` field) and
+    ``update(state, found_inf, amax=None) -> state`` (tensor ops only). Optional, with defaults here:
+
+    ``observes_amax`` (False): True asks the pipeline for ``amax``, the largest scaled-gradient magnitude
+        of the step, taken in the overflow pass (``aminmax``: one read pass instead of a plain check).
+    ``check_floor(state)`` (nothing): the floor rule, run after every update; may raise
+        :class:`FloorError` (and may read the state on the host: say so in its docstring).
+    ``min_scale`` / ``max_scale`` (2**-126 / float32 max): the bounds every scale set from outside is
+        validated against.
     """
 
-    scale: torch.Tensor
-    growth_tracker: torch.Tensor
-    hysteresis_left: torch.Tensor
-    floor_hits: torch.Tensor
+    observes_amax: ClassVar[bool] = False
+    min_scale: float = SMALLEST_NORMAL_FLOAT32
+    max_scale: float = FLOAT32_MAX
 
-    def to(self, device: torch.device | str) -> ScaleState:
-        """The same state on ``device`` (a copy only where it moves)."""
-        return dataclasses.replace(
-            self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)}
-        )
+    def init(self, device: torch.device | str | None = None) -> Any:
+        """A fresh state on ``device`` (default CPU)."""
+        raise NotImplementedError(f"{type(self).__name__}.init(device) is required by the Policy protocol")
 
+    def update(self, state: Any, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> Any:
+        """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
+        raise NotImplementedError(f"{type(self).__name__}.update(state, found_inf, amax) is required by the Policy "
+                                  f"protocol")
 
-def state_to_dict(state: Any) -> dict[str, float | int | list]:
-    """Plain Python numbers for every field of a state record (reads them on the host: one sync)."""
-    return {f.name: getattr(state, f.name).tolist() for f in dataclasses.fields(state)}
-
-
-def state_from_dict(template: Any, values: dict[str, Any]) -> Any:
-    """A state shaped like ``template`` (dtype, device) holding ``values``; every field is required."""
-    names = [f.name for f in dataclasses.fields(template)]
-    missing = [n for n in names if n not in values]
-    if missing:
-        raise KeyError(f"loss-scale state is missing {missing}; expected the fields {names}")
-    return dataclasses.replace(
-        template,
-        **{
-            n: torch.as_tensor(values[n], dtype=getattr(template, n).dtype).to(getattr(template, n).device)
-            for n in names
-        },
-    )
+    def check_floor(self, state: Any) -> None:
+        """The floor rule after an update: by default none (the scale stays at its floor and steps skip)."""
 
 
-def with_scale(state: Any, new_scale: float | torch.Tensor, call: str) -> Any:
-    """``state`` with its scale set to ``new_scale`` (a finite float > 0, or a 1-element tensor without grad,
-    copied), the counters untouched. No host read for a tensor."""
-    if isinstance(new_scale, torch.Tensor):
-        if new_scale.numel() != 1 or new_scale.requires_grad:
-            raise ValueError(f"{call}(new_scale=tensor of shape {tuple(new_scale.shape)}): new_scale must be a "
-                             f"1-element tensor without grad or a float.")
-        scale = new_scale.detach().reshape(()).to(state.scale, copy=True)
-    elif isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)) or not (
-        math.isfinite(new_scale) and new_scale > 0
-    ):
-        raise ValueError(f"{call}(new_scale={new_scale!r}): new_scale must be a finite number > 0; got {new_scale!r}.")
-    else:
-        scale = torch.full_like(state.scale, float(new_scale))
-    return dataclasses.replace(state, scale=scale)
-
-
-@runtime_checkable
-class Policy(Protocol):
-    """What the scalers need from a policy."""
-
-    def init(self, device: torch.device | str | None = None) -> Any: ...
-
-    def update(self, state: Any, found_inf: torch.Tensor) -> Any: ...
+def check_policy(call: str, policy: Any) -> None:
+    """A TypeError unless ``policy`` is a :class:`Policy` (the pipeline calls only its protocol)."""
+    if not isinstance(policy, Policy):
+        raise TypeError(f"{call}(policy={policy!r}): policy must have init(device) and update(state, found_inf, "
+                        f"amax=None): pass a lossscale.policy.Policy (DynamicScale, FixedScale, PredictiveScale, a "
+                        f"preset, or your own subclass of Policy); got {type(policy).__name__}.")
 
 
 def _as_flag(found_inf: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -121,222 +91,7 @@ def _as_flag(found_inf: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class DynamicScale:
-    """Dynamic loss scaling: back off on overflow, grow after a run of clean steps.
-
-    The rule, per call of ``update(state, found_inf)`` (``growth_tracker`` starts at ``-growth_delay``)::
-
-        if found_inf:
-            growth_tracker = -growth_delay
-            hysteresis_left -= 1
-            if hysteresis_left <= 0:                       # out of patience: back off
-                scale = max(scale / backoff_divisor if backoff_divisor else scale * backoff_factor, min_scale)
-                if refill_after_backoff: hysteresis_left = hysteresis
-        else:
-            growth_tracker += 1
-            if hysteresis_mode == "consecutive": hysteresis_left = hysteresis
-            if growth_tracker == growth_interval:
-                growth_tracker = 0; hysteresis_left = hysteresis
-                if growth_guard == "result" and scale * growth_factor <= max_scale \
-                        or growth_guard == "operand" and scale < max_scale / growth_factor:
-                    scale *= growth_factor                 # refused growth still restarts the count
-
-    ``arithmetic="float64"``: each product (or quotient) is taken in float64 with the Python factor and
-    rounded once to float32, as torch's ``_amp_update_scale_`` does; with the defaults below the
-    trajectory equals ``torch.amp.GradScaler``'s bit for bit. ``"float32"``: the factor is first
-    rounded to float32 and the operation done in float32, as frameworks that keep the scale in a
-    float32 tensor compute it (TensorFlow, MindSpore, Megatron, Paddle); the two differ for factors
-    such as 0.8 that float32 cannot hold exactly.
-    ``floor_hits`` counts consecutive overflowing steps that found the scale already at
-    ``min_scale``; with ``at_floor="raise"`` the scalers turn the first one into a :class:`FloorError`,
-    and such a step leaves the scale and the counters as they were (DeepSpeed raises before it
-    touches its state), so a caller that catches the error carries on as if it had not happened.
-
-    Cost: about twenty element-wise ops on 0-d tensors; no host read.
-
-    Args:
-        init_scale: First scale; finite, within ``[min_scale, max_scale]``.
-        growth_factor: > 1; multiplies the scale after ``growth_interval`` clean steps.
-        backoff_factor: in (0, 1); multiplies the scale on a backoff.
-        growth_interval: >= 1 clean steps between growths.
-        hysteresis: >= 1 overflows absorbed per backoff (1: back off at every overflow).
-        hysteresis_mode: ``"consecutive"`` (any clean step refills the count) or ``"cumulative"``
-            (only a change of scale refills it).
-        refill_after_backoff: Whether a backoff refills the count (False: later overflows back off
-            at once until the next growth, as DeepSpeed and Megatron do).
-        min_scale: Floor of the scale; default 2**-126, the smallest normal float32.
-        max_scale: Cap of the scale; default the largest finite float32 (growth never reaches inf).
-        at_floor: ``"skip"`` (stay at the floor and keep skipping) or ``"raise"``.
-        arithmetic: ``"float64"`` (torch) or ``"float32"``: how the new scale is computed (see above).
-        backoff_divisor: None, or a finite number > 1: a backoff divides by it (MindSpore's manager,
-            TensorFlow's ``DynamicLossScale``, DeepSpeed, nnabla divide) instead of multiplying by
-            ``backoff_factor``, which then reads ``1 / backoff_divisor``.
-        growth_guard: ``"result"``: grow only if the grown scale is <= ``max_scale`` (torch, TF);
-            ``"operand"``: grow only while ``scale < max_scale / growth_factor`` (the quotient rounded
-            to float32), Ascend's ``S < 3.4e38 / incr_ratio``.
-        growth_delay: >= 0 extra clean steps before the first growth after the start or an overflow
-            (later growths come every ``growth_interval``): 1 for nnabla's updater and DeepSpeed's
-            ``stable_interval``.
-
-    Example:
-        >>> import torch
-        >>> policy = DynamicScale(init_scale=8.0, growth_interval=2)
-        >>> state = policy.init()
-        >>> for overflow in [False, False, True]:
-        ...     state = policy.update(state, torch.tensor(overflow))
-        >>> float(state.scale)
-        8.0
-    """
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    hysteresis_mode: Literal["consecutive", "cumulative"] = "consecutive"
-    refill_after_backoff: bool = True
-    min_scale: float = SMALLEST_NORMAL_FLOAT32
-    max_scale: float = FLOAT32_MAX
-    at_floor: Literal["skip", "raise"] = "skip"
-    arithmetic: Literal["float64", "float32"] = "float64"
-    backoff_divisor: float | None = None
-    growth_guard: Literal["result", "operand"] = "result"
-    growth_delay: int = 0
-
-    def __post_init__(self) -> None:
-        call = type(self).__name__
-        d = self.backoff_divisor
-        if d is not None:
-            check_factor_above_one(call, "backoff_divisor", d, "a backoff divides the scale by it")
-            if self.backoff_factor not in (0.5, 1.0 / d):
-                raise ValueError(
-                    f"{call}(backoff_factor={self.backoff_factor!r}, backoff_divisor={d!r}): pass one of them; "
-                    f"a backoff either multiplies by backoff_factor or divides by backoff_divisor; got both."
-                )
-            object.__setattr__(self, "backoff_factor", 1.0 / d)
-        check_scale(call, "min_scale", self.min_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
-        check_scale(call, "max_scale", self.max_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
-        if self.min_scale > self.max_scale:
-            raise ValueError(
-                f"{call}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}): min_scale must be "
-                f"<= max_scale; got min_scale > max_scale."
-            )
-        check_scale(call, "init_scale", self.init_scale, low=self.min_scale, high=self.max_scale)
-        check_factor_above_one(call, "growth_factor", self.growth_factor,
-                               "it multiplies the scale after growth_interval clean steps")
-        b = self.backoff_factor
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0.0 < b < 1.0):
-            raise ValueError(
-                f"{call}(backoff_factor={b!r}): backoff_factor must be in (0, 1) "
-                f"(it multiplies the scale when it backs off); got {b!r}."
-            )
-        check_int_at_least(call, "growth_interval", self.growth_interval, 1)
-        check_int_at_least(call, "hysteresis", self.hysteresis, 1)
-        check_choice(call, "hysteresis_mode", self.hysteresis_mode, ("consecutive", "cumulative"))
-        check_choice(call, "refill_after_backoff", self.refill_after_backoff, (True, False))
-        check_choice(call, "at_floor", self.at_floor, ("skip", "raise"))
-        check_choice(call, "arithmetic", self.arithmetic, ("float64", "float32"))
-        check_choice(call, "growth_guard", self.growth_guard, ("result", "operand"))
-        check_int_at_least(call, "growth_delay", self.growth_delay, 0)
-
-    def init(self, device: torch.device | str | None = None) -> ScaleState:
-        """A fresh state on ``device`` (default: CPU)."""
-        return ScaleState(
-            scale=torch.full((), self.init_scale, dtype=torch.float32, device=device),
-            growth_tracker=torch.full((), -self.growth_delay, dtype=torch.int32, device=device),
-            hysteresis_left=torch.full((), self.hysteresis, dtype=torch.int32, device=device),
-            floor_hits=torch.zeros((), dtype=torch.int32, device=device),
-        )
-
-    def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
-        """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
-        bad = _as_flag(found_inf, state.scale.device)
-        if self._torch_rule:
-            return self._update_torch_rule(state, bad)
-        clean = ~bad
-        scale, tracker, left = state.scale, state.growth_tracker, state.hysteresis_left
-        full = torch.full_like(left, self.hysteresis)
-
-        # Growth: the growth_interval-th clean step in a row, refused if it would pass max_scale.
-        counted = torch.where(bad, torch.full_like(tracker, -self.growth_delay), tracker + 1)
-        grow = clean & (counted >= self.growth_interval)
-        grown = self._times(scale, self.growth_factor)
-        if self.growth_guard == "result":
-            grow_ok = grow & (grown <= self.max_scale)  # also False for inf/NaN products
-        else:
-            grow_ok = grow & (scale < _f32(self.max_scale / self.growth_factor)) & (grown <= FLOAT32_MAX)
-
-        # Backoff: an overflow that exhausts the hysteresis, clamped at the floor.
-        spent = left - 1
-        backoff = bad & (spent <= 0)
-        at_floor = scale <= self.min_scale
-        if self.backoff_divisor is None:
-            shrunk = self._times(scale, self.backoff_factor)
-        else:
-            wide = torch.float64 if self.arithmetic == "float64" else torch.float32
-            divisor = torch.full_like(scale, self.backoff_divisor, dtype=wide)  # a tensor: true division on CUDA
-            shrunk = (scale.to(wide) / divisor).float()
-        shrunk = shrunk.clamp_min(self.min_scale)
-
-        new_scale = torch.where(grow_ok, grown, torch.where(backoff, shrunk, scale))
-        refill = grow | (backoff if self.refill_after_backoff else torch.zeros_like(grow))
-        if self.hysteresis_mode == "consecutive":
-            refill = refill | clean
-        new_left = torch.where(refill, full, torch.where(bad, spent.clamp_min(0), left))
-        new_tracker = torch.where(grow, torch.zeros_like(counted), counted)
-        if self.at_floor == "raise":  # the step that raises changes nothing but floor_hits
-            frozen = backoff & at_floor
-            new_left = torch.where(frozen, left, new_left)
-            new_tracker = torch.where(frozen, tracker, new_tracker)
-        floor_hits = torch.where(
-            backoff & at_floor, (state.floor_hits + 1).clamp_max(_SATURATE), torch.where(bad, state.floor_hits, 0)
-        ).to(torch.int32)
-        return ScaleState(new_scale, new_tracker.to(torch.int32), new_left.to(torch.int32), floor_hits)
-
-    @property
-    def _torch_rule(self) -> bool:
-        """Whether the rule is torch's plus a floor, so torch's fused kernel can run it."""
-        return (self.hysteresis == 1 and self.refill_after_backoff and self.growth_delay == 0
-                and self.arithmetic == "float64"
-                and self.backoff_divisor is None and self.growth_guard == "result" and self.at_floor == "skip"
-                and self.max_scale == FLOAT32_MAX and self.growth_interval < 2**31 - 1)
-
-    def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor) -> ScaleState:
-        """The same rule in about ten ops: torch's ``_amp_update_scale_`` on copies, then the floor."""
-        scale, tracker = state.scale.clone(), state.growth_tracker.clone()
-        torch._amp_update_scale_(scale, tracker, bad.float(), self.growth_factor, self.backoff_factor,
-                                 self.growth_interval)
-        hit = bad & (state.scale <= self.min_scale)
-        floor_hits = torch.where(hit, (state.floor_hits + 1).clamp_max(_SATURATE),
-                                 torch.where(bad, state.floor_hits, 0)).to(torch.int32)
-        return ScaleState(scale.clamp_min_(self.min_scale), tracker, state.hysteresis_left, floor_hits)
-
-    def _times(self, scale: torch.Tensor, factor: float) -> torch.Tensor:
-        """``scale * factor`` rounded once to float32, in the configured arithmetic."""
-        if self.arithmetic == "float32":
-            return scale * _f32(factor)  # exact float32 operands: float32 product, rounded once
-        return (scale.double() * factor).float()
-
-    def check_floor(self, state: ScaleState) -> None:
-        """Raise :class:`FloorError` if ``at_floor="raise"`` and the scale hit its floor.
-
-        Cost: one host read of ``floor_hits`` when ``at_floor="raise"``; nothing otherwise.
-        """
-        if self.at_floor != "raise":
-            return
-        hits = int(state.floor_hits)
-        if hits:
-            raise FloorError(
-                f"the loss scale is at its floor min_scale={self.min_scale!r} and the gradients still "
-                f"overflow ({hits} step(s) in a row at the floor). A scale this small does not bring "
-                f"float16 back into range: the cause is most likely NaN or inf in the data, the loss or "
-                f"the model (check the inputs and the loss before backward), not float16's range. "
-                f"Pass at_floor='skip' to keep skipping instead."
-            )
-
-
-@dataclass(frozen=True)
-class FixedScale:
+class FixedScale(Policy):
     """A constant loss scale: overflowing steps are still detected and skipped, the scale never moves.
 
     Cost: none; ``update`` returns the state unchanged.
@@ -351,7 +106,7 @@ class FixedScale:
     scale: float = 2.0**16
 
     def __post_init__(self) -> None:
-        check_scale(type(self).__name__, "scale", self.scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
+        checked_scale(f"{type(self).__name__}(scale={self.scale!r})", self.scale, name="scale")
 
     def init(self, device: torch.device | str | None = None) -> ScaleState:
         """A state holding the fixed scale on ``device`` (default: CPU)."""
@@ -363,30 +118,15 @@ class FixedScale:
             floor_hits=zero.clone(),
         )
 
-    def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
+    def update(self, state: ScaleState, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> ScaleState:
         """The same state: a fixed scale ignores overflow."""
         _as_flag(found_inf, state.scale.device)
         return state
-
-    def check_floor(self, state: ScaleState) -> None:
-        """A fixed scale has no floor to hit."""
-
-
-def check_floor(policy: Any, state: Any) -> None:
-    """Ask ``policy`` to raise at its floor, if it knows how (third-party policies may not)."""
-    checker = getattr(policy, "check_floor", None)
-    if checker is not None:
-        checker(state)
-
-
-def _f32(x: float) -> float:
-    """``x`` rounded to the nearest float32 (inf where it overflows), as a Python float; no tensor, no sync."""
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
 
 
 def is_power_of_two(x: float) -> bool:
     """Whether ``x`` is an exact power of two (then multiplying by it or its inverse is exact)."""
     return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
+
+
+from lossscale.dynamic import DynamicScale  # noqa: E402  (DynamicScale subclasses Policy)

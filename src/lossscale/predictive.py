@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from lossscale._validate import check_choice, check_int_at_least, check_scale
-from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, _as_flag
+from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, Policy, _as_flag
 
 __all__ = ["PredictiveScale", "PredictiveState"]
 
@@ -64,7 +65,7 @@ def _pow2_floor(x: float) -> float:
 
 
 @dataclass(frozen=True)
-class PredictiveScale:
+class PredictiveScale(Policy):
     """Loss scale from a forecast of log2(max |gradient|): level, tail, and a target overflow rate.
 
     The rule, per ``update(state, found_inf, amax, loss_finite=None)`` (amax: max |scaled gradient|)::
@@ -127,8 +128,8 @@ class PredictiveScale:
     min_scale: float = SMALLEST_NORMAL_FLOAT32
     max_scale: float = FLOAT32_MAX
 
-    observes_amax = True  # the scalers pass amax= to update()
-    observes_loss_finite = True  # the scalers may pass loss_finite= (torch.isfinite(loss), ANDed over micro-batches)
+    observes_amax: ClassVar[bool] = True  # the pipeline passes amax= to update()
+    observes_loss_finite: ClassVar[bool] = True  # the pipeline may pass loss_finite= (isfinite(loss), ANDed)
 
     def __post_init__(self) -> None:
         call = type(self).__name__

@@ -40,7 +40,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from lossscale._validate import check_choice, check_factor_above_one, check_int_at_least, check_scale
+from lossscale._validate import (
+    ArgumentTypeError,
+    check_choice,
+    check_factor_above_one,
+    check_int_at_least,
+    check_scale,
+)
 from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, DynamicScale
 
 __all__ = [
@@ -65,8 +71,8 @@ def build_as(call: str, preset: Callable[..., DynamicScale], *args: Any, **kwarg
     """``preset(*args, **kwargs)``, its validation errors naming ``call`` (a facade with the same arguments)."""
     try:
         return preset(*args, **kwargs)
-    except ValueError as err:
-        raise ValueError(str(err).replace(f"presets.{preset.__name__}(", f"{call}(", 1)) from None
+    except ValueError as err:  # ArgumentTypeError (a wrong type) keeps its class
+        raise type(err)(str(err).replace(f"presets.{preset.__name__}(", f"{call}(", 1)) from None
 
 
 def _scale(call: str, name: str, value: Any, floor: float = SMALLEST_NORMAL_FLOAT32) -> None:
@@ -74,7 +80,10 @@ def _scale(call: str, name: str, value: Any, floor: float = SMALLEST_NORMAL_FLOA
 
 
 def _fraction(call: str, name: str, value: Any, why: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value < 1.0):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be in (0, 1) ({why}); got "
+                                f"{value!r} ({type(value).__name__}).")
+    if not (0.0 < value < 1.0):
         raise ValueError(f"{call}({name}={value!r}): {name} must be in (0, 1) ({why}); got {value!r}.")
 
 
@@ -336,6 +345,10 @@ def ascend(init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_
                       if S < 3.4e38 / incr_ratio: S = S * incr_ratio   # TF1 contrib: if finite
                       good = bad = 0
                   else: good += 1
+
+    The growth guard ``S < 3.4e38 / incr_ratio`` is read from Ascend's source; it is not in the recorded
+    trajectories (npu_bridge is not on PyPI, so the TF1 contrib recording stands in, whose guard is
+    "the grown scale is finite"): it is checked against the pure-Python oracle only.
 
     Example:
         >>> from lossscale import presets

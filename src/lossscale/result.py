@@ -30,6 +30,9 @@ class StepResult:
         switched: True on the boundary where a precision schedule switched back to full precision.
         underflow: 0-d float32 share of gradient values that would flush to zero in float16 at this
             scale, when the underflow meter is on; else None.
+        loss: What the closure passed to ``step(closure)`` returned (None without a closure). Not a
+            column of :class:`~lossscale.StepLogger` (pass ``loss=`` there, or it is taken from here).
+        layer_scales: Per-layer scales by module name when per-layer scaling is on; else None.
     """
 
     stepped: torch.Tensor
@@ -42,6 +45,8 @@ class StepResult:
     precision: str | None = None
     switched: bool = False
     underflow: torch.Tensor | None = None
+    loss: Any = dataclasses.field(default=None, metadata={"column": False})
+    layer_scales: dict[str, torch.Tensor] | None = dataclasses.field(default=None, metadata={"column": False})
 
     @property
     def skipped(self) -> torch.Tensor:
@@ -49,5 +54,8 @@ class StepResult:
         return ~self.stepped if not self.accumulating else torch.zeros_like(self.stepped)
 
     def as_dict(self) -> dict[str, Any]:
-        """Every field as plain Python values (reads the tensors on the host: one sync for all)."""
-        return read_scalars({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        """Every column field (and ``loss``) as plain Python values (reads the tensors on the host: one sync)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("column", True)}
+        if isinstance(self.loss, torch.Tensor) and self.loss.numel() == 1:
+            values["loss"] = self.loss.detach()
+        return read_scalars(values)

@@ -18,55 +18,17 @@ import contextlib
 import dataclasses
 import math
 import operator
-import re
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, ContextManager, Iterable, Literal
+from typing import Any, ContextManager, Iterable
 
 import torch
 
+from lossscale._schedule_mode import ALLOWED, LOW_DTYPES, RATIOS, Trigger, parse_mode  # noqa: F401 (re-exported)
+from lossscale._validate import ArgumentTypeError
+
 __all__ = ["PrecisionSchedule", "ScheduleConfig", "ScheduleState", "advance", "check_attachable", "parse_mode"]
-
-Trigger = Literal["step", "loss"]
-
-LOW_DTYPES: dict[str, torch.dtype] = {"fast": torch.float16, "fast1": torch.bfloat16}
-RATIOS: dict[str, tuple[str, str, str]] = {"step": ("0.2", "0.9", "0.9"), "loss": ("1.01", "1.5", "1.05")}
-ALLOWED = ("mode is 'type|trigger|ratio' with type 'fast' (float16) or 'fast1' (bfloat16), trigger 'step' "
-           "(ratio in [0.2, 0.9], default 0.9; needs total_steps) or 'loss' (ratio in [1.01, 1.5], default 1.05; "
-           "needs target_loss), e.g. 'fast|step|0.9' or 'fast1|loss|1.05'")
-_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
-
-
-def parse_mode(call: str, mode: Any) -> tuple[torch.dtype, Trigger, Fraction]:
-    """``'fast|step|0.9'`` -> ``(torch.float16, 'step', Fraction(9, 10))``; a ValueError naming the allowed values.
-
-    The ratio is kept as an exact decimal, so ``10 * 0.3`` is 3, not 3.0000000000000004.
-    """
-    if not isinstance(mode, str):
-        raise TypeError(f"{call}: mode must be a str; {ALLOWED}; got {type(mode).__name__} {mode!r}.")
-
-    def bad(problem: str) -> ValueError:
-        return ValueError(f"{call}: {ALLOWED}; got {problem}.")
-
-    fields = mode.split("|")
-    if len(fields) not in (2, 3):
-        raise bad(f"{len(fields)} field{'s' if len(fields) != 1 else ''} in {mode!r}")
-    if "" in fields:
-        raise bad(f"an empty field in {mode!r}")
-    kind, trigger = fields[0], fields[1]
-    if kind not in LOW_DTYPES:
-        raise bad(f"type {kind!r}")
-    if trigger not in RATIOS:
-        raise bad(f"trigger {trigger!r}")
-    low, high, default = RATIOS[trigger]
-    text = fields[2] if len(fields) == 3 else default
-    if not _DECIMAL.fullmatch(text):
-        raise bad(f"ratio {text!r}, which is not a plain decimal number")
-    ratio = Fraction(text)
-    if not Fraction(low) <= ratio <= Fraction(high):
-        raise bad(f"ratio {text} for trigger {trigger!r}, outside [{low}, {high}]")
-    return LOW_DTYPES[kind], trigger, ratio  # type: ignore[return-value]
-
 
 @dataclass(frozen=True)
 class ScheduleConfig:
@@ -95,8 +57,8 @@ def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss
 
         step = step if given else state.step + 1        (a loss alone reports one more completed step)
         if not switched and (trigger == 'step' and step >= ceil(total_steps * ratio)
-                             or trigger == 'loss' and loss <= target_loss * ratio):   # NaN never switches
-            switch_step = step                          (never cleared again)
+                             or trigger == 'loss' and loss is finite and loss <= target_loss * ratio):
+            switch_step = step                          (never cleared again; NaN, inf and -inf never switch)
     """
     position = state.step + 1 if step is None else step
     if state.switch_step is not None:
@@ -104,7 +66,7 @@ def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss
     if config.trigger == "step":
         switch = position >= config.switch_at_step  # type: ignore[operator]
     else:
-        switch = loss is not None and loss <= config.switch_below_loss  # type: ignore[operator]
+        switch = loss is not None and math.isfinite(loss) and loss <= config.switch_below_loss  # type: ignore[operator]
     return ScheduleState(position, position if switch else None)
 
 
@@ -119,6 +81,8 @@ class PrecisionSchedule:
     Feed it once per step with :meth:`update`: ``step`` is the index of the next step to run (the number of
     steps completed, like TF's ``global_step`` or Lightning's ``trainer.global_step``); ``loss`` is the loss of
     the step that just ran. Cost: a tensor ``loss`` is read on the host (one sync per call); nothing else is.
+    A loss that is NaN, inf or -inf never switches. Attached to a LossScaleOptimizer that has stepped twice
+    while ``update`` was never called, the schedule warns once (it would stay in low precision for good).
 
     Example::
 
@@ -145,7 +109,10 @@ class PrecisionSchedule:
         call = f"PrecisionSchedule({mode!r}, total_steps={total_steps!r}, target_loss={target_loss!r})"
         switch_at_step = switch_below_loss = None
         if trigger == "step":
-            if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)):
+                raise ArgumentTypeError(f"{call}: total_steps must be an integer >= 1; got "
+                                        f"{total_steps!r} ({type(total_steps).__name__}).")
+            if total_steps is None or total_steps < 1:
                 raise ValueError(f"{call}: the 'step' trigger keeps low precision while step < total_steps * ratio, "
                                  f"so total_steps must be an integer >= 1; got {total_steps!r}.")
             if target_loss is not None:
@@ -153,8 +120,11 @@ class PrecisionSchedule:
                                  f"the step. Leave target_loss out, or use a 'loss' mode such as 'fast|loss|1.05'.")
             switch_at_step = math.ceil(total_steps * ratio)
         else:
-            if (isinstance(target_loss, bool) or not isinstance(target_loss, (int, float))
-                    or not math.isfinite(target_loss) or target_loss <= 0):
+            if target_loss is not None and (isinstance(target_loss, bool)
+                                            or not isinstance(target_loss, (int, float))):
+                raise ArgumentTypeError(f"{call}: target_loss must be a finite number > 0; got "
+                                        f"{target_loss!r} ({type(target_loss).__name__}).")
+            if target_loss is None or not math.isfinite(target_loss) or target_loss <= 0:
                 raise ValueError(f"{call}: the 'loss' trigger keeps low precision until a loss <= target_loss * "
                                  f"ratio, so target_loss must be a finite number > 0; got {target_loss!r}.")
             if total_steps is not None:
@@ -165,6 +135,8 @@ class PrecisionSchedule:
                                      None if target_loss is None else float(target_loss),
                                      switch_at_step, switch_below_loss)
         self._state = ScheduleState()
+        self._told = False  # update() or load_state_dict() was called: the loop feeds the schedule
+        self._unfed_steps = 0
 
     # --- what users read -----------------------------------------------------------------------
 
@@ -235,6 +207,24 @@ class PrecisionSchedule:
                                 f"{type(loss).__name__}.")
             loss = float(loss)
         self._state = advance(self.config, self._state, step, loss)
+        self._told = True
+
+    def note_optimizer_step(self) -> None:
+        """Called by the optimizer the schedule is attached to after each of its steps.
+
+        Rule: once two optimizer steps have run and :meth:`update` was never called (nor a checkpoint
+        loaded), warn once: such a loop would stay in low precision for the whole run without a word
+        (as torch warns about a scheduler stepped before its optimizer). Cost: none.
+        """
+        if self._told:
+            return
+        self._unfed_steps += 1
+        if self._unfed_steps == 2:
+            warnings.warn(
+                f"{self!r}: {self._unfed_steps} optimizer steps ran and schedule.update() was never called, so "
+                f"the schedule cannot leave {self.config.low_dtype} (it stays there for the whole run). Call "
+                f"schedule.update(step=step) at the start of each step, or schedule.update(loss=loss) after it.",
+                UserWarning, stacklevel=3)
 
     def autocast(self, device_type: str) -> ContextManager[Any]:
         """``torch.autocast(device_type, dtype=self.dtype)`` before the switch; a context that does nothing after."""
@@ -250,10 +240,34 @@ class PrecisionSchedule:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the mode must match (total_steps/target_loss may change on resume)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{self!r}.load_state_dict(state_dict={state_dict!r}): state_dict must be a dict "
+                            f"from PrecisionSchedule.state_dict(); got {type(state_dict).__name__}.")
         if state_dict.get("mode") != self.config.mode:
             raise ValueError(f"{self!r}.load_state_dict(...): the checkpoint was saved by a schedule with mode "
                              f"{state_dict.get('mode')!r}; build the schedule with that mode to resume it.")
-        self._state = ScheduleState(**{f.name: state_dict[f.name] for f in dataclasses.fields(ScheduleState)})
+        self._state = _checked_state(f"{self!r}.load_state_dict", state_dict)
+        self._told = True
+
+
+def _checked_state(call: str, state_dict: dict[str, Any]) -> ScheduleState:
+    """The saved ``step`` (an integer >= 0) and ``switch_step`` (None or an integer >= 0), checked."""
+    values = {}
+    for f in dataclasses.fields(ScheduleState):
+        if f.name not in state_dict:
+            raise ValueError(f"{call}(state_dict={state_dict!r}): the state dict has no {f.name!r}; expected the "
+                             f"keys mode, step, switch_step of PrecisionSchedule.state_dict().")
+        value = state_dict[f.name]
+        if value is None and f.name == "switch_step":
+            values[f.name] = None
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{call}({f.name}={value!r}): {f.name} must be an integer >= 0"
+                            f"{' or None' if f.name == 'switch_step' else ''}; got {type(value).__name__}.")
+        if value < 0:
+            raise ValueError(f"{call}({f.name}={value!r}): {f.name} must be an integer >= 0; got {value!r}.")
+        values[f.name] = value
+    return ScheduleState(**values)
 
 
 def check_attachable(schedule: Any, params: Iterable[torch.Tensor]) -> None:

@@ -12,9 +12,10 @@ incr_ratio=2, decr_ratio=0.8)``                              ``hysteresis=decr_e
                                                              growth only while ``S < 3.4e38 / incr_ratio``
 ``FixedLossScaleManager(loss_scale)`` (>= 1)                 ``FixedScale(loss_scale)``
 ``manager.get_loss_scale()`` (a float32 variable)            the 0-d float32 scale tensor (no host read)
-``manager.update_loss_scale(finite_grads)``                  ``policy.update(state, ~finite_grads)`` (no host read)
-``NPULossScaleOptimizer(opt, loss_scale_manager,             ``LossScaleOptimizer(opt, policy=<the manager>)``:
-is_distributed=False)``                                      the optimizer's updates land in the manager
+``manager.update_loss_scale(finite_grads)``                  ``policy.update(state, ~finite_grads)`` (no host read);
+                                                             a float tensor is an NPU float status: 0 = finite
+``NPULossScaleOptimizer(opt, loss_scale_manager,             ``LossScaleOptimizer(opt, policy=manager.loss_scale)``:
+is_distributed=False)``                                      one owner of the scale, shared by both
 ``compute_gradients(loss)`` (scales the loss)                ``opt.backward(loss)`` (or ``opt.scale_loss(loss)``)
 ``apply_gradients(grads_and_vars)`` (unscale, skip on         ``opt.step()`` -> :class:`~lossscale.StepResult`
 overflow, update the manager)
@@ -47,9 +48,11 @@ import torch.distributed as dist
 
 from lossscale import presets
 from lossscale._validate import check_choice, check_scale
+from lossscale.compat._checks import check_optimizer, checked_state_dict
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.overflow import OverflowMode
-from lossscale.policy import FLOAT32_MAX, FixedScale, ScaleState, check_floor, state_from_dict, state_to_dict
+from lossscale.policy import FLOAT32_MAX, FixedScale, ScaleState
+from lossscale.state import LossScale
 
 __all__ = [
     "ExponentialUpdateLossScaleManager",
@@ -60,42 +63,65 @@ __all__ = [
 ]
 
 
-def _found_inf(finite_grads: Any, device: torch.device) -> torch.Tensor:
-    """``not finite_grads`` as a bool tensor (a Python bool or a bool tensor; no host read)."""
-    if isinstance(finite_grads, torch.Tensor):
-        return ~finite_grads.to(device=device, dtype=torch.bool)
+def _found_inf(finite_grads: Any, scale: torch.Tensor) -> torch.Tensor:
+    """The overflow flag (0-d bool) of one step's ``finite_grads``; no host read.
+
+    Rule: a Python bool or a one-value bool tensor is TF1's ``finite_grads`` (True: every gradient is
+    finite); a one-value floating tensor is an NPU float status (0: no overflow; anything else, NaN
+    included: overflow). A state loaded batched (a scale of shape (N,)) takes N verdicts. Anything else
+    is refused rather than cast (a 2-value tensor would turn a scalar scale into a vector).
+    """
+    call = f"update_loss_scale(finite_grads={finite_grads!r})"
+    device = scale.device
     if isinstance(finite_grads, bool):
         return torch.tensor(not finite_grads, device=device)
-    raise TypeError(f"update_loss_scale(finite_grads={finite_grads!r}): finite_grads must be a bool or a bool "
-                    f"tensor (True when every gradient is finite); got {type(finite_grads).__name__}.")
+    if not isinstance(finite_grads, torch.Tensor) or not (finite_grads.dtype == torch.bool
+                                                          or finite_grads.is_floating_point()):
+        kind = type(finite_grads).__name__ if not isinstance(finite_grads, torch.Tensor) else finite_grads.dtype
+        raise TypeError(f"{call}: finite_grads must be a bool, a bool tensor (True when every gradient is finite) "
+                        f"or a floating NPU float status tensor (0 when nothing overflowed); got {kind}.")
+    if finite_grads.numel() == 1:
+        flag = finite_grads.reshape(scale.shape if scale.numel() == 1 else ()).to(device)
+    elif finite_grads.shape == scale.shape:  # a batched state (one verdict per entry), as tests replay it
+        flag = finite_grads.to(device)
+    else:
+        raise ValueError(f"{call}: finite_grads must hold one value (one step's verdict for all gradients); got "
+                         f"shape {tuple(finite_grads.shape)}. Reduce it first, e.g. finite_grads.all().")
+    return ~flag if flag.dtype == torch.bool else flag != 0
 
 
 class _LossScaleManager:
-    """A policy and its state, with TF1's method names."""
+    """A policy's :class:`~lossscale.state.LossScale` with TF1's method names. The optimizer built on the
+    manager shares that owner, so a scale set through either is what both read at once."""
 
-    policy: Any
-    _state: ScaleState
+    loss_scale: LossScale
+
+    @property
+    def policy(self) -> Any:
+        """The rule (frozen)."""
+        return self.loss_scale.policy
 
     def get_loss_scale(self) -> torch.Tensor:
         """The current loss scale: a 0-d float32 tensor (no host read)."""
-        return self._state.scale
+        return self.loss_scale.scale
 
     @property
     def scale_state(self) -> ScaleState:
         """The whole state record (scale and counters)."""
-        return self._state
+        return self.loss_scale.state
 
     def update_loss_scale(self, finite_grads: Any) -> None:
         """Advance the rule with one step's ``finite_grads`` (True: no overflow). No host read."""
-        self._state = self.policy.update(self._state, _found_inf(finite_grads, self._state.scale.device))
+        self.loss_scale.update(_found_inf(finite_grads, self.loss_scale.scale))
 
     def state_dict(self) -> dict[str, Any]:
         """The scale and counters as plain numbers (reads them on the host)."""
-        return {"policy_state": state_to_dict(self._state)}
+        return {"policy_state": self.loss_scale.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        self._state = state_from_dict(self._state, state_dict["policy_state"])
+        """Restore what :meth:`state_dict` saved (validated first)."""
+        checked_state_dict(f"{type(self).__name__}.load_state_dict", state_dict, ("policy_state",))
+        self.loss_scale.load_state_dict(state_dict["policy_state"], f"{type(self).__name__}.load_state_dict")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.policy!r})"
@@ -119,9 +145,9 @@ class ExponentialUpdateLossScaleManager(_LossScaleManager):
 
     def __init__(self, init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_inf: int = 2,
                  incr_ratio: float = 2, decr_ratio: float = 0.8) -> None:
-        self.policy = presets.build_as("ExponentialUpdateLossScaleManager", presets.ascend, init_loss_scale,
-                                       incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio)
-        self._state = self.policy.init()
+        self.loss_scale = LossScale(presets.build_as("ExponentialUpdateLossScaleManager", presets.ascend,
+                                                     init_loss_scale, incr_every_n_steps, decr_every_n_nan_or_inf,
+                                                     incr_ratio, decr_ratio))
 
 
 class FixedLossScaleManager(_LossScaleManager):
@@ -134,29 +160,7 @@ class FixedLossScaleManager(_LossScaleManager):
 
     def __init__(self, loss_scale: float) -> None:
         check_scale("FixedLossScaleManager", "loss_scale", loss_scale, low=1.0, high=FLOAT32_MAX)
-        self.policy = FixedScale(float(loss_scale))
-        self._state = self.policy.init()
-
-
-class _ManagerPolicy:
-    """The manager as the optimizer's policy: each step's update lands in the manager's state."""
-
-    def __init__(self, manager: _LossScaleManager) -> None:
-        self.manager = manager
-
-    def init(self, device: torch.device | str | None = None) -> ScaleState:
-        self.manager._state = self.manager._state.to(device or "cpu")
-        return self.manager._state
-
-    def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
-        self.manager._state = self.manager.policy.update(state, found_inf)
-        return self.manager._state
-
-    def check_floor(self, state: ScaleState) -> None:
-        check_floor(self.manager.policy, state)
-
-    def __repr__(self) -> str:
-        return repr(self.manager)
+        self.loss_scale = LossScale(FixedScale(float(loss_scale)))
 
 
 class NPULossScaleOptimizer(LossScaleOptimizer):
@@ -178,6 +182,7 @@ class NPULossScaleOptimizer(LossScaleOptimizer):
     def __init__(self, opt: torch.optim.Optimizer, loss_scale_manager: _LossScaleManager,
                  is_distributed: bool = False, overflow_mode: OverflowMode = "inf_nan", **kwargs: Any) -> None:
         call = "NPULossScaleOptimizer"
+        check_optimizer(call, "opt", opt)
         if not isinstance(loss_scale_manager, _LossScaleManager):
             raise TypeError(f"{call}(loss_scale_manager={loss_scale_manager!r}): loss_scale_manager must be an "
                             f"ExponentialUpdateLossScaleManager or a FixedLossScaleManager from "
@@ -189,16 +194,11 @@ class NPULossScaleOptimizer(LossScaleOptimizer):
                              f"first, or pass is_distributed=False.")
         self.loss_scale_manager = loss_scale_manager
         self.is_distributed = is_distributed
-        super().__init__(opt, policy=_ManagerPolicy(loss_scale_manager), overflow_mode=overflow_mode, **kwargs)
+        super().__init__(opt, policy=loss_scale_manager.loss_scale, overflow_mode=overflow_mode, **kwargs)
 
     def get_loss_scale(self) -> torch.Tensor:
         """The manager's current loss scale (0-d float32 tensor; no host read)."""
         return self.loss_scale_manager.get_loss_scale()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore the optimizer and the manager's scale and counters."""
-        super().load_state_dict(state_dict)
-        self.loss_scale_manager._state = self.scale_state
 
 
 from lossscale.compat._ascend_precision import ExperimentalConfig, TellMeStepOrLossHook  # noqa: E402

@@ -25,7 +25,9 @@ dynamic_growth_steps=2000)``                                 initial_scale, dyna
                                                              1e-6)``; Keras divides by the norm alone)
 ``use_ema, ema_momentum=0.99``                               ``EMA(ema_momentum)``, advanced on applied steps; the
                                                              first applied step copies the weights (Keras's
-                                                             momentum 0 at iteration 0)
+                                                             momentum 0 at iteration 0); momentum in [0, 1], 1
+                                                             freezes the average; None (R's NULL) = default
+``name=None``                                                ``name`` (default ``"loss_scale_optimizer"``)
 ``ema_overwrite_frequency``                                  weights overwritten by the average when the applied
                                                              step count is a multiple of it
 ``loss_scale_factor``                                        a static extra factor: ``scale_loss`` multiplies by it,
@@ -44,66 +46,21 @@ Deviations of the rule: see :func:`lossscale.presets.keras` (no growth into inf,
 
 from __future__ import annotations
 
-import math
+import numbers
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from lossscale import presets
-from lossscale._validate import check_choice, check_int_at_least
-from lossscale.ema import EMA
+from lossscale.clip import PerTensorClip
+from lossscale.compat._checks import check_optimizer, checked_state_dict, checked_tensors
+from lossscale.compat._keras_args import BASE_KWARGS, KerasEMA, validated
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
 from lossscale.result import StepResult
 
 __all__ = ["LossScaleOptimizer", "BASE_KWARGS"]
 
-#: The base optimizer keyword arguments this facade accepts, with Keras's defaults.
-BASE_KWARGS: dict[str, Any] = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "clipvalue": None,
-    "global_clipnorm": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-
 _CALL = "LossScaleOptimizer"
-
-
-def _optional_positive(name: str, value: Any, low: float = 0.0, inclusive: bool = False) -> None:
-    if value is None:
-        return
-    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-    if bad or value < low or (value == low and not inclusive):
-        rule = f">= {low:g}" if inclusive else f"> {low:g}"
-        raise ValueError(f"{_CALL}({name}={value!r}): {name} must be None or a finite number {rule}; got {value!r}.")
-
-
-def _validated(kwargs: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(kwargs) - set(BASE_KWARGS))
-    if unknown:
-        raise TypeError(f"{_CALL}({', '.join(f'{k}=...' for k in unknown)}): unexpected keyword argument(s) "
-                        f"{', '.join(unknown)}; the base optimizer arguments are {', '.join(BASE_KWARGS)}.")
-    args = {**BASE_KWARGS, **kwargs}
-    for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
-        _optional_positive(name, args[name])
-    _optional_positive("weight_decay", args["weight_decay"], inclusive=True)
-    clips = [n for n in ("clipnorm", "clipvalue", "global_clipnorm") if args[n] is not None]
-    if len(clips) > 1:
-        raise ValueError(f"{_CALL}({', '.join(f'{n}={args[n]!r}' for n in clips)}): only one of clipnorm, clipvalue "
-                         f"and global_clipnorm can be set; got {len(clips)}.")
-    check_choice(_CALL, "use_ema", args["use_ema"], (True, False))
-    m = args["ema_momentum"]
-    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
-        raise ValueError(f"{_CALL}(ema_momentum={m!r}): ema_momentum must be in [0, 1); got {m!r}.")
-    if args["ema_overwrite_frequency"] is not None:
-        check_int_at_least(_CALL, "ema_overwrite_frequency", args["ema_overwrite_frequency"], 1)
-    if args["gradient_accumulation_steps"] is not None:
-        check_int_at_least(_CALL, "gradient_accumulation_steps", args["gradient_accumulation_steps"], 2)
-    return args
 
 
 class LossScaleOptimizer:
@@ -137,18 +94,20 @@ class LossScaleOptimizer:
 
     def __init__(self, inner_optimizer: torch.optim.Optimizer, initial_scale: float = 32768,
                  dynamic_growth_steps: int = 2000, **base_kwargs: Any) -> None:
-        args = _validated(base_kwargs)
+        check_optimizer(_CALL, "inner_optimizer", inner_optimizer)
+        args = validated(base_kwargs)
         policy = presets.build_as(_CALL, presets.keras, initial_scale, dynamic_growth_steps)
         self.inner_optimizer = inner_optimizer
         self.initial_scale = initial_scale
         self.dynamic_growth_steps = dynamic_growth_steps
         for name, value in args.items():
             setattr(self, name, value)
-        self.ema = EMA(args["ema_momentum"]) if args["use_ema"] else None
+        self.name = args["name"] if args["name"] is not None else "loss_scale_optimizer"
+        self.ema = KerasEMA(args["ema_momentum"]) if args["use_ema"] else None
         self._opt = _CoreOptimizer(
             inner_optimizer, policy=policy,
             clip_grad_norm=args["global_clipnorm"], clip_grad_value=args["clipvalue"],
-            clip_grad_norm_per_param=args["clipnorm"],
+            transform_unscaled=None if args["clipnorm"] is None else PerTensorClip(args["clipnorm"]),
             accumulation_steps=args["gradient_accumulation_steps"] or 1,
             ema=self.ema, weight_decay=args["weight_decay"])
         device = self._opt.scale.device
@@ -190,8 +149,16 @@ class LossScaleOptimizer:
 
     # --- the calls ----------------------------------------------------------------------------
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * dynamic_scale`` (times ``loss_scale_factor`` when set). No host read."""
+    def scale_loss(self, loss: Any) -> torch.Tensor:
+        """``loss * dynamic_scale`` (times ``loss_scale_factor`` when set). No host read.
+
+        A Python or NumPy real number is taken as a float32 loss on the scale's device, as Keras's
+        ``ops.multiply`` takes it."""
+        if not isinstance(loss, torch.Tensor):
+            if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+                raise TypeError(f"{_CALL}.scale_loss(loss={loss!r}): loss must be a tensor or a real number; got "
+                                f"{type(loss).__name__}.")
+            loss = torch.tensor(float(loss), device=self._opt.scale.device)
         factor = self._opt.scale if self.loss_scale_factor is None else self._opt.scale * self.loss_scale_factor
         return loss * factor.to(loss.device)
 
@@ -204,7 +171,7 @@ class LossScaleOptimizer:
         steps, advances the average, and grows the scale every ``dynamic_growth_steps`` clean steps.
         """
         variables = self.variables if trainable_variables is None else list(trainable_variables)
-        grads = list(grads)
+        grads = checked_tensors(f"{_CALL}.apply", "grads", grads, none_items=True)
         if len(grads) != len(variables):
             raise ValueError(f"{_CALL}.apply(grads, trainable_variables): got {len(grads)} gradients for "
                              f"{len(variables)} variables; pass one gradient (or None) per variable.")
@@ -213,6 +180,13 @@ class LossScaleOptimizer:
         if stray:
             raise ValueError(f"{_CALL}.apply(grads, trainable_variables): variable {stray[0]} is not a parameter of "
                              f"the inner optimizer; pass the parameters it was built with.")
+        for i, (v, g) in enumerate(zip(variables, grads)):
+            if g is not None and g.shape != v.shape:
+                raise ValueError(f"{_CALL}.apply(grads, trainable_variables): grads[{i}] has shape {tuple(g.shape)}, "
+                                 f"its variable {tuple(v.shape)}; pass one gradient per variable, in order.")
+        if all(g is None for g in grads):
+            raise ValueError(f"{_CALL}.apply(grads=[None] * {len(grads)}): No gradients provided for any variable "
+                             f"(as Keras says); nothing would be applied and the scale would count a clean step.")
         self._opt.zero_grad(set_to_none=True)  # a no-op inside an accumulation window
         divisor = self._opt.accumulation_steps * (self.loss_scale_factor or 1.0)
         for v, g in zip(variables, grads):
@@ -239,6 +213,9 @@ class LossScaleOptimizer:
     def apply_gradients(self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
         """``apply(grads, vars)`` for a list of ``(grad, var)`` pairs."""
         pairs = list(grads_and_vars)
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+            raise TypeError(f"{_CALL}.apply_gradients(grads_and_vars=...): grads_and_vars must hold (gradient, "
+                            f"variable) pairs; got {[type(p).__name__ for p in pairs][:4]}.")
         self.apply([g for g, _ in pairs], [v for _, v in pairs])
 
     def _keras_ema(self, stepped: torch.Tensor, first: torch.Tensor) -> None:
@@ -265,6 +242,7 @@ class LossScaleOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
+        checked_state_dict(f"{_CALL}.load_state_dict", state_dict, ("core", "iterations", "applied"))
         self._opt.load_state_dict(state_dict["core"])
         self._iterations.fill_(state_dict["iterations"])
         self._applied.fill_(state_dict["applied"])

@@ -9,7 +9,7 @@ MindSpore                                                   lossscale
 scale_factor, scale_window)``                               scale_window)``: growth on the W-th clean step,
                                                             ``S * float32(1/f)``, floor 1, float32 products
 ``cell(loss_scale, overflow)``: updates the Parameter in     same, on a 0-d (or shape (1,)) float32 tensor, in
-place, returns ``overflow``                                 place; no host read
+place, returns ``overflow``                                 place (another dtype is refused); no host read
 ``cell.get_loss_scale()``                                   ``loss_scale_value``, the value it was built with (as
                                                             MindSpore: the live scale is the tensor passed in)
 ``nn.FixedLossScaleUpdateCell(loss_scale_value)``           ``FixedScale``; the call returns ``overflow``
@@ -44,8 +44,11 @@ import torch
 
 from lossscale import presets
 from lossscale._validate import check_choice, check_factor_above_one, check_int_at_least, check_scale
+from lossscale.compat._checks import check_optimizer, checked_state_dict
 from lossscale.optimizer import LossScaleOptimizer
-from lossscale.policy import FLOAT32_MAX, FixedScale, ScaleState, check_floor, state_from_dict, state_to_dict
+from lossscale.policy import FLOAT32_MAX, FixedScale, ScaleState
+from lossscale.scale_value import checked_scale
+from lossscale.state import LossScale
 from lossscale.result import StepResult
 
 __all__ = [
@@ -60,12 +63,32 @@ __all__ = [
 BAD_STEP_MAX = 1000
 
 
-def _flag(overflow: Any, device: torch.device) -> torch.Tensor:
+def _flag(overflow: Any, device: torch.device, call: str = "DynamicLossScaleUpdateCell") -> torch.Tensor:
+    """One step's overflow verdict as a 0-d bool tensor: a bool or a one-value tensor (no host read)."""
     if isinstance(overflow, torch.Tensor):
+        if overflow.numel() != 1:
+            raise ValueError(f"{call}(overflow={overflow!r}): overflow must hold one value (one step's verdict); "
+                             f"got shape {tuple(overflow.shape)}.")
         return overflow.to(device=device, dtype=torch.bool).reshape(())
     if isinstance(overflow, bool):
         return torch.tensor(overflow, device=device)
-    raise TypeError(f"overflow must be a bool or a bool tensor; got {type(overflow).__name__}.")
+    raise TypeError(f"{call}(overflow={overflow!r}): overflow must be a bool or a bool tensor; got "
+                    f"{type(overflow).__name__}.")
+
+
+def _check_loss_scale(call: str, loss_scale: Any) -> None:
+    """The cell's ``loss_scale`` is MindSpore's float32 Parameter: a 1-element float32 tensor, updated in
+    place, so another dtype is refused rather than rounded (an int64 scale would truncate ``S / 3``)."""
+    if not isinstance(loss_scale, torch.Tensor):
+        raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's "
+                        f"loss_scale Parameter); got {type(loss_scale).__name__}.")
+    if loss_scale.numel() != 1:
+        raise ValueError(f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's "
+                         f"loss_scale Parameter); got shape {tuple(loss_scale.shape)}.")
+    if loss_scale.dtype != torch.float32:
+        raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a float32 tensor (MindSpore's "
+                        f"loss_scale Parameter is float32, and it is updated in place); got {loss_scale.dtype}. "
+                        f"Create it as torch.tensor(2.0**24) or convert it with .float().")
 
 
 def _check_rule(call: str, init_name: str, init: Any, scale_factor: Any, scale_window: Any) -> None:
@@ -75,23 +98,28 @@ def _check_rule(call: str, init_name: str, init: Any, scale_factor: Any, scale_w
 
 
 class _StatefulRule:
-    """A policy and its state, with ``state_dict``/``load_state_dict``."""
+    """A policy's :class:`~lossscale.state.LossScale` (``loss_scale``), with ``state_dict``/``load_state_dict``."""
 
-    policy: Any
-    _state: ScaleState
+    loss_scale: LossScale
+
+    @property
+    def policy(self) -> Any:
+        """The rule (frozen)."""
+        return self.loss_scale.policy
 
     @property
     def scale_state(self) -> ScaleState:
         """The whole state record (for a cell: its counters; the live scale is the tensor it updates)."""
-        return self._state
+        return self.loss_scale.state
 
     def state_dict(self) -> dict[str, Any]:
         """The scale and counters as plain numbers (reads them on the host)."""
-        return {"policy_state": state_to_dict(self._state)}
+        return {"policy_state": self.loss_scale.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        self._state = state_from_dict(self._state, state_dict["policy_state"])
+        """Restore what :meth:`state_dict` saved (validated first)."""
+        checked_state_dict(f"{type(self).__name__}.load_state_dict", state_dict, ("policy_state",))
+        self.loss_scale.load_state_dict(state_dict["policy_state"], f"{type(self).__name__}.load_state_dict")
 
 
 class DynamicLossScaleUpdateCell(_StatefulRule):
@@ -115,8 +143,7 @@ class DynamicLossScaleUpdateCell(_StatefulRule):
         self.loss_scale_value = loss_scale_value
         self.scale_factor = scale_factor
         self.scale_window = scale_window
-        self.policy = presets.mindspore(loss_scale_value, scale_factor, scale_window)
-        self._state = self.policy.init()
+        self.loss_scale = LossScale(presets.mindspore(loss_scale_value, scale_factor, scale_window))
 
     def get_loss_scale(self) -> float:
         """``loss_scale_value``, as MindSpore's cell returns it (the live scale is the tensor it updates)."""
@@ -124,15 +151,15 @@ class DynamicLossScaleUpdateCell(_StatefulRule):
 
     @torch.no_grad()
     def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
-        """Update ``loss_scale`` (float32, shape () or (1,)) in place from ``overflow``; return ``overflow``."""
-        if not isinstance(loss_scale, torch.Tensor) or loss_scale.numel() != 1:
-            raise TypeError(f"DynamicLossScaleUpdateCell(loss_scale, overflow): loss_scale must be a 1-element "
-                            f"tensor (MindSpore's loss_scale Parameter); got {type(loss_scale).__name__}.")
-        if self._state.scale.device != loss_scale.device:
-            self._state = self._state.to(loss_scale.device)
-        state = dataclasses.replace(self._state, scale=loss_scale.detach().reshape(()).float())
-        self._state = self.policy.update(state, _flag(overflow, loss_scale.device))
-        loss_scale.copy_(self._state.scale.reshape(loss_scale.shape))
+        """Update ``loss_scale`` (float32, shape () or (1,)) in place from ``overflow``; return ``overflow``.
+        No host read."""
+        _check_loss_scale("DynamicLossScaleUpdateCell", loss_scale)
+        owner = self.loss_scale
+        if owner.device != loss_scale.device:
+            owner.to(loss_scale.device)
+        owner.follow(loss_scale)
+        owner.update(_flag(overflow, loss_scale.device))
+        loss_scale.copy_(owner.scale.reshape(loss_scale.shape))
         return overflow
 
     def __repr__(self) -> str:
@@ -146,8 +173,7 @@ class FixedLossScaleUpdateCell(_StatefulRule):
     def __init__(self, loss_scale_value: float) -> None:
         check_scale("FixedLossScaleUpdateCell", "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)
         self.loss_scale_value = loss_scale_value
-        self.policy = FixedScale(float(loss_scale_value))
-        self._state = self.policy.init()
+        self.loss_scale = LossScale(FixedScale(float(loss_scale_value)))
 
     def get_loss_scale(self) -> float:
         """``loss_scale_value``."""
@@ -155,6 +181,7 @@ class FixedLossScaleUpdateCell(_StatefulRule):
 
     def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
         """Return ``overflow``; the scale does not move."""
+        _check_loss_scale("FixedLossScaleUpdateCell", loss_scale)
         return overflow
 
     def __repr__(self) -> str:
@@ -181,14 +208,13 @@ class DynamicLossScaleManager(_StatefulRule):
         _check_rule("DynamicLossScaleManager", "init_loss_scale", init_loss_scale, scale_factor, scale_window)
         self.scale_factor = scale_factor
         self.scale_window = scale_window
-        self.policy = dataclasses.replace(presets.mindspore(init_loss_scale, scale_factor, scale_window),
-                                          arithmetic="float64")
-        self._state = self.policy.init()
+        self.loss_scale = LossScale(dataclasses.replace(
+            presets.mindspore(init_loss_scale, scale_factor, scale_window), arithmetic="float64"))
         self.bad_steps = 0
 
     def get_loss_scale(self) -> float:
         """The current loss scale as a Python float (reads it on the host)."""
-        return float(self._state.scale)
+        return float(self.loss_scale.scale)
 
     def update_loss_scale(self, overflow: Any) -> None:
         """Advance the rule with one step's ``overflow`` (a bool: MindSpore's manager runs on the host).
@@ -196,17 +222,17 @@ class DynamicLossScaleManager(_StatefulRule):
         Raises:
             RuntimeError: on the 1001st overflow in a row and every one after it.
         """
-        if isinstance(overflow, torch.Tensor):
-            overflow = bool(overflow)  # the consecutive-overflow limit is counted on the host
+        if isinstance(overflow, torch.Tensor):  # the consecutive-overflow limit is counted on the host
+            overflow = bool(_flag(overflow, overflow.device, "DynamicLossScaleManager.update_loss_scale"))
         if not isinstance(overflow, bool):
             raise TypeError(f"DynamicLossScaleManager.update_loss_scale(overflow={overflow!r}): overflow must be "
                             f"a bool; got {type(overflow).__name__}.")
-        self._state = self.policy.update(self._state, torch.tensor(overflow, device=self._state.scale.device))
+        self.loss_scale.update(torch.tensor(overflow, device=self.loss_scale.device))
         self.bad_steps = self.bad_steps + 1 if overflow else 0
         if self.bad_steps > BAD_STEP_MAX:
             # MindSpore raises before advancing cur_iter, so its next clean step grows: count as if ready to.
-            self._state = dataclasses.replace(
-                self._state, growth_tracker=torch.full_like(self._state.growth_tracker, self.scale_window - 1))
+            ready = dict(self.loss_scale.state_dict(), growth_tracker=self.scale_window - 1)
+            self.loss_scale.load_state_dict(ready, "DynamicLossScaleManager.update_loss_scale")
             raise RuntimeError(
                 f"DynamicLossScaleManager.update_loss_scale(overflow=True): {self.bad_steps} overflows in a row "
                 f"exceed MindSpore's limit of {BAD_STEP_MAX} (the scale is {self.get_loss_scale()!r}). The "
@@ -234,14 +260,12 @@ class FixedLossScaleManager(_StatefulRule):
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
         check_scale("FixedLossScaleManager", "loss_scale", loss_scale, low=1.0, high=FLOAT32_MAX)
         check_choice("FixedLossScaleManager", "drop_overflow_update", drop_overflow_update, (True, False))
-        self.loss_scale = loss_scale
         self.drop_overflow_update = drop_overflow_update
-        self.policy = FixedScale(float(loss_scale))
-        self._state = self.policy.init()
+        self.loss_scale = LossScale(FixedScale(float(loss_scale)))
 
     def get_loss_scale(self) -> float:
-        """``loss_scale``."""
-        return self.loss_scale
+        """``loss_scale``, the fixed value."""
+        return float(self.loss_scale.scale)
 
     def update_loss_scale(self, overflow: Any) -> None:
         """Nothing: the scale is fixed."""
@@ -252,28 +276,7 @@ class FixedLossScaleManager(_StatefulRule):
 
     def get_update_cell(self) -> FixedLossScaleUpdateCell | None:
         """A :class:`FixedLossScaleUpdateCell`, or None when overflowing steps are not dropped."""
-        return FixedLossScaleUpdateCell(self.loss_scale) if self.drop_overflow_update else None
-
-
-class _CellPolicy:
-    """An update cell as the optimizer's policy: each step's update lands in the cell's counters."""
-
-    def __init__(self, cell: DynamicLossScaleUpdateCell | FixedLossScaleUpdateCell | None, policy: Any,
-                 state: ScaleState) -> None:
-        self.cell, self.policy, self.state = cell, policy, state
-
-    def init(self, device: torch.device | str | None = None) -> ScaleState:
-        self.state = self.state.to(device or "cpu")
-        return self.state
-
-    def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
-        self.state = self.policy.update(state, found_inf)
-        if self.cell is not None:
-            self.cell._state = self.state
-        return self.state
-
-    def check_floor(self, state: ScaleState) -> None:
-        check_floor(self.policy, state)
+        return FixedLossScaleUpdateCell(self.get_loss_scale()) if self.drop_overflow_update else None
 
 
 class TrainOneStepWithLossScaleCell:
@@ -297,26 +300,23 @@ class TrainOneStepWithLossScaleCell:
         call = "TrainOneStepWithLossScaleCell"
         if not callable(network):
             raise TypeError(f"{call}(network={network!r}): network must be a callable returning the loss.")
+        check_optimizer(call, "optimizer", optimizer)
         self.network = network
         self.optimizer = optimizer
         self.loss_scaling_manager = None
         if isinstance(scale_sense, (DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell)):
             self.loss_scaling_manager = scale_sense
-            policy = scale_sense.policy
-            state = dataclasses.replace(scale_sense._state,
-                                        scale=torch.tensor(float(scale_sense.get_loss_scale())))
+            owner = scale_sense.loss_scale  # one owner: the cell's scale is the optimizer's
         elif isinstance(scale_sense, torch.Tensor):
             if tuple(scale_sense.shape) not in ((), (1,)):
                 raise ValueError(f"{call}(scale_sense=tensor of shape {tuple(scale_sense.shape)}): the shape of "
                                  f"scale_sense must be (1,) or (); got {tuple(scale_sense.shape)}.")
-            policy = FixedScale(float(scale_sense))  # one host read, at construction
-            state = policy.init()
+            owner = LossScale(FixedScale(checked_scale(f"{call}(scale_sense={scale_sense!r})", scale_sense)))
         else:
             raise TypeError(f"{call}(scale_sense={scale_sense!r}): scale_sense must be an update cell "
                             f"(DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell) or a tensor; got "
                             f"{type(scale_sense).__name__}.")
-        self._policy = _CellPolicy(self.loss_scaling_manager, policy, state)
-        self._opt = LossScaleOptimizer(optimizer, policy=self._policy, **kwargs)
+        self._opt = LossScaleOptimizer(optimizer, policy=owner, **kwargs)
 
     @property
     def scale_sense(self) -> torch.Tensor:
@@ -329,14 +329,12 @@ class TrainOneStepWithLossScaleCell:
         return self._opt.scale_state
 
     def set_sense_scale(self, sens: torch.Tensor) -> None:
-        """Set the loss scale to ``sens`` (a 1-element tensor); the counters carry on. No host read."""
+        """Set the loss scale to ``sens`` (a 1-element tensor, validated: one host read); the counters carry on."""
         if not isinstance(sens, torch.Tensor) or sens.numel() != 1:
-            raise TypeError(f"TrainOneStepWithLossScaleCell.set_sense_scale(sens={sens!r}): sens must be a "
-                            f"1-element tensor; got {type(sens).__name__}.")
-        self._opt.set_scale(sens.detach().float())
-        self._policy.state = self._opt.scale_state
-        if self.loss_scaling_manager is not None:
-            self.loss_scaling_manager._state = self._opt.scale_state
+            error = ValueError if isinstance(sens, torch.Tensor) else TypeError
+            raise error(f"TrainOneStepWithLossScaleCell.set_sense_scale(sens={sens!r}): sens must be a "
+                        f"1-element tensor; got {type(sens).__name__} of shape {tuple(getattr(sens, 'shape', ()))}.")
+        self._opt.loss_scale.set_scale(sens, f"TrainOneStepWithLossScaleCell.set_sense_scale({sens!r})")
 
     def __call__(self, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         result = self.step(*inputs)
@@ -357,9 +355,6 @@ class TrainOneStepWithLossScaleCell:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self._opt.load_state_dict(state_dict)
-        self._policy.state = self._opt.scale_state
-        if self.loss_scaling_manager is not None:
-            self.loss_scaling_manager._state = self._opt.scale_state
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("TrainOneStepWithLossScaleCell is not pickled directly; save train_cell.state_dict() with "

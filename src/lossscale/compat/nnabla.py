@@ -18,10 +18,12 @@ nnabla                                                lossscale
 ``accum_grad=1``                                      that many forward/backward passes per attempt; gradients
                                                       are summed (not averaged), as nnabla's backward accumulates
 ``weight_decay=None``                                 ``solver.weight_decay``: ``grad += weight_decay * param`` on
-                                                      the unscaled gradients (L2, coupled), applied steps only
-``comm=None, grads=[]``                               ``comm`` a torch.distributed process group; the gradients of
-                                                      ``grads`` (parameters, or gradient tensors) are summed over
-                                                      it before the overflow check
+                                                      the unscaled gradients after the overflow check (L2,
+                                                      coupled), applied steps only; needs skip_mode host/masked
+``comm=None, grads=[]``                               ``comm`` a torch.distributed ProcessGroup (anything else is
+                                                      refused, as is a comm with no grads); the gradients of
+                                                      ``grads`` (parameters, or gradient tensors; None = []) are
+                                                      summed over it before the overflow check
 ``clear_buffer=True``                                 accepted; PyTorch frees the graph after backward anyway
 on overflow: halve and re-run ``update()``            re-run the whole step (new data from ``data_feeder``), up to
 (recursively), giving up silently after 100 retries   100 retries, then give up silently
@@ -43,7 +45,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lossscale import presets
-from lossscale._validate import check_int_at_least
+from lossscale._validate import ArgumentTypeError, check_choice, check_int_at_least
+from lossscale.compat._checks import checked_tensors
 from lossscale.distributed import all_reduce_grads_
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.result import StepResult
@@ -52,6 +55,19 @@ __all__ = ["DynamicLossScalingUpdater", "MAX_RETRIES"]
 
 #: nnabla's ``_max_recursive_count``: overflowing re-runs of one ``update()`` before it gives up.
 MAX_RETRIES = 100
+
+
+def _check_comm(call: str, comm: Any, grads: list[torch.Tensor]) -> None:
+    """``comm`` is None (no all-reduce) or a torch.distributed ProcessGroup with gradients to sum."""
+    if comm is None:
+        return
+    if not isinstance(comm, torch.distributed.ProcessGroup):
+        raise TypeError(f"{call}(comm={comm!r}): comm must be None or a torch.distributed.ProcessGroup (e.g. "
+                        f"torch.distributed.group.WORLD after torch.distributed.init_process_group('nccl')); "
+                        f"got {type(comm).__name__}.")
+    if not grads:
+        raise ValueError(f"{call}(comm={comm!r}, grads=[]): comm sums the gradients listed in grads, and none "
+                         f"are listed, so nothing would be all-reduced; pass grads=[p for p in model.parameters()].")
 
 
 class DynamicLossScalingUpdater:
@@ -84,7 +100,7 @@ class DynamicLossScalingUpdater:
     def __init__(self, solver: torch.optim.Optimizer, loss: Callable[[], torch.Tensor],
                  data_feeder: Callable[[], Any] = lambda: True, scale: float = 8.0, scaling_factor: float = 2.0,
                  N: int = 2000, clear_buffer: bool = True, accum_grad: int = 1,  # noqa: N803
-                 weight_decay: float | None = None, comm: Any = None, grads: Sequence[torch.Tensor] = (),
+                 weight_decay: float | None = None, comm: Any = None, grads: Sequence[torch.Tensor] | None = (),
                  **kwargs: Any) -> None:
         call = "DynamicLossScalingUpdater"
         for name, value, role in (("loss", loss, "running the forward pass and returning the loss"),
@@ -92,10 +108,21 @@ class DynamicLossScalingUpdater:
             if not callable(value):
                 raise TypeError(f"{call}({name}={value!r}): {name} must be a zero-argument callable ({role}).")
         check_int_at_least(call, "accum_grad", accum_grad, 1)
-        if weight_decay is not None and (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
-                                         or not 0 <= weight_decay < float("inf")):
+        if weight_decay is not None and (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))):
+            raise ArgumentTypeError(f"{call}(weight_decay={weight_decay!r}): weight_decay must be None or a finite "
+                                    f"number >= 0; got {type(weight_decay).__name__}.")
+        if weight_decay is not None and not 0 <= weight_decay < float("inf"):
             raise ValueError(f"{call}(weight_decay={weight_decay!r}): weight_decay must be None or a finite number "
                              f">= 0; got {weight_decay!r}.")
+        check_choice(call, "clear_buffer", clear_buffer, (True, False))
+        grads = [] if grads is None else checked_tensors(call, "grads", grads, none_items=False)
+        _check_comm(call, comm, grads)
+        if weight_decay and kwargs.get("skip_mode", "auto") not in ("auto", "host", "masked"):
+            raise ValueError(f"{call}(weight_decay={weight_decay!r}, skip_mode={kwargs['skip_mode']!r}): weight decay "
+                             f"is added to the unscaled gradients, which skip_mode='fused' never writes; use "
+                             f"skip_mode='host' (the default here) or 'masked'.")
+        if weight_decay:
+            kwargs.setdefault("skip_mode", "host")
         policy = presets.build_as(call, presets.nnabla, scale, scaling_factor, N)
         self.solver = solver
         self.loss = loss
@@ -106,7 +133,7 @@ class DynamicLossScalingUpdater:
         self.accum_grad = accum_grad
         self.weight_decay = weight_decay
         self.comm = comm
-        self.grads = list(grads)
+        self.grads = grads
         self._opt = LossScaleOptimizer(solver, policy=policy, **kwargs)
         self.last_result: StepResult | None = None
 
@@ -117,7 +144,7 @@ class DynamicLossScalingUpdater:
 
     @scale.setter
     def scale(self, value: float) -> None:
-        self._opt.set_scale(float(value))
+        self._opt.loss_scale.set_scale(value, f"DynamicLossScalingUpdater.scale = {value!r}")
 
     @property
     def scale_state(self) -> Any:
@@ -126,27 +153,30 @@ class DynamicLossScalingUpdater:
 
     def update(self) -> None:
         """One update: up to 1 + 100 attempts, each ``accum_grad`` passes; steps on the first clean one."""
-        for _ in range(MAX_RETRIES + 1):
-            self._opt.inner.zero_grad(set_to_none=False)
-            for _ in range(self.accum_grad):
-                self.data_feeder()
-                self._opt.backward(self.loss())
-            if self.comm is not None and self.grads:
-                all_reduce_grads_([t.grad if t.requires_grad and t.is_leaf else t for t in self.grads], self.comm)
-            if self.weight_decay:
-                self._add_weight_decay()
-            self.last_result = self._opt.step()
-            if not bool(self.last_result.found_inf):  # the host read nnabla's retry needs
-                return
+        hook = self.solver.register_step_pre_hook(self._add_weight_decay) if self.weight_decay else None
+        try:
+            for _ in range(MAX_RETRIES + 1):
+                self._opt.inner.zero_grad(set_to_none=False)
+                for _ in range(self.accum_grad):
+                    self.data_feeder()
+                    self._opt.backward(self.loss())
+                if self.comm is not None:
+                    all_reduce_grads_([t.grad if t.requires_grad and t.is_leaf else t for t in self.grads], self.comm)
+                self.last_result = self._opt.step()
+                if not bool(self.last_result.found_inf):  # the host read nnabla's retry needs
+                    return
+        finally:
+            if hook is not None:
+                hook.remove()
 
     @torch.no_grad()
-    def _add_weight_decay(self) -> None:
-        """``grad += weight_decay * scale * param`` on the scaled gradients: after unscaling, nnabla's
-        ``grad + weight_decay * param``. A skipped step ignores it."""
-        params = [p for g in self.solver.param_groups for p in g["params"] if p.grad is not None]
+    def _add_weight_decay(self, solver: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """nnabla's ``solver.weight_decay``: ``grad += weight_decay * param``, after the overflow check and
+        the unscale, as a step pre-hook of the solver (installed only during ``update()``). In skip_mode
+        ``host`` it runs only for applied steps; in ``masked`` a skipped step's restore undoes it."""
+        params = [p for g in solver.param_groups for p in g["params"] if p.grad is not None]
         if params:
-            coef = self._opt.scale * self.weight_decay
-            torch._foreach_add_([p.grad for p in params], torch._foreach_mul(params, coef.to(params[0].device)))
+            torch._foreach_add_([p.grad for p in params], params, alpha=self.weight_decay)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's and the scale's state."""

@@ -1,0 +1,76 @@
+"""Checkpoints of a :class:`~lossscale.LossScaleOptimizer`: one dict, validated whole before it is loaded.
+
+Keys: ``inner`` (the inner optimizer's state_dict), ``policy_state`` (every field of the scale's state),
+``micro_step`` and ``boundaries`` (the accumulation position), and where they apply ``accumulated_grads``
+and ``window`` (saved mid-window), ``ema``, ``schedule`` and ``seen_switch``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lossscale._validate import check_int_in_range
+
+__all__ = ["optimizer_state_dict", "load_optimizer_state_dict"]
+
+_REQUIRED = ("inner", "policy_state", "micro_step", "boundaries")
+
+
+def optimizer_state_dict(opt: Any) -> dict[str, Any]:
+    """Everything a resumed run needs to continue the same trajectory (reads the scale state on the host)."""
+    run = opt._run
+    out: dict[str, Any] = {
+        "inner": opt.inner.state_dict(),
+        "policy_state": opt._owner.state_dict(),
+        "micro_step": run.micro,
+        "boundaries": run.boundaries,
+    }
+    if run.micro:  # mid-window: the gradients accumulated so far are part of the position
+        out["accumulated_grads"] = [None if p.grad is None else p.grad.detach().clone()
+                                    for g in opt.inner.param_groups for p in g["params"]]
+        out["window"] = run.window
+    if opt.options.ema is not None:
+        out["ema"] = opt.options.ema.state_dict()
+    if run.schedule is not None:
+        out["schedule"] = run.schedule.state_dict()
+        out["seen_switch"] = run.seen_switch
+    return out
+
+
+def _validated_position(door: str, state_dict: dict[str, Any], accumulation_steps: int) -> tuple[int, int]:
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{door}: state_dict must be a dict saved by LossScaleOptimizer.state_dict(); got "
+                        f"{type(state_dict).__name__}.")
+    missing = [k for k in _REQUIRED if k not in state_dict]
+    if missing:
+        raise KeyError(f"{door}: the state dict lacks {missing} (keys of LossScaleOptimizer.state_dict(): "
+                       f"{list(_REQUIRED)}); got keys {sorted(state_dict)}. A plain torch optimizer's state_dict "
+                       f"goes to opt.inner.load_state_dict(...).")
+    micro, boundaries = state_dict["micro_step"], state_dict["boundaries"]
+    check_int_in_range(door, "micro_step", micro, 0, accumulation_steps - 1)
+    check_int_in_range(door, "boundaries", boundaries, 0, 2**62)
+    return micro, boundaries
+
+
+def load_optimizer_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
+    """Restore what :func:`optimizer_state_dict` saved; nothing changes unless every part is valid."""
+    door = "LossScaleOptimizer.load_state_dict(state_dict)"
+    run = opt._run
+    micro, boundaries = _validated_position(door, state_dict, opt.options.accumulation_steps)
+    before = opt._owner.state_dict()
+    opt._owner.load_state_dict(state_dict["policy_state"], f"{door} (key 'policy_state')")
+    try:
+        opt.inner.load_state_dict(state_dict["inner"])
+    except Exception:
+        opt._owner.load_state_dict(before)
+        raise
+    run.micro, run.boundaries = micro, boundaries
+    params = [p for g in opt.inner.param_groups for p in g["params"]]
+    for p, grad in zip(params, state_dict.get("accumulated_grads", [None] * len(params))):
+        p.grad = None if grad is None else grad.to(p.device).clone()
+    run.window = state_dict.get("window")
+    if opt.options.ema is not None and "ema" in state_dict:
+        opt.options.ema.load_state_dict(state_dict["ema"])
+    if run.schedule is not None and "schedule" in state_dict:
+        run.schedule.load_state_dict(state_dict["schedule"])
+        run.seen_switch = bool(state_dict.get("seen_switch", run.schedule.switched))

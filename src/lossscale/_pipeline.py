@@ -1,0 +1,182 @@
+"""The boundary step of :class:`~lossscale.LossScaleOptimizer`, as the list of stages of :mod:`lossscale.step`.
+
+Passes over the gradients, by configuration (inf_nan mode):
+
+=====================================  ======================================================
+fused optimizer, no clipping           1 read (the check); unscale in the kernel
+fused optimizer, global-norm clipping  1 read (norm = check); unscale x clip in the kernel
+host/masked, no clipping               1 read+write (unscale and check fused)
+host/masked, global-norm clipping      1 read (norm = check) + 1 read+write (unscale x clip)
+=====================================  ======================================================
+
+Saturation mode adds one read (``aminmax``) before unscaling; so does a policy that observes amax
+when clipping (without clipping its ``aminmax`` read is the check). No host read except the host skip.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lossscale import step as stages
+from lossscale.clip import global_clip_coefficient, global_norm_squared
+from lossscale.overflow import check_, unscale_and_check_
+from lossscale.policy import FloorError
+from lossscale.result import StepResult
+from lossscale.underflow import underflow_share
+
+__all__ = ["run_boundary"]
+
+
+def run_boundary(opt: Any, loss: Any) -> StepResult:
+    """One optimizer step: measure, unscale (+clip), agree, apply, advance. See the module docstring."""
+    run, options, owner = opt._run, opt.options, opt._owner
+    active, precision = (opt.scaling_active, opt._precision()) if run.window is None else run.window
+    run.window = None
+    checking = active or options.check_when_unscaled
+    groups = stages.grouped(stages.gradients(opt.inner, "LossScaleOptimizer.step()"))
+    found = torch.zeros((), dtype=torch.float32, device=opt._device)
+    scale = owner.scale
+
+    underflow = _underflow(groups, options.underflow_stride) if active else None
+    amax, norm_sq, detected = _measure(opt, groups, found, active, checking)
+    inv = stages.inverse_(scale, found) if active else torch.ones_like(scale)
+    grad_norm = clip = None
+    if norm_sq is not None:
+        grad_norm = norm_sq.sqrt() * inv
+        clip = global_clip_coefficient(grad_norm, options.clip_grad_norm)
+    coef = inv if clip is None else inv * clip
+    _unscale(opt, groups, found, coef, active, checking and not detected, clip is not None)
+    found = stages.agree_(found, options.process_group)
+    overflow = found > 0
+    stepped = ~overflow
+    _transform_unscaled(opt, groups)
+    _apply(opt, found, overflow, stepped, _fused_divisor(opt, scale, active, clip))
+
+    run.boundaries += 1
+    if run.schedule is not None:  # HELPER-CHANGE: the schedule warns once when it is never fed (issue 14)
+        run.schedule.note_optimizer_step()
+    if options.ema is not None:
+        options.ema.update(stepped, run.boundaries)
+    if active:
+        try:
+            owner.update(found, amax)
+        except FloorError as err:
+            raise FloorError(f"LossScaleOptimizer step {run.boundaries}: {err}") from None
+    return StepResult(stepped=stepped, found_inf=overflow, scale=scale if active else torch.ones_like(scale),
+                      next_scale=owner.scale, grad_norm=grad_norm, step=run.boundaries - 1, precision=precision,
+                      switched=opt._consume_switch(precision), underflow=underflow, loss=loss)
+
+
+def _underflow(groups: stages.Groups, stride: int | None) -> torch.Tensor | None:
+    """The underflow meter: reads every ``stride``-th value (None when off)."""
+    if not stride:
+        return None
+    return underflow_share([g for grads in groups.values() for g in grads], stride)
+
+
+def _measure(opt: Any, groups: stages.Groups, found: torch.Tensor, active: bool,
+             checking: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+    """The read pass(es) before unscaling: (amax, squared norm, whether overflow was already checked).
+
+    amax (policies that observe it): ``aminmax``, which is also the check. Saturation: ``aminmax`` on the
+    scaled values. Clip: the norm, whose non-finiteness is the inf/NaN check. Otherwise, with a fused
+    optimizer, a read-only check; with explicit unscaling, nothing here (the unscale pass checks)."""
+    options = opt.options
+    observes = active and opt.policy.observes_amax
+    amax = norm_sq = None
+    if observes:
+        sink = found if checking else torch.zeros_like(found)
+        amax = stages.measure_(groups, sink, options.overflow_mode, options.threshold, amax=True)
+        stages.agree_amax_(amax, options.process_group)
+    elif checking and active and options.overflow_mode == "saturation":
+        stages.measure_(groups, found, "saturation", options.threshold, amax=False)
+    if options.clip_grad_norm is not None:
+        raw = [p.grad for g in opt.inner.param_groups for p in g["params"] if p.grad is not None]
+        norm_sq = global_norm_squared(raw, options.process_group, options.sharded_grads, opt._device)
+        if checking:
+            found += (~torch.isfinite(norm_sq)).float()
+    detected = norm_sq is not None or (options.overflow_mode == "saturation" and active) or observes
+    if checking and not detected and not opt._explicit_unscale:
+        stages.measure_(groups, found, "inf_nan", options.threshold, amax=False)
+        detected = True
+    return amax, norm_sq, detected
+
+
+def _unscale(opt: Any, groups: stages.Groups, found: torch.Tensor, coef: torch.Tensor, active: bool,
+             check_here: bool, clipping: bool) -> None:
+    """Explicit unscaling (host/masked skip, or a stage that needs written gradients): one read+write pass
+    that multiplies by ``coef`` (1/scale x clip) and, where nothing checked yet, checks too."""
+    opt._run.unscaled_by = None
+    if not opt._explicit_unscale:
+        return
+    for grads in groups.values():
+        device_coef = coef.to(grads[0].device)
+        if check_here:
+            if active:
+                unscale_and_check_(grads, found, device_coef)
+            else:
+                check_(grads, found, "inf_nan")
+        elif active or clipping:
+            torch._foreach_mul_(grads, device_coef)
+    opt._run.unscaled_by = opt._owner.scale if active else None
+
+
+def _transform_unscaled(opt: Any, groups: stages.Groups) -> None:
+    """Value clipping and ``transform_unscaled`` on the unscaled gradients (explicit unscaling only)."""
+    options = opt.options
+    if not opt._explicit_unscale:
+        return
+    if options.clip_grad_value is not None:
+        for grads in groups.values():
+            torch._foreach_clamp_min_(grads, -options.clip_grad_value)
+            torch._foreach_clamp_max_(grads, options.clip_grad_value)
+    if options.transform_unscaled is not None:
+        raw = [p.grad for g in opt.inner.param_groups for p in g["params"] if p.grad is not None]
+        options.transform_unscaled(raw, process_group=options.process_group, sharded=options.sharded_grads)
+
+
+def _fused_divisor(opt: Any, scale: torch.Tensor, active: bool, clip: torch.Tensor | None) -> torch.Tensor | None:
+    """What the fused kernel divides the gradients by: scale / clip (None when there is nothing to divide)."""
+    if opt._explicit_unscale or not (active or clip is not None):
+        return None
+    if clip is None:
+        return scale
+    return (scale if active else torch.ones_like(scale)) / clip
+
+
+def _apply(opt: Any, found: torch.Tensor, overflow: torch.Tensor, stepped: torch.Tensor,
+           fused_divisor: torch.Tensor | None) -> None:
+    """The inner step, skipped where found_inf: in the fused kernel, on the host, or masked."""
+    mode = opt.skip_mode
+    if mode == "masked" and not opt._masked.ready(opt.inner):
+        mode = "host"  # the first step creates the optimizer's state: decide it on the host once
+    if mode == "host":
+        if not bool(overflow):
+            _decay(opt, None)
+            opt.inner.step()
+        return
+    _decay(opt, stepped)
+    if mode == "masked":
+        opt._masked.step(opt.inner, overflow)
+    else:
+        stages.fused_step_(opt.inner, fused_divisor, found)
+
+
+@torch.no_grad()
+def _decay(opt: Any, stepped: torch.Tensor | None) -> None:
+    """Decoupled weight decay ``p *= 1 - lr * wd``, exactly 1 where the step is skipped."""
+    wd = opt.options.weight_decay
+    if not wd:
+        return
+    for group in opt.inner.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        rate = group["lr"] * wd
+        if stepped is None:
+            torch._foreach_mul_(params, 1.0 - rate)
+        else:
+            factor = 1.0 - stepped.to(torch.float32) * rate
+            torch._foreach_mul_(params, factor.to(params[0].device))

@@ -1,0 +1,231 @@
+"""DynamicScale: back off on overflow, grow after a run of clean steps; every peer's rule as knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from lossscale._validate import check_choice, check_factor_above_one, check_int_in_range, check_scale
+from lossscale.policy import _SATURATE, FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, FloorError, Policy, _as_flag, _f32
+from lossscale.state import ScaleState
+
+__all__ = ["DynamicScale"]
+
+
+@dataclass(frozen=True)
+class DynamicScale(Policy):
+    """Dynamic loss scaling: back off on overflow, grow after a run of clean steps.
+
+    The rule, per call of ``update(state, found_inf)`` (``growth_tracker`` starts at ``-growth_delay``)::
+
+        if found_inf:
+            growth_tracker = -growth_delay
+            hysteresis_left -= 1
+            if hysteresis_left <= 0:                       # out of patience: back off
+                scale = max(scale / backoff_divisor if backoff_divisor else scale * backoff_factor, min_scale)
+                if refill_after_backoff: hysteresis_left = hysteresis
+        else:
+            growth_tracker += 1
+            if hysteresis_mode == "consecutive": hysteresis_left = hysteresis
+            if growth_tracker == growth_interval:
+                growth_tracker = 0; hysteresis_left = hysteresis
+                if growth_guard == "result" and scale * growth_factor <= max_scale \
+                        or growth_guard == "operand" and scale < max_scale / growth_factor:
+                    scale *= growth_factor                 # refused growth still restarts the count
+
+    ``arithmetic="float64"``: each product (or quotient) is taken in float64 with the Python factor and
+    rounded once to float32, as torch's ``_amp_update_scale_`` does; with the defaults below the
+    trajectory equals ``torch.amp.GradScaler``'s bit for bit. ``"float32"``: the factor is first
+    rounded to float32 and the operation done in float32, as frameworks that keep the scale in a
+    float32 tensor compute it (TensorFlow, MindSpore, Megatron, Paddle); the two differ for factors
+    such as 0.8 that float32 cannot hold exactly.
+    ``floor_hits`` counts consecutive overflowing steps that found the scale already at
+    ``min_scale``; with ``at_floor="raise"`` the scalers turn the first one into a :class:`FloorError`,
+    and such a step leaves the scale and the counters as they were (DeepSpeed raises before it
+    touches its state), so a caller that catches the error carries on as if it had not happened.
+
+    Cost: about twenty element-wise ops on 0-d tensors; no host read.
+
+    Args:
+        init_scale: First scale; finite, within ``[min_scale, max_scale]``.
+        growth_factor: > 1; multiplies the scale after ``growth_interval`` clean steps.
+        backoff_factor: in (0, 1); multiplies the scale on a backoff.
+        growth_interval: >= 1 clean steps between growths.
+        hysteresis: >= 1 overflows absorbed per backoff (1: back off at every overflow).
+        hysteresis_mode: ``"consecutive"`` (any clean step refills the count) or ``"cumulative"``
+            (only a change of scale refills it).
+        refill_after_backoff: Whether a backoff refills the count (False: later overflows back off
+            at once until the next growth, as DeepSpeed and Megatron do).
+        min_scale: Floor of the scale; default 2**-126, the smallest normal float32.
+        max_scale: Cap of the scale; default the largest finite float32 (growth never reaches inf).
+        at_floor: ``"skip"`` (stay at the floor and keep skipping) or ``"raise"``.
+        arithmetic: ``"float64"`` (torch) or ``"float32"``: how the new scale is computed (see above).
+        backoff_divisor: None, or a finite number > 1: a backoff divides by it (MindSpore's manager,
+            TensorFlow's ``DynamicLossScale``, DeepSpeed, nnabla divide) instead of multiplying by
+            ``backoff_factor``, which then reads ``1 / backoff_divisor``.
+        growth_guard: ``"result"``: grow only if the grown scale is <= ``max_scale`` (torch, TF);
+            ``"operand"``: grow only while ``scale < max_scale / growth_factor`` (the quotient rounded
+            to float32), Ascend's ``S < 3.4e38 / incr_ratio``.
+        growth_delay: >= 0 extra clean steps before the first growth after the start or an overflow
+            (later growths come every ``growth_interval``): 1 for nnabla's updater and DeepSpeed's
+            ``stable_interval``.
+
+    Example:
+        >>> import torch
+        >>> policy = DynamicScale(init_scale=8.0, growth_interval=2)
+        >>> state = policy.init()
+        >>> for overflow in [False, False, True]:
+        ...     state = policy.update(state, torch.tensor(overflow))
+        >>> float(state.scale)
+        8.0
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    hysteresis_mode: Literal["consecutive", "cumulative"] = "consecutive"
+    refill_after_backoff: bool = True
+    min_scale: float = SMALLEST_NORMAL_FLOAT32
+    max_scale: float = FLOAT32_MAX
+    at_floor: Literal["skip", "raise"] = "skip"
+    arithmetic: Literal["float64", "float32"] = "float64"
+    backoff_divisor: float | None = None
+    growth_guard: Literal["result", "operand"] = "result"
+    growth_delay: int = 0
+
+    def __post_init__(self) -> None:
+        call = type(self).__name__
+        d = self.backoff_divisor
+        if d is not None:
+            check_factor_above_one(call, "backoff_divisor", d, "a backoff divides the scale by it")
+            if self.backoff_factor not in (0.5, 1.0 / d):
+                raise ValueError(
+                    f"{call}(backoff_factor={self.backoff_factor!r}, backoff_divisor={d!r}): pass one of them; "
+                    f"a backoff either multiplies by backoff_factor or divides by backoff_divisor; got both."
+                )
+            object.__setattr__(self, "backoff_factor", 1.0 / d)
+        check_scale(call, "min_scale", self.min_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
+        check_scale(call, "max_scale", self.max_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
+        if self.min_scale > self.max_scale:
+            raise ValueError(
+                f"{call}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}): min_scale must be "
+                f"<= max_scale; got min_scale > max_scale."
+            )
+        check_scale(call, "init_scale", self.init_scale, low=self.min_scale, high=self.max_scale)
+        check_factor_above_one(call, "growth_factor", self.growth_factor,
+                               "it multiplies the scale after growth_interval clean steps")
+        b = self.backoff_factor
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0.0 < b < 1.0):
+            raise ValueError(
+                f"{call}(backoff_factor={b!r}): backoff_factor must be in (0, 1) "
+                f"(it multiplies the scale when it backs off); got {b!r}."
+            )
+        check_int_in_range(call, "growth_interval", self.growth_interval, 1)
+        check_int_in_range(call, "hysteresis", self.hysteresis, 1)
+        check_choice(call, "hysteresis_mode", self.hysteresis_mode, ("consecutive", "cumulative"))
+        check_choice(call, "refill_after_backoff", self.refill_after_backoff, (True, False))
+        check_choice(call, "at_floor", self.at_floor, ("skip", "raise"))
+        check_choice(call, "arithmetic", self.arithmetic, ("float64", "float32"))
+        check_choice(call, "growth_guard", self.growth_guard, ("result", "operand"))
+        check_int_in_range(call, "growth_delay", self.growth_delay, 0)
+
+    def init(self, device: torch.device | str | None = None) -> ScaleState:
+        """A fresh state on ``device`` (default: CPU)."""
+        return ScaleState(
+            scale=torch.full((), self.init_scale, dtype=torch.float32, device=device),
+            growth_tracker=torch.full((), -self.growth_delay, dtype=torch.int32, device=device),
+            hysteresis_left=torch.full((), self.hysteresis, dtype=torch.int32, device=device),
+            floor_hits=torch.zeros((), dtype=torch.int32, device=device),
+        )
+
+    def update(self, state: ScaleState, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> ScaleState:
+        """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
+        bad = _as_flag(found_inf, state.scale.device)
+        if self._torch_rule:
+            return self._update_torch_rule(state, bad)
+        clean = ~bad
+        scale, tracker, left = state.scale, state.growth_tracker, state.hysteresis_left
+        full = torch.full_like(left, self.hysteresis)
+
+        # Growth: the growth_interval-th clean step in a row, refused if it would pass max_scale.
+        counted = torch.where(bad, torch.full_like(tracker, -self.growth_delay), tracker + 1)
+        grow = clean & (counted >= self.growth_interval)
+        grown = self._times(scale, self.growth_factor)
+        if self.growth_guard == "result":
+            grow_ok = grow & (grown <= self.max_scale)  # also False for inf/NaN products
+        else:
+            grow_ok = grow & (scale < _f32(self.max_scale / self.growth_factor)) & (grown <= FLOAT32_MAX)
+
+        # Backoff: an overflow that exhausts the hysteresis, clamped at the floor.
+        spent = left - 1
+        backoff = bad & (spent <= 0)
+        at_floor = scale <= self.min_scale
+        if self.backoff_divisor is None:
+            shrunk = self._times(scale, self.backoff_factor)
+        else:
+            wide = torch.float64 if self.arithmetic == "float64" else torch.float32
+            divisor = torch.full_like(scale, self.backoff_divisor, dtype=wide)  # a tensor: true division on CUDA
+            shrunk = (scale.to(wide) / divisor).float()
+        shrunk = shrunk.clamp_min(self.min_scale)
+
+        new_scale = torch.where(grow_ok, grown, torch.where(backoff, shrunk, scale))
+        refill = grow | (backoff if self.refill_after_backoff else torch.zeros_like(grow))
+        if self.hysteresis_mode == "consecutive":
+            refill = refill | clean
+        new_left = torch.where(refill, full, torch.where(bad, spent.clamp_min(0), left))
+        new_tracker = torch.where(grow, torch.zeros_like(counted), counted)
+        if self.at_floor == "raise":  # the step that raises changes nothing but floor_hits
+            frozen = backoff & at_floor
+            new_left = torch.where(frozen, left, new_left)
+            new_tracker = torch.where(frozen, tracker, new_tracker)
+        floor_hits = torch.where(
+            backoff & at_floor, (state.floor_hits + 1).clamp_max(_SATURATE), torch.where(bad, state.floor_hits, 0)
+        ).to(torch.int32)
+        return ScaleState(new_scale, new_tracker.to(torch.int32), new_left.to(torch.int32), floor_hits)
+
+    @property
+    def _torch_rule(self) -> bool:
+        """Whether the rule is torch's plus a floor, so torch's fused kernel can run it."""
+        return (self.hysteresis == 1 and self.refill_after_backoff and self.growth_delay == 0
+                and self.arithmetic == "float64"
+                and self.backoff_divisor is None and self.growth_guard == "result" and self.at_floor == "skip"
+                and self.max_scale == FLOAT32_MAX and self.growth_interval < 2**31 - 1)
+
+    def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor) -> ScaleState:
+        """The same rule in about ten ops: torch's ``_amp_update_scale_`` on copies, then the floor."""
+        scale, tracker = state.scale.clone(), state.growth_tracker.clone()
+        torch._amp_update_scale_(scale, tracker, bad.float(), self.growth_factor, self.backoff_factor,
+                                 self.growth_interval)
+        hit = bad & (state.scale <= self.min_scale)
+        floor_hits = torch.where(hit, (state.floor_hits + 1).clamp_max(_SATURATE),
+                                 torch.where(bad, state.floor_hits, 0)).to(torch.int32)
+        return ScaleState(scale.clamp_min_(self.min_scale), tracker, state.hysteresis_left, floor_hits)
+
+    def _times(self, scale: torch.Tensor, factor: float) -> torch.Tensor:
+        """``scale * factor`` rounded once to float32, in the configured arithmetic."""
+        if self.arithmetic == "float32":
+            return scale * _f32(factor)  # exact float32 operands: float32 product, rounded once
+        return (scale.double() * factor).float()
+
+    def check_floor(self, state: ScaleState) -> None:
+        """Raise :class:`FloorError` if ``at_floor="raise"`` and the scale hit its floor.
+
+        Cost: one host read of ``floor_hits`` when ``at_floor="raise"``; nothing otherwise.
+        """
+        if self.at_floor != "raise":
+            return
+        hits = int(state.floor_hits)
+        if hits:
+            raise FloorError(
+                f"the loss scale is at its floor min_scale={self.min_scale!r} and the gradients still "
+                f"overflow ({hits} step(s) in a row at the floor). A scale this small does not bring "
+                f"float16 back into range: the cause is most likely NaN or inf in the data, the loss or "
+                f"the model (check the inputs and the loss before backward), not float16's range. "
+                f"Pass at_floor='skip' to keep skipping instead."
+            )
+
+

@@ -1,0 +1,54 @@
+"""What the GradScaler-backed AMP plugins (Lightning's and Fabric's ``MixedPrecision``) share: building the
+scaler from the plugin's arguments, and turning one scaler iteration into a :class:`~lossscale.StepResult`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lossscale.result import StepResult
+from lossscale.scaler import GradScaler, ScalerStep
+
+__all__ = ["make_scaler", "scaler_result"]
+
+
+def make_scaler(call: str, precision: Any, device: Any, scaler: Any, scaler_kwargs: dict[str, Any]) -> GradScaler:
+    """Check a plugin's ``(precision, device, scaler, **scaler_kwargs)`` and return the scaler to use.
+
+    Rule: precision is ``"16-mixed"`` (bfloat16 needs no scaling: use the framework's own plugin);
+    ``scaler`` is a :class:`~lossscale.GradScaler` or None, and then ``scaler_kwargs`` build one
+    (``GradScaler(device=device, **scaler_kwargs)``); passing both is refused.
+    """
+    if precision != "16-mixed":
+        raise ValueError(f"{call}(precision={precision!r}): precision must be '16-mixed' (float16 autocast with "
+                         f"loss scaling); got {precision!r}. For 'bf16-mixed' use the framework's own MixedPrecision "
+                         f"plugin: bfloat16 needs no loss scaling.")
+    if not isinstance(device, str):
+        raise TypeError(f"{call}(device={device!r}): device must be a device type string such as 'cuda' or 'cpu'; "
+                        f"got {type(device).__name__}.")
+    if scaler is None:
+        return GradScaler(device=device, **scaler_kwargs)
+    if not isinstance(scaler, GradScaler):
+        raise TypeError(f"{call}(scaler={type(scaler).__name__}(...)): scaler must be a lossscale.GradScaler; got "
+                        f"{type(scaler).__module__}.{type(scaler).__qualname__}. For torch's scaler use the "
+                        f"framework's own MixedPrecision plugin.")
+    if scaler_kwargs:
+        names = ", ".join(f"{k}=..." for k in scaler_kwargs)
+        raise ValueError(f"{call}(scaler=..., {names}): pass either a scaler or the arguments to build one "
+                         f"(GradScaler(**scaler_kwargs)), not both; got both.")
+    return scaler
+
+
+def scaler_result(decision: ScalerStep, scale: torch.Tensor | None, scaler: GradScaler, step: int,
+                  grad_norm: torch.Tensor | None = None) -> StepResult:
+    """The StepResult of one ``scaler.step(opt); scaler.update()`` whose gradients carried ``scale``.
+
+    No host read: the fields are the scaler's device tensors; ``next_scale`` is the scale after
+    ``update()``. A disabled scaler (or one that never scaled) reports a scale of 1.
+    """
+    after = scaler.get_scale_tensor()
+    if scale is None or after is None or not scaler.is_enabled():
+        scale = after = torch.ones((), dtype=torch.float32, device=decision.stepped.device)
+    return StepResult(stepped=decision.stepped, found_inf=decision.found_inf, scale=scale, next_scale=after,
+                      grad_norm=grad_norm, step=step)

@@ -1,0 +1,99 @@
+"""lossscale inside HF Accelerate: :class:`lossscale.GradScaler` in the ``Accelerator``'s scaler slot.
+
+Install with ``pip install 'lossscale[accelerate]'``; see docs/integrations.md.
+
+=================================  ============================================================
+Accelerate call                    what lossscale's scaler does there (as torch's scaler would)
+=================================  ============================================================
+``accelerator.backward(loss)``     ``scaler.scale(loss).backward()``
+``accelerator.clip_grad_norm_``    ``scaler.unscale_(optimizer)`` first
+``optimizer.step()``               ``scaler.step`` + ``update`` at accumulation boundaries
+``optimizer_step_was_skipped``     True after a step skipped for overflow (non-fused optimizers)
+``save_state`` / ``load_state``    ``scaler.pt`` in torch's format (+ ``policy_state``), both ways
+=================================  ============================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lossscale.integrations import require
+
+require("accelerate", "accelerate", "accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DistributedType  # noqa: E402
+
+from lossscale.scaler import GradScaler  # noqa: E402
+
+__all__ = ["use_lossscale"]
+
+_OWN_SCALERS = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+
+
+def _check(accelerator: Any, fp16_on_cpu: bool) -> None:
+    call = "use_lossscale(accelerator, ...)"
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"use_lossscale(accelerator={type(accelerator).__name__}): accelerator must be an "
+                        f"accelerate.Accelerator; got {type(accelerator).__name__}.")
+    if not isinstance(fp16_on_cpu, bool):
+        raise TypeError(f"use_lossscale(fp16_on_cpu={fp16_on_cpu!r}): fp16_on_cpu must be True or False.")
+    if accelerator._models or accelerator._optimizers:  # read only: Accelerate keeps no public list
+        raise RuntimeError(f"{call} was called after accelerator.prepare(): prepared optimizers keep the scaler "
+                           f"they were prepared with. Call use_lossscale right after Accelerator(...), "
+                           f"before prepare().")
+    if accelerator.distributed_type in _OWN_SCALERS:
+        raise ValueError(f"{call}: {accelerator.distributed_type.value} keeps its own loss scaler, which "
+                         f"lossscale does not replace; use_lossscale works with the other distributed types.")
+    precision = accelerator.mixed_precision
+    if precision != "fp16":
+        raise ValueError(f"{call}: the accelerator was created with mixed_precision={precision!r}; loss scaling "
+                         f"needs mixed_precision='fp16' (bfloat16 and float32 need none). Create it with "
+                         f"Accelerator(mixed_precision='fp16').")
+    on_cpu = accelerator.device.type == "cpu"
+    if on_cpu and not fp16_on_cpu:
+        raise ValueError(f"{call}: Accelerate drops fp16 on CPU without a word (no autocast, no scaler), so the "
+                         f"scaler would never run. Pass use_lossscale(accelerator, fp16_on_cpu=True) to autocast "
+                         f"to float16 on CPU with lossscale's scaler, or train on an accelerator device.")
+    if fp16_on_cpu and not on_cpu:
+        raise ValueError(f"use_lossscale(fp16_on_cpu=True): the accelerator's device is "
+                         f"{accelerator.device.type!r}, where Accelerate keeps fp16 itself; fp16_on_cpu is for "
+                         f"CPU only. Leave it False.")
+
+
+def use_lossscale(accelerator: Accelerator, *, fp16_on_cpu: bool = False, **scaler_kwargs: Any) -> GradScaler:
+    """Install a :class:`lossscale.GradScaler` as ``accelerator.scaler`` and return it.
+
+    Call it right after ``Accelerator(mixed_precision="fp16", ...)`` and before ``prepare()``::
+
+        accelerator = Accelerator(mixed_precision="fp16", gradient_accumulation_steps=2)
+        scaler = use_lossscale(accelerator, growth_interval=1000)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    Rule: the scaler is ``GradScaler(device=accelerator.device.type, **scaler_kwargs)``; without
+    ``scaler_kwargs`` an Accelerator's ``GradScalerKwargs`` handler supplies them (both is refused).
+    With torch's arguments the run equals Accelerate's own scaler step for step.
+
+    Args:
+        accelerator: An ``Accelerator`` made with ``mixed_precision="fp16"``, not yet ``prepare()``-d.
+        fp16_on_cpu: On CPU Accelerate turns fp16 off (no autocast, no scaler); True turns float16
+            autocast back on there (``accelerator.native_amp = True``), with this scaler.
+        **scaler_kwargs: Arguments of ``GradScaler`` (``init_scale``, ``growth_interval``, ``policy``, ...).
+
+    Raises:
+        RuntimeError: Called after ``prepare()``.
+        ValueError: mixed_precision is not ``"fp16"``; fp16 dropped on CPU and ``fp16_on_cpu`` not set;
+            DeepSpeed or Megatron-LM, which keep their own scaler; ``scaler_kwargs`` and a
+            ``GradScalerKwargs`` handler both given.
+    """
+    _check(accelerator, fp16_on_cpu)
+    handler = accelerator.scaler_handler
+    if handler is not None and scaler_kwargs:
+        raise ValueError(f"use_lossscale(accelerator, {', '.join(f'{k}=...' for k in scaler_kwargs)}): the "
+                         f"accelerator already has GradScalerKwargs({handler.to_kwargs()}); give the scaler's "
+                         f"arguments in one place, not both.")
+    kwargs = handler.to_kwargs() if handler is not None else scaler_kwargs
+    scaler = GradScaler(device=accelerator.device.type, **kwargs)
+    accelerator.scaler = scaler
+    accelerator.native_amp = True
+    return scaler

@@ -1,0 +1,66 @@
+"""lossscale inside Lightning ``Fabric``: Fabric's own float16 AMP plugin with :class:`lossscale.GradScaler`.
+
+Install with ``pip install 'lossscale[lightning]'``; see docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lossscale.integrations import require
+
+require("lightning.fabric", "lightning", "fabric")
+
+from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPrecision  # noqa: E402
+
+from lossscale.integrations._amp import make_scaler, scaler_result  # noqa: E402
+from lossscale.result import StepResult  # noqa: E402
+from lossscale.scaler import GradScaler  # noqa: E402
+
+__all__ = ["MixedPrecision"]
+
+
+class MixedPrecision(_FabricMixedPrecision):
+    """Fabric's float16 AMP plugin driving a :class:`lossscale.GradScaler`: ``Fabric(plugins=[...])`` alone.
+
+    Usage::
+
+        from lossscale.integrations.fabric import MixedPrecision
+        fabric = Fabric(accelerator="cuda", plugins=[MixedPrecision("16-mixed", "cuda")])
+
+    Everything is Fabric's plugin (autocast, ``scaler.scale(loss)`` in ``fabric.backward``, unscale in
+    ``fabric.clip_gradients``, ``scaler.step`` + ``update`` in ``optimizer.step()``), which returns
+    what the optimizer's ``step()`` returned, as with torch's scaler. Added: ``last_result``, the
+    :class:`~lossscale.StepResult` of the last optimizer step, built without a host read. The plugin
+    is stateful: put it (or its ``scaler``) in the state given to ``fabric.save``/``fabric.load``.
+
+    Fabric's ``clip_gradients`` raises on a non-finite norm unless ``error_if_nonfinite=False``: pass it,
+    so an overflowing step is skipped by the scaler rather than stopping the run.
+
+    Args:
+        precision: ``"16-mixed"``.
+        device: The autocast device type (``"cuda"``, ``"cpu"``, ...).
+        scaler: An existing :class:`~lossscale.GradScaler`; or leave it out and pass ``scaler_kwargs``.
+        **scaler_kwargs: Arguments of ``GradScaler`` (``init_scale``, ``growth_interval``, ``policy``, ...).
+    """
+
+    def __init__(self, precision: str = "16-mixed", device: str = "cuda", scaler: GradScaler | None = None,
+                 **scaler_kwargs: Any) -> None:
+        scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs)
+        super().__init__(precision, device, scaler=scaler)  # type: ignore[arg-type]
+        self.last_result: StepResult | None = None
+        self._steps = 0
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """``scaler.step(optimizer)`` and ``update()``; returns the optimizer's own return value and records
+        the decision (step index = optimizer steps attempted through this plugin) in ``last_result``."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError("AMP and the LBFGS optimizer are not compatible.")
+        carried = self.scaler.get_scale_tensor()
+        decision = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        self.last_result = scaler_result(decision, carried, self.scaler, self._steps)
+        self._steps += 1
+        return decision.value

@@ -1,0 +1,199 @@
+"""The state of a loss scale and its one owner.
+
+:class:`ScaleState` is the record a :class:`~lossscale.DynamicScale` keeps (other policies keep records
+of their own shape). :class:`LossScale` owns a policy's record: the scale, the counters and the window
+position live there and nowhere else. Every front end and facade holds the same ``LossScale`` object
+and reads and writes it through its methods, so a value set through one object is what every other
+reader sees at once, and a framework proxy that copies attribute dictionaries still shares it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lossscale._validate import INT32_MAX
+from lossscale.scale_value import checked_scale
+
+__all__ = ["ScaleState", "LossScale", "state_to_dict", "state_from_dict"]
+
+
+@dataclass(frozen=True)
+class ScaleState:
+    """The mutable half of a dynamic policy, as 0-d tensors on one device.
+
+    Attributes:
+        scale: float32, the factor the loss is multiplied by.
+        growth_tracker: int32, clean steps since the scale last changed or overflowed.
+        hysteresis_left: int32, overflows still absorbed before the next backoff.
+        floor_hits: int32, consecutive overflowing steps that found the scale already at its floor.
+    """
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    hysteresis_left: torch.Tensor
+    floor_hits: torch.Tensor
+
+    def to(self, device: torch.device | str) -> ScaleState:
+        """The same state on ``device`` (a copy only where it moves)."""
+        return move_state(self, device)
+
+
+def move_state(state: Any, device: torch.device | str) -> Any:
+    """Any state record with every field on ``device`` (a copy only where it moves)."""
+    return dataclasses.replace(state, **{f.name: getattr(state, f.name).to(device) for f in dataclasses.fields(state)})
+
+
+def state_to_dict(state: Any) -> dict[str, float | int | list]:
+    """Plain Python numbers for every field of a state record (reads them on the host: one sync)."""
+    return {f.name: getattr(state, f.name).tolist() for f in dataclasses.fields(state)}
+
+
+def _field_tensor(door: str, name: str, value: Any, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a tensor shaped, typed and placed like ``like``; finite, and in int32 for counters."""
+    try:
+        raw = torch.as_tensor(value, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{door}: state field {name!r} must be a number (or a list of numbers); got "
+                        f"{type(value).__name__} {value!r}.") from None
+    batched = like.dim() == 0 and raw.dim() == 1  # a batch of states: a rule evaluated over many at once
+    if tuple(raw.shape) != tuple(like.shape) and not batched:
+        raise ValueError(f"{door}: state field {name!r} must have shape {tuple(like.shape)} (or (n,) for a batch of "
+                         f"n states); got {tuple(raw.shape)}.")
+    values = raw.reshape(-1).tolist()
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{door}: state field {name!r} must be finite; got {value!r}.")
+    if not like.is_floating_point() and not all(v == int(v) and -INT32_MAX - 1 <= v <= INT32_MAX for v in values):
+        raise ValueError(f"{door}: state field {name!r} is a counter: it must hold integers in the int32 range; "
+                         f"got {value!r}.")
+    return raw.to(like.dtype).to(like.device)
+
+
+def state_from_dict(template: Any, values: dict[str, Any], door: str = "load_state_dict") -> Any:
+    """A state shaped like ``template`` (dtype, device) holding ``values``; every field is required, finite,
+    and the right shape; counters are int32 integers. The scale itself is checked by :class:`LossScale`."""
+    if not isinstance(values, dict):
+        raise TypeError(f"{door}: the loss-scale state must be a dict of its fields; got {type(values).__name__}.")
+    names = [f.name for f in dataclasses.fields(template)]
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise KeyError(f"{door}: the loss-scale state is missing {missing}; expected the fields {names}")
+    fields = {n: _field_tensor(door, n, values[n], getattr(template, n)) for n in names}
+    batches = {tuple(t.shape) for n, t in fields.items() if getattr(template, n).dim() == 0}
+    if len(batches) > 1:
+        raise ValueError(f"{door}: the state's scalar fields must all be scalars or all batches of one length; got "
+                         f"shapes { {n: tuple(t.shape) for n, t in fields.items()} }.")
+    return dataclasses.replace(template, **fields)
+
+
+class LossScale:
+    """The one owner of a policy's state: scale, counters and window position.
+
+    Every reader and writer goes through these methods; each value set here passes the one validation
+    (:func:`~lossscale.scale_value.checked_scale`) against the policy's bounds.
+
+    Args:
+        policy: A :class:`~lossscale.policy.Policy`.
+        device: Where the state lives (default CPU); :meth:`to` moves it.
+
+    Example:
+        >>> import torch
+        >>> from lossscale import DynamicScale
+        >>> owner = LossScale(DynamicScale(init_scale=1024.0))
+        >>> owner.update(torch.tensor(True))
+        >>> float(owner.scale)
+        512.0
+    """
+
+    def __init__(self, policy: Any, device: torch.device | str | None = None) -> None:
+        from lossscale.policy import check_policy
+
+        check_policy("LossScale", policy)
+        self._policy = policy
+        self._state = policy.init(device)
+
+    @staticmethod
+    def shared_or_new(policy: Any, device: torch.device | str) -> LossScale:
+        """``policy`` itself when it is a LossScale (moved to ``device``: shared with its other holders), else a
+        new owner of ``policy`` (default :class:`~lossscale.DynamicScale`) on ``device``."""
+        if isinstance(policy, LossScale):
+            policy.to(device)
+            return policy
+        from lossscale.dynamic import DynamicScale
+
+        return LossScale(DynamicScale() if policy is None else policy, device)
+
+    @property
+    def policy(self) -> Any:
+        """The frozen rule."""
+        return self._policy
+
+    @property
+    def state(self) -> Any:
+        """The whole state record (0-d tensors; no host read)."""
+        return self._state
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current scale: a 0-d float32 tensor (no host read)."""
+        return self._state.scale
+
+    @property
+    def device(self) -> torch.device:
+        """Where the state lives."""
+        return self._state.scale.device
+
+    def to(self, device: torch.device | str) -> None:
+        """Move the state to ``device``, in place for every holder."""
+        self._state = move_state(self._state, device)
+
+    def set_policy(self, policy: Any) -> None:
+        """Change the rule (e.g. torch's ``set_growth_factor``); the state carries on if it fits the bounds."""
+        from lossscale.policy import check_policy
+
+        check_policy("LossScale.set_policy", policy)
+        checked_scale(f"LossScale.set_policy({policy!r})", self.scale, policy.min_scale, policy.max_scale,
+                      "the current scale")
+        self._policy = policy
+
+    def set_scale(self, value: float | torch.Tensor, door: str = "LossScale.set_scale(value)",
+                  name: str = "the scale") -> None:
+        """Set the scale; the counters carry on. ``door`` and ``name`` say who set what in the error.
+
+        Cost: none for a float or a CPU tensor; one device sync for a tensor on an accelerator."""
+        scale = checked_scale(door, value, self._policy.min_scale, self._policy.max_scale, name)
+        self._state = dataclasses.replace(self._state, scale=torch.full_like(self._state.scale, scale))
+
+    def follow(self, scale: torch.Tensor) -> None:
+        """Take the scale from a tensor the caller keeps as the live scale (MindSpore's ``loss_scale``
+        Parameter), before an update. No host read, so not validated here: the cell's caller set that
+        tensor through a validated door, and the pipeline's inverse guard (:func:`lossscale.step.inverse_`)
+        turns a non-finite inverse into an overflow, never into a gradient."""
+        self._state = dataclasses.replace(self._state, scale=scale.detach().reshape(()).to(self._state.scale))
+
+    def update(self, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> None:
+        """Advance the rule by one step (pure tensor ops), then apply the policy's floor rule.
+
+        Cost: no host read, unless the policy raises at its floor (``at_floor="raise"``: one read)."""
+        self._state = self._policy.update(self._state, found_inf, amax=amax)
+        self._policy.check_floor(self._state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every state field as plain numbers (one host read)."""
+        return state_to_dict(self._state)
+
+    def load_state_dict(self, values: dict[str, Any], door: str = "LossScale.load_state_dict") -> None:
+        """Restore what :meth:`state_dict` saved; the whole record is checked before anything changes."""
+        if isinstance(values, dict) and "scale" in values and not isinstance(values["scale"], (list, tuple)):
+            checked_scale(door, values["scale"], self._policy.min_scale, self._policy.max_scale, "field 'scale'")
+        state = state_from_dict(self._state, values, door)
+        for scale in state.scale.reshape(-1).tolist():  # each state of a batch, and the float32 value itself
+            checked_scale(door, scale, self._policy.min_scale, self._policy.max_scale, "field 'scale'")
+        self._state = state
+
+    def __repr__(self) -> str:
+        return f"LossScale({self._policy!r})"

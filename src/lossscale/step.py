@@ -1,0 +1,194 @@
+"""The step pipeline, once: the stages every front end composes.
+
+One optimizer step of loss scaling is::
+
+    scale_loss        loss * scale (/ accumulation)                         no pass, no host read
+    gradients         the tensors to check and unscale, in place            no pass
+    measure_          overflow (+ amax) in one read pass, read-only         1 read
+    inverse_          1/scale, guarded: a non-finite inverse is an overflow   0-d ops
+    unscale_and_check_  (overflow.py) fused multiply + inf/NaN check          1 read + 1 write
+    agree_            found_inf (and amax) reduced over ranks               1 all-reduce each
+    clip coefficient  (clip.py) min(1, max_norm / (norm + eps))             0-d ops
+    apply             fused_step_ (flags in the kernel, no host read),
+                      host_step (one host read), or MaskedSkip (_masked.py, no host read)
+    advance           LossScale.update: the policy's rule + its floor rule   0-d ops
+    attribute         overflowing_names: which parameters overflowed       1 read + 1 host read, on demand
+
+Each function states its passes over the gradients and its host reads. ``GradScaler`` and
+``LossScaleOptimizer`` call these and nothing else of each other.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from lossscale import distributed as _dist
+from lossscale.overflow import OverflowMode, check_, check_with_amax_, group_by_device_and_dtype, overflowing
+
+__all__ = [
+    "NoGradientsError",
+    "scale_loss",
+    "gradients",
+    "grouped",
+    "measure_",
+    "inverse_",
+    "agree_",
+    "agree_amax_",
+    "fused_step_",
+    "host_step",
+    "takes_grad_scaler",
+    "overflowing_names",
+]
+
+Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
+
+
+class NoGradientsError(RuntimeError, AssertionError):
+    """A step was asked for with no gradient at all: nothing to check, so it must not count as clean.
+
+    An ``AssertionError`` too, because ``torch.amp.GradScaler`` signals the same misuse with an assert.
+    """
+
+
+def scale_loss(loss: Any, scale: torch.Tensor, divisor: int = 1) -> torch.Tensor:
+    """``loss * scale / divisor`` on the loss's device. No pass, no host read.
+
+    A Python or NumPy scalar loss is refused with a TypeError: it carries no graph to run backward on.
+    """
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"scale_loss(loss): loss must be a tensor produced by the forward pass (it is "
+                        f"backpropagated); got {type(loss).__name__} {loss!r}.")
+    factor = scale if divisor == 1 else scale / divisor
+    return loss * factor.to(loss.device, non_blocking=True)
+
+
+def _writable(param: torch.Tensor) -> torch.Tensor:
+    """What of ``param.grad`` is checked and unscaled in place: a DTensor's local shard (FSDP2), a sparse
+    gradient's values. float16 sparse gradients are coalesced first (written back to ``param.grad``), as
+    torch does, so duplicate indices cannot hide an overflow of their sum."""
+    grad = param.grad
+    if grad.is_sparse:
+        if grad.dtype == torch.float16 and not grad.is_coalesced():
+            param.grad = grad = grad.coalesce()
+        return grad._values()
+    return _dist.local_shard(grad)
+
+
+def gradients(optimizer: torch.optim.Optimizer, call: str, *, allow_fp16: bool = True,
+              required: bool = True) -> list[torch.Tensor]:
+    """The tensors to check and unscale in place, one per parameter with a gradient. No pass.
+
+    Raises:
+        NoGradientsError: no parameter of ``optimizer`` has a gradient (when ``required``).
+        ValueError: a float16 gradient where ``allow_fp16`` is False (unscaling it would underflow).
+    """
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if not allow_fp16 and p.grad.dtype == torch.float16:
+                raise ValueError(f"{call}: the optimizer holds float16 gradients, whose unscaled values would "
+                                 f"underflow; keep float32 master parameters (autocast does) and scale the loss.")
+            out.append(_writable(p))
+    if not out and required:
+        raise NoGradientsError(f"{call}: No inf checks were recorded for this optimizer: none of its parameters has "
+                               f"a gradient. Call backward on the scaled loss before stepping; a step with no "
+                               f"gradients would count as a clean step and grow the scale.")
+    return out
+
+
+def grouped(grads: Iterable[torch.Tensor]) -> Groups:
+    """Gradients grouped by (device, dtype) for the foreach kernels. No pass."""
+    return group_by_device_and_dtype(grads)
+
+
+def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, threshold: float,
+             *, amax: bool) -> torch.Tensor | None:
+    """Add overflow to ``found_inf``, read-only; with ``amax`` also return the largest scaled magnitude.
+
+    Cost: one read pass (a sum per large tensor, ``aminmax`` in saturation mode or for amax); no write,
+    no host read. amax is 0-d float32 on ``found_inf``'s device (inf/NaN when it overflowed).
+    """
+    maxima = []
+    for grads in groups.values():
+        if amax:
+            maxima.append(check_with_amax_(grads, found_inf, mode, threshold).to(found_inf.device))
+        else:
+            check_(grads, found_inf, mode, threshold)
+    if not amax:
+        return None
+    return torch.stack(maxima).max() if maxima else torch.zeros((), device=found_inf.device)
+
+
+def inverse_(scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` rounded once to float32; where it is not finite and positive, ``found_inf`` gets 1 and the
+    inverse is 1, so the pipeline never multiplies a gradient by a non-finite inverse. 0-d ops, no host read.
+    (Every door validates the scale; this guard is the last line, for a scale corrupted in memory.)"""
+    inv = scale.double().reciprocal().float()
+    bad = ~(torch.isfinite(inv) & (inv > 0))
+    found_inf.add_(bad.to(found_inf.dtype).to(found_inf.device))
+    return torch.where(bad, torch.ones_like(inv), inv)
+
+
+def agree_(found_inf: torch.Tensor, process_group: Any = None) -> torch.Tensor:
+    """found_inf as the group's 0/1 flag (see :func:`lossscale.distributed.reduce_found_inf`). One all-reduce
+    under torch.distributed, else a 0-d clamp; no host read."""
+    return _dist.reduce_found_inf(found_inf, process_group)
+
+
+def agree_amax_(amax: torch.Tensor, process_group: Any = None) -> torch.Tensor:
+    """amax as the group's maximum, in place. One all-reduce under torch.distributed; no host read."""
+    if _dist.active(process_group):
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=process_group)
+    return amax
+
+
+def fused_step_(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None, found_inf: torch.Tensor,
+                *args: Any, **kwargs: Any) -> Any:
+    """Run a fused optimizer's step with ``grad_scale``/``found_inf`` set: the kernel divides the gradients
+    by ``grad_scale`` and skips where ``found_inf == 1``. No pass of ours, no host read."""
+    optimizer.grad_scale = grad_scale
+    optimizer.found_inf = found_inf
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale
+        del optimizer.found_inf
+
+
+def host_step(optimizer: torch.optim.Optimizer, overflow: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``optimizer.step(*args, **kwargs)`` unless ``overflow``: one host read, as torch's scaler."""
+    if bool(overflow):
+        return None
+    return optimizer.step(*args, **kwargs)
+
+
+def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` accepts ``grad_scaler=`` (torch hands such optimizers the whole scaler)."""
+    try:
+        return "grad_scaler" in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def warn_grad_scaler_deprecated() -> None:
+    """torch's FutureWarning for optimizers that take ``grad_scaler=``."""
+    warnings.warn("GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. "
+                  "In the near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the "
+                  "passed optimizer and let the optimizer use them directly.", FutureWarning, stacklevel=3)
+
+
+def overflowing_names(optimizer: torch.optim.Optimizer, names: dict[int, str], mode: OverflowMode,
+                      threshold: float, unscaled_by: float) -> list[str]:
+    """Names of ``optimizer``'s parameters whose gradients overflowed (``param_groups[i][j]`` without a name).
+
+    Cost: one read of the gradients and one host read; call it when asked, after an overflow."""
+    named: Sequence[tuple[str, torch.Tensor | None]] = [
+        (names.get(id(p), f"param_groups[{i}][{j}]"), None if p.grad is None else _dist.local_shard(p.grad))
+        for i, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]
+    return overflowing(named, mode, threshold, unscaled_by=unscaled_by)

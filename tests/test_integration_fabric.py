@@ -1,0 +1,104 @@
+"""lossscale.integrations.fabric.MixedPrecision in a real Fabric loop on CPU, side by side with Fabric's own
+MixedPrecision plugin driving torch.amp.GradScaler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+from torch import nn
+
+import lossscale
+from lossscale.integrations.fabric import MixedPrecision
+
+TORCH_ARGS = dict(init_scale=2.0**10, growth_interval=2)
+INF_AT = {1, 6, 11}  # micro-batches whose loss is inf: optimizer steps 0, 3 and 5 overflow
+BATCHES = 16
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 4, generator=g), 10 * torch.randn(4, 1, generator=g)) for _ in range(BATCHES)]
+
+
+def setup(plugin: Any) -> tuple[Fabric, Any, Any]:
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = fabric.setup(model, opt)
+    return fabric, model, opt
+
+
+def train(fabric: Fabric, model: Any, opt: Any, start: int, stop: int) -> tuple[list[float], list[Any]]:
+    """Accumulation 2 with ``no_backward_sync``, clip 1.0; the scale after each micro-batch and step results."""
+    plugin, scales, results = fabric.strategy.precision, [], []
+    for i, (x, y) in enumerate(batches()[start:stop], start):
+        boundary = i % 2 == 1
+        with fabric.no_backward_sync(model, enabled=not boundary):
+            loss = F.mse_loss(model(x).float(), y)
+            fabric.backward((loss * float("inf") if i in INF_AT else loss) / 2)
+        if boundary:
+            fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)
+            opt.step()
+            opt.zero_grad()
+            results.append(getattr(plugin, "last_result", None))
+        scales.append(plugin.scaler.get_scale())
+    return scales, results
+
+
+def torch_plugin() -> FabricMixedPrecision:
+    return FabricMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **TORCH_ARGS))
+
+
+def ours() -> MixedPrecision:
+    return MixedPrecision("16-mixed", "cpu", **TORCH_ARGS)
+
+
+def test_fabric_loop_matches_fabric_with_torch_scaler_bit_for_bit() -> None:
+    ref_scales, _ = train(*(ref := setup(torch_plugin())), 0, BATCHES)
+    scales, results = train(*(run := setup(ours())), 0, BATCHES)
+    assert scales == ref_scales and len(set(scales)) > 2
+    for p, q in zip(run[1].parameters(), ref[1].parameters()):
+        assert torch.equal(p, q)
+    assert [r.step for r in results] == list(range(BATCHES // 2))
+    assert [r.step for r in results if bool(r.found_inf)] == [0, 3, 5]
+    assert all(float(r.next_scale) == float(r.scale) / 2 for r in results if bool(r.found_inf))
+
+
+@pytest.mark.parametrize("first,second", [(torch_plugin, ours), (ours, torch_plugin)])
+def test_save_and_load_with_the_scaler_in_the_state_both_ways(tmp_path: Any, first: Any, second: Any) -> None:
+    ref = setup(first())
+    ref_scales, _ = train(*ref, 0, BATCHES)
+    fabric, model, opt = setup(first())
+    head, _ = train(fabric, model, opt, 0, BATCHES // 2)
+    path = tmp_path / "state.ckpt"
+    fabric.save(path, {"model": model, "optimizer": opt, "scaler": fabric.strategy.precision.scaler})
+    fabric, model, opt = setup(second())
+    fabric.load(path, {"model": model, "optimizer": opt, "scaler": fabric.strategy.precision.scaler})
+    tail, _ = train(fabric, model, opt, BATCHES // 2, BATCHES)
+    assert head + tail == ref_scales
+    for p, q in zip(model.parameters(), ref[1].parameters()):
+        assert torch.equal(p, q)
+
+
+def test_the_plugin_itself_is_checkpointable(tmp_path: Any) -> None:
+    fabric, model, opt = setup(ours())
+    train(fabric, model, opt, 0, 4)
+    fabric.save(tmp_path / "p.ckpt", {"precision": fabric.strategy.precision})
+    plugin = ours()
+    fabric.load(tmp_path / "p.ckpt", {"precision": plugin})
+    assert plugin.scaler.get_scale() == fabric.strategy.precision.scaler.get_scale() == 2.0**10 / 2
+
+
+def test_constructor_refuses_what_it_cannot_honour() -> None:
+    with pytest.raises(ValueError, match=r"precision must be '16-mixed'"):
+        MixedPrecision("bf16-mixed", "cpu")
+    with pytest.raises(TypeError, match=r"scaler must be a lossscale.GradScaler"):
+        MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=lossscale.GradScaler("cpu", init_scale=4.0))
+    assert isinstance(plugin, FabricMixedPrecision) and plugin.scaler.get_scale() == 4.0

@@ -1,0 +1,192 @@
+"""The step pipeline and the one owner of the scale, seen from the front ends and from outside.
+
+LossScaleOptimizer is a real torch optimizer view (hooks, schedulers, keyword-only options with the old
+spellings deprecated, ``step(closure)``); its state survives a proxy that copies ``__dict__`` (as
+Lightning's LightningOptimizer does); a scale set through one holder is what every holder reads.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import warnings
+
+import pytest
+import torch
+
+from lossscale import DynamicScale, FixedScale, GradScaler, LossScale, LossScaleOptimizer
+from lossscale import step as stages
+from lossscale.compat import ascend, mindspore
+
+
+def _model() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+def _backward(opt: LossScaleOptimizer, model: torch.nn.Module, poison: bool = False) -> torch.Tensor:
+    loss = model(torch.ones(3, 4)).pow(2).sum()
+    if poison:
+        loss = loss * torch.tensor(float("inf"))
+    opt.backward(loss)
+    return loss
+
+
+def test_step_hooks_run_around_the_step():
+    model = _model()
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=FixedScale(8.0))
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", o is opt)))
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", o is opt)))
+    _backward(opt, model)
+    opt.step()
+    assert seen == [("pre", True), ("post", True)]
+
+
+def test_state_dict_hooks_run_and_may_rewrite():
+    model = _model()
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "tag": 7})
+    loaded = []
+    opt.register_load_state_dict_post_hook(lambda o: loaded.append(True))
+    saved = opt.state_dict()
+    assert saved["tag"] == 7
+    opt.load_state_dict(saved)
+    assert loaded == [True]
+
+
+def test_param_groups_state_and_defaults_are_the_inner_optimizers():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = LossScaleOptimizer(inner)
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state and opt.defaults is inner.defaults
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _backward(opt, model)
+    opt.step()
+    sched.step()
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_options_after_the_optimizer_are_keyword_only_and_old_positions_warn():
+    model = _model()
+    with pytest.warns(DeprecationWarning, match=r"policy=\.\.\., overflow_mode=\.\.\."):
+        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), FixedScale(4.0), "saturation")
+    assert float(opt.scale) == 4.0 and opt.overflow_mode == "saturation"
+    with pytest.warns(DeprecationWarning, match="clipnorm"):
+        old = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), clip_grad_norm_per_param=1.0)
+    assert old.options.transform_unscaled is not None
+
+
+def test_step_with_a_closure_runs_it_first_and_reports_its_loss():
+    model = _model()
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=FixedScale(8.0))
+    calls = []
+
+    def closure() -> torch.Tensor:
+        calls.append(torch.is_grad_enabled())
+        opt.zero_grad()
+        return _backward(opt, model)
+
+    with torch.no_grad():
+        result = opt.step(closure)
+    assert calls == [True] and bool(result.stepped) and result.loss is not None and result.loss.requires_grad
+
+
+def test_a_step_without_gradients_raises_and_changes_nothing():
+    model = _model()
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=DynamicScale(init_scale=1024.0,
+                                                                                                growth_interval=1))
+    with pytest.raises(stages.NoGradientsError, match="No inf checks were recorded"):
+        opt.step()
+    assert float(opt.scale) == 1024.0
+
+
+def test_float16_parameters_are_refused_with_what_to_do():
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\[0\] is a float16 parameter.*autocast"):
+        LossScaleOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))], lr=0.1))
+
+
+def _proxy(opt: LossScaleOptimizer):
+    """A proxy built as Lightning's LightningOptimizer is: a generated subclass, ``__dict__`` copied."""
+
+    class Wrapper:
+        pass
+
+    cls = type("Lightning" + type(opt).__name__, (Wrapper, type(opt)), {})
+    proxy = Wrapper.__new__(cls)
+    proxy.__dict__ = {k: v for k, v in opt.__dict__.items() if k not in ("step", "__del__")}
+    return proxy
+
+
+def test_a_dict_copying_proxy_loses_no_state():
+    model = _model()
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=DynamicScale(init_scale=1024.0),
+                             accumulation_steps=2)
+    proxy = _proxy(opt)
+    proxy.set_scale(64.0)
+    assert float(opt.scale) == 64.0
+    _backward(proxy, model)
+    proxy.step()  # the first micro-batch: the position is shared
+    assert opt._run.micro == 1
+    _backward(opt, model, poison=True)
+    result = opt.step()
+    assert bool(result.found_inf) and proxy.last_result is result and float(proxy.scale) == 32.0
+
+
+def test_one_owner_ascend_manager_and_optimizer_see_the_same_scale_at_once():
+    model = _model()
+    manager = ascend.ExponentialUpdateLossScaleManager(init_loss_scale=1024, incr_every_n_steps=100)
+    opt = ascend.NPULossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), manager)
+    opt.set_scale(64)
+    assert float(manager.get_loss_scale()) == 64.0 == float(opt.get_loss_scale())
+    assert opt.loss_scale is manager.loss_scale
+    manager.update_loss_scale(True)
+    assert float(opt.scale) == 64.0
+
+
+def test_one_owner_mindspore_cell_and_train_cell_share_the_scale():
+    model = _model()
+    cell = mindspore.DynamicLossScaleUpdateCell(loss_scale_value=2**12, scale_factor=2, scale_window=100)
+    train = mindspore.TrainOneStepWithLossScaleCell(lambda x: model(x).sum(), torch.optim.SGD(model.parameters(),
+                                                                                            lr=0.1), cell)
+    train.set_sense_scale(torch.tensor(256.0))
+    assert float(cell.loss_scale.scale) == 256.0 == float(train.scale_sense)
+
+
+def test_gradscaler_private_scale_is_a_validated_door():
+    scaler = GradScaler(init_scale=1024.0)
+    scaler.scale(torch.ones(()))
+    scaler._scale = torch.tensor(32.0)
+    assert scaler.get_scale() == 32.0 and scaler.loss_scale.scale is scaler._scale
+    with pytest.raises(ValueError, match=r"GradScaler\._scale = tensor\(0\.\)"):
+        scaler._scale = torch.tensor(0.0)
+    assert scaler.get_scale() == 32.0
+
+
+def test_a_loss_scale_can_be_shared_by_two_optimizers():
+    model = _model()
+    owner = LossScale(DynamicScale(init_scale=512.0))
+    a = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=owner)
+    b = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=owner)
+    a.set_scale(8.0)
+    assert float(b.scale) == 8.0
+
+
+def test_inverse_guard_turns_a_corrupted_scale_into_an_overflow():
+    found = torch.zeros(())
+    inv = stages.inverse_(torch.tensor(0.0), found)
+    assert float(found) == 1.0 and float(inv) == 1.0
+
+
+DOCTESTED = ["lossscale.policy", "lossscale.dynamic", "lossscale.predictive", "lossscale.metrics", "lossscale.state",
+             "lossscale.scale_value", "lossscale.compat.ascend", "lossscale.compat.mindspore",
+             "lossscale.compat.nnabla", "lossscale.compat.keras", "lossscale.schedule", "lossscale.ema"]
+
+
+@pytest.mark.parametrize("name", DOCTESTED)
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        failed, attempted = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert failed == 0

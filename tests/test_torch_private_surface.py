@@ -1,0 +1,177 @@
+"""Our own tests of each behaviour PyTorch's GradScaler tests (test/test_torch.py) check beyond the public
+calls: torch's private attributes that real code reads and writes, ``_unscale_grads_``, sparse gradients,
+and ``grad_scaler=self``. Each compares lossscale.GradScaler with torch.amp.GradScaler where both apply.
+
+The external harness /work/torchtests/run.sh runs PyTorch's own file.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import lossscale
+BOTH = [pytest.param(lossscale.GradScaler, id="lossscale"), pytest.param(torch.amp.GradScaler, id="torch")]
+
+
+def sgd_on(*grads):
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    return torch.optim.SGD(params, lr=1.0)
+
+
+@pytest.mark.parametrize("cls", BOTH)
+def test_scale_is_a_live_float32_tensor_that_can_be_assigned(cls):
+    scaler = cls("cpu", init_scale=8.0)
+    scaler.scale(torch.ones(()))
+    assert isinstance(scaler._scale, torch.Tensor) and scaler._scale.dtype == torch.float32
+    assert float(scaler._scale) == 8.0 and scaler._scale.device.type == "cpu"
+    scaler._scale = torch.tensor(32.0)
+    assert scaler.get_scale() == 32.0 and float(scaler.scale(torch.ones(()))) == 32.0
+
+
+def test_assigning_a_bad_scale_is_refused_by_the_attribute():
+    scaler = lossscale.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(torch.ones(()))
+    with pytest.raises(ValueError, match="_scale"):
+        scaler._scale = torch.tensor(0.0)
+    assert scaler.get_scale() == 8.0
+
+
+@pytest.mark.parametrize("cls", BOTH)
+def test_init_attributes_and_state_dict_growth_tracker(cls):
+    s0 = cls("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2)
+    s1 = cls("cpu", init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1)
+    assert s0._init_scale == 3.0 and s0._init_growth_tracker == 0
+    s1._init_growth_tracker = 7
+    s1.scale(torch.ones(()))
+    assert s1._growth_tracker.dtype == torch.int32
+    s1.load_state_dict(s0.state_dict())
+    assert (s1.get_scale(), s1._init_growth_tracker, s1.get_growth_interval()) == (3.0, 0, 2)
+
+
+@pytest.mark.parametrize("cls", BOTH)
+def test_per_optimizer_states_default_and_stages(cls):
+    from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+    scaler = cls("cpu")
+    assert scaler._per_optimizer_states["any key"] == _refresh_per_optimizer_state()
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    scaler.scale(w.sum()).backward()
+    scaler.unscale_(opt)
+    record = scaler._per_optimizer_states[id(opt)]
+    assert record["stage"] is OptState.UNSCALED and list(record["found_inf_per_device"]) == [w.device]
+    assert pickle.loads(pickle.dumps(cls("cpu", init_scale=3.0)))._init_growth_tracker == 0
+
+
+@pytest.mark.parametrize("cls", BOTH)
+@pytest.mark.parametrize("inject", [None, 0, 1, 2])
+def test_unscale_grads_before_any_scale_mixed_dtypes(cls, inject):
+    grads = [torch.full((4, 4), 4.0), torch.full((4, 8), 4.0)[:, :5], torch.full((4, 4), 4.0, dtype=torch.float16)]
+    if inject is not None:
+        grads[inject][1, 1] = float("inf")
+    opt = sgd_on(*grads)
+    found = cls("cpu")._unscale_grads_(opt, torch.full((1,), 0.25), torch.zeros(1), True)
+    assert sum(float(v) for v in found.values()) == (0.0 if inject is None else 1.0)
+    if inject is None:
+        assert all(torch.equal(p.grad, torch.ones_like(p.grad)) for g in opt.param_groups for p in g["params"])
+
+
+def sparse(values, indices=((0, 1, 1), (2, 0, 2)), dtype=torch.float32):
+    return torch.sparse_coo_tensor(torch.tensor(indices), torch.tensor(values), (2, 3), dtype=dtype,
+                                   check_invariants=True)
+
+
+@pytest.mark.parametrize("cls", BOTH)
+def test_sparse_gradients_are_unscaled_in_place(cls):
+    scaler = cls("cpu")
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    opt = torch.optim.SGD([p], lr=1.0)
+    p.grad = sparse([16.0, 32.0, 64.0], ((0, 1, 0), (2, 0, 2)))  # uncoalesced float32: unscaled as it is
+    grad = p.grad
+    found = scaler._unscale_grads_(opt, torch.full((1,), 0.25), torch.zeros(1), False)
+    assert float(found[torch.device("cpu")]) == 0.0 and p.grad is grad
+    assert torch.equal(p.grad.to_dense(), sparse([4.0, 8.0, 16.0], ((0, 1, 0), (2, 0, 2))).to_dense())
+    half = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float16))
+    half.grad = sparse([64000.0, 32.0, 64000.0], ((0, 1, 0), (2, 0, 2)), torch.float16)  # coalesced: 128000 > max
+    found = scaler._unscale_grads_(torch.optim.SGD([half], lr=1.0), torch.full((1,), 0.25), torch.zeros(1), True)
+    assert float(found[torch.device("cpu")]) == 1.0
+
+
+@pytest.mark.parametrize("front, coalesce", [("scaler", False), ("scaler", True), ("optimizer", False),
+                                             ("optimizer", True)])
+def test_sparse_embedding_steps_like_torch(front, coalesce):
+    def run(make):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(6, 3, sparse=True)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        step = make(opt)
+        loss = emb(torch.tensor([1, 2, 1, 4])).square().sum()
+        step(loss, emb)
+        return emb.weight.detach()
+
+    def torch_step(opt):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+        def step(loss, emb):
+            scaler.scale(loss).backward()
+            if coalesce:
+                emb.weight.grad = emb.weight.grad.coalesce()
+            scaler.step(opt)
+        return step
+
+    def ours(opt):
+        if front == "scaler":
+            scaler = lossscale.GradScaler("cpu", init_scale=1024.0)
+            backward, finish = (lambda loss: scaler.scale(loss).backward()), (lambda: scaler.step(opt))
+        else:
+            wrapped = lossscale.LossScaleOptimizer(opt, policy=lossscale.DynamicScale(init_scale=1024.0))
+            backward, finish = wrapped.backward, wrapped.step
+
+        def step(loss, emb):
+            backward(loss)
+            if coalesce:
+                emb.weight.grad = emb.weight.grad.coalesce()
+            finish()
+        return step
+
+    assert torch.equal(run(ours), run(torch_step))
+
+
+@pytest.mark.parametrize("cls", BOTH)
+def test_lazy_init_and_found_inf_per_device(cls):
+    scaler = cls("cpu", init_scale=4.0)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    assert float(scaler._scale) == 4.0 and int(scaler._growth_tracker) == 0
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    scaler.scale(w.sum()).backward()
+    w.grad[0] = float("nan")
+    found = scaler._check_inf_per_device(opt)
+    assert float(sum(found.values())) == 1.0 and scaler._found_inf_per_device(opt) == found
+
+
+@pytest.mark.parametrize("cls", BOTH)
+def test_optimizers_taking_grad_scaler_receive_the_scaler(cls):
+    received = []
+
+    class Takes(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, *, grad_scaler=None):
+            received.append((grad_scaler, hasattr(self, "grad_scale"), hasattr(self, "found_inf")))
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = Takes([w], lr=1.0)
+    scaler = cls("cpu", init_scale=2.0)
+    scaler.scale(w.sum()).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaler.step(opt)
+    assert received == [(scaler, False, False)]
+    assert [w.category for w in caught] == [FutureWarning]
