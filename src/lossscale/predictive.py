@@ -87,7 +87,8 @@ class PredictiveScale(Policy):
         scale = clamp(power of two, min_scale, max_scale)
 
     ``limit`` is ``torch.finfo(dtype).max`` (65504 for float16). The scale is always a power of two,
-    so unscaling is exact. Cost: about 40 element-wise ops on 0-d tensors; no host read. The amax
+    so unscaling is exact. Cost: about 40 element-wise ops on 0-d tensors; no host read (element-wise
+    throughout: state fields with a leading dimension advance that many independent scales). The amax
     comes from the overflow pass (``aminmax``), at no extra pass where the scaler reads the
     gradients once. Where it pays off: the gradient maximum drifts (warm-up, decay) or torch's blind
     growth probes every ``growth_interval`` steps; on a stationary stream it keeps one scale.
