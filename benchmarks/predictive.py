@@ -1,60 +1,55 @@
 """PredictiveScale against torch's defaults: skipped steps, underflow, final loss and step time.
 
 Three measurements, all in one process:
-  1. Synthetic gradient streams (unscaled gradient maximum per step: slow drift, spikes of 2**8,
-     long quiet stretches, noisy): a step overflows when its maximum times the scale reaches 65504.
-     Counts skipped steps and the mean scale headroom for torch's rule (DynamicScale() = torch
-     defaults) and PredictiveScale().
+  1. Seeded synthetic gradient streams (``_streams.py``: stationary, drifting, heavy-tailed, and the
+     hard iid-max case), 20,000 steps each: skipped steps, mean share of gradient values float16
+     rounds to zero on applied steps, and the final scale, for torch's rule (advanced by torch's own
+     ``_amp_update_scale_``), ``DynamicScale()`` (the same rule in this library) and
+     ``PredictiveScale()``; one row per stream and seed.
   2. Step time of LossScaleOptimizer.step() with each policy on the same gradients (fused AdamW),
      alternating: the predictive policy reads the maximum in the pass that already checks overflow.
   3. The demo model (``lossscale demo`` runs fp16-dynamic and fp16-predictive): skipped steps, final
      held-out loss, measured underflow and seconds, when the demo is installed.
 
-    python benchmarks/predictive.py
+    python benchmarks/predictive.py [--seeds 3] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import random
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _streams as streams  # noqa: E402
 from _common import alternate, emit, grad_restorer, machine, table  # noqa: E402
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
 
-LIMIT = 65504.0
+
+def stream_rows(steps: int, seeds: int) -> list[dict]:
+    """One row per (kind, seed): what each rule paid on the same stream."""
+    runs = [streams.make_stream(kind, steps, seed) for kind in streams.KINDS for seed in range(seeds)]
+    ours = streams.run_policy(PredictiveScale(), runs)
+    rows = []
+    for s, p in zip(runs, ours):
+        t = streams.run_torch_rule(s)
+        d = streams.run_policy(DynamicScale(), [s])[0]
+        rows.append({"stream": s.kind, "seed": s.seed, "steps": len(s),
+                     "skipped torch / DynamicScale / predictive": f"{t.skipped} / {d.skipped} / {p.skipped}",
+                     "skip ratio torch / predictive": round(t.skipped / max(p.skipped, 1), 1),
+                     "underflow torch": f"{t.underflow:.2e}", "underflow DynamicScale": f"{d.underflow:.2e}",
+                     "underflow predictive": f"{p.underflow:.2e}",
+                     "underflow ratio predictive / torch": round(p.underflow / t.underflow, 2),
+                     "final scale torch / predictive": f"2**{_log2(t.final_scale)} / 2**{_log2(p.final_scale)}"})
+    return rows
 
 
-def streams(n: int, seed: int = 0) -> dict[str, list[float]]:
-    rng = random.Random(seed)
-    drift = [1e-3 * math.exp(6 * t / n) * rng.uniform(0.7, 1.0) for t in range(n)]
-    spikes = [0.3 * rng.uniform(0.7, 1.0) * (2**8 if rng.random() < 0.002 else 1) for _ in range(n)]
-    quiet = [(1e-2 if (t // (n // 4)) % 2 == 0 else 1e-5) * rng.uniform(0.8, 1.0) for t in range(n)]
-    noisy = [0.05 * math.exp(rng.gauss(0, 0.7)) for _ in range(n)]
-    return {"slow drift": drift, "spikes of 2**8": spikes, "quiet stretches": quiet, "log-normal noise": noisy}
-
-
-def simulate(policy, amaxes: list[float]) -> tuple[int, float]:
-    """Skipped steps, and the mean log2 headroom (log2(LIMIT / (amax * scale)); smaller = less underflow)."""
-    state = policy.init()
-    observes = getattr(policy, "observes_amax", False)
-    skipped, headroom = 0, 0.0
-    for a in amaxes:
-        scale = float(state.scale)
-        over = a * scale >= LIMIT
-        skipped += over
-        if not over:
-            headroom += math.log2(LIMIT / (a * scale))
-        found = torch.tensor(over)
-        state = (policy.update(state, found, amax=torch.tensor(math.inf if over else a * scale)) if observes
-                 else policy.update(state, found))
-    return skipped, headroom / max(1, len(amaxes) - skipped)
+def _log2(x: float) -> int:
+    return int(math.log2(x))
 
 
 def step_time(total: int, rounds: int) -> dict[str, float]:
@@ -63,7 +58,8 @@ def step_time(total: int, rounds: int) -> dict[str, float]:
     base = [torch.randn_like(p) * 1e-3 * 2**16 for p in params]
     opts = {
         "DynamicScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True), policy=DynamicScale()),
-        "PredictiveScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True), policy=PredictiveScale()),
+        "PredictiveScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True),
+                                              policy=PredictiveScale()),
     }
 
     restore = grad_restorer(params, base)
@@ -99,32 +95,31 @@ def demo_comparison(steps: int | None, quick: bool) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stream-steps", type=int, default=20_000)
+    parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--millions", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--demo-steps", type=int, default=None, help="default: the demo's own default run")
+    parser.add_argument("--demo-steps", type=int, default=20, help="steps of the demo's --quick run (default 20)")
+    parser.add_argument("--full-demo", action="store_true", help="the demo's default run instead of --quick")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    n = 2_000 if args.tiny else args.stream_steps
-
-    rows = []
-    for name, amaxes in streams(n).items():
-        t_skip, t_head = simulate(DynamicScale(), amaxes)
-        p_skip, p_head = simulate(PredictiveScale(), amaxes)
-        rows.append({"stream": name, "steps": n, "torch defaults skipped": t_skip, "predictive skipped": p_skip,
-                     "torch mean headroom (log2)": t_head, "predictive mean headroom (log2)": p_head})
+    rows = stream_rows(2_000 if args.tiny else args.stream_steps, 1 if args.tiny else args.seeds)
     t = step_time(20_000 if args.tiny else int(args.millions * 10**6), 2 if args.tiny else args.rounds)
     timing = [{"policy": k, "LossScaleOptimizer.step ms": v * 1e3, "ratio to DynamicScale": v / t["DynamicScale"]}
               for k, v in t.items()]
-    demo = [] if args.tiny else demo_comparison(args.demo_steps, quick=False)
+    demo = [] if args.tiny else demo_comparison(args.demo_steps, quick=not args.full_demo)
 
-    md = ("Synthetic streams (a step overflows when max|g| x scale >= 65504; headroom = log2(65504 / (max|g| x "
-          "scale)) on clean steps: more headroom means more of the gradient lost to underflow):\n\n"
+    md = ("Seeded synthetic streams (`benchmarks/_streams.py`: a step overflows when its max |g| x scale >= 65504; "
+          "underflow = mean share of gradient values float16 rounds to zero on applied steps; torch's rule is "
+          "advanced by `torch._amp_update_scale_`). iid-max is the hard case: step maxima with no structure "
+          "to forecast.\n\n"
           + table(rows, list(rows[0])) + "\n\n"
           + f"Step time on {('20k' if args.tiny else f'{args.millions:g}M')} float32 parameters, fused AdamW:\n\n"
           + table(timing, list(timing[0])))
     if demo:
-        md += "\n\nThe demo model (`lossscale demo --runs fp16-dynamic,fp16-predictive`):\n\n" + table(demo, list(demo[0]))
+        quick = "" if args.full_demo else " --quick"
+        md += ("\n\nThe demo model (`lossscale demo --runs fp16-dynamic,fp16-predictive"
+               f"{quick} --steps {args.demo_steps}`; fp16-dynamic is DynamicScale(), torch's rule):\n\n") + table(demo, list(demo[0]))
     payload = {"machine": machine(), "rows": rows, "timing": timing, "demo": demo, "markdown": md}
     emit("predictive", payload, args.json)
     return payload

@@ -24,6 +24,7 @@ BENCHMARKS = [
     ("host_reads", "Host reads per step", []),
     ("end_to_end", "End to end: the demo model's training step", []),
     ("predictive", "Predictive scale against torch's defaults", []),
+    ("layerwise", "Per-layer loss scales: hook and unscale overhead", []),
 ]
 
 

@@ -1,11 +1,13 @@
-"""PredictiveScale: set the loss scale from the gradients' observed maximum, not by trial and error.
+"""PredictiveScale: set the loss scale from a forecast of the gradients' maximum, not by trial and error.
 
 Every dynamic scaler in use grows blindly every N steps until a step overflows, throws that step
-away and backs off. This policy instead reads the largest scaled-gradient magnitude that the overflow
-pass already measures (``amax``), keeps the unscaled maxima of the last ``history`` steps, and picks
-the largest power of two that keeps the window's maximum ``margin`` powers of two below the format's
-largest finite value, as FP8 delayed scaling does with its amax history. Overflows still back off
-at once (the trial-and-error rule stays as a safety net) and are remembered for ``history`` steps.
+away and backs off. This policy reads the largest scaled-gradient magnitude (``amax``) that the
+overflow pass already measures, learns how that maximum moves (its level, and how far above the
+level it strays, tail included) and picks the largest power of two whose predicted overflow rate is
+one step in ``target_interval``. An overflow the forecast missed backs off at once (never more than
+torch's halving) and adds a power of two of headroom that is given back slowly. An overflow that
+is not evidence about the scale (a non-finite loss; or, after a clean step, a finite ``amax`` far
+below the format's limit) leaves the scale where it was.
 """
 
 from __future__ import annotations
@@ -21,26 +23,40 @@ from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, Policy, _as_f
 
 __all__ = ["PredictiveScale", "PredictiveState"]
 
+#: The tail is measured above the level's 90th percentile and extrapolated as an exponential tail.
+TAIL_SHARE = 0.1
+#: Before ``PRIOR_STEPS`` observations the tail width leans on this prior (powers of two).
+PRIOR_WIDTH, PRIOR_STEPS = 0.5, 50
+#: How fast the 90th-percentile threshold moves (powers of two per step).
+THRESHOLD_RATE = 0.05
+#: Before any clean observation an overflow says only "too large": back off this many powers of two.
+BLIND_BACKOFF_POWERS = 8
+
 
 @dataclass(frozen=True)
 class PredictiveState:
-    """Scale and amax history, all 0-d/1-d tensors on the gradients' device.
+    """Scale and forecast, all 0-d tensors on the gradients' device.
 
     Attributes:
         scale: float32, the loss scale (always a power of two).
-        history: float32 [history], unscaled gradient maxima of the last steps (0 = no observation).
-        position: int32, where the next observation goes in the ring.
-        extra_margin: int32, powers of two learned from overflows the history did not predict.
-        clean_run: int32, clean steps since the last overflow (to forget learned margin slowly).
+        level: float32, moving average of log2(unscaled amax).
+        threshold: float32, the 90th percentile of log2(amax) - level (stochastic approximation).
+        excess: float32, moving average of how far log2(amax) - level passes the threshold.
+        observed: int32, clean steps with a nonzero finite amax seen (saturates).
+        extra: float32, powers of two of headroom learned from overflows the forecast missed.
+        clean_run: int32, clean steps since the last overflow (saturates).
     """
 
     scale: torch.Tensor
-    history: torch.Tensor
-    position: torch.Tensor
-    extra_margin: torch.Tensor
+    level: torch.Tensor
+    threshold: torch.Tensor
+    excess: torch.Tensor
+    observed: torch.Tensor
+    extra: torch.Tensor
     clean_run: torch.Tensor
 
-    def to(self, device: torch.device | str) -> "PredictiveState":
+    def to(self, device: torch.device | str) -> PredictiveState:
+        """The same state on ``device``."""
         return PredictiveState(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
@@ -50,58 +66,71 @@ def _pow2_floor(x: float) -> float:
 
 @dataclass(frozen=True)
 class PredictiveScale(Policy):
-    """Loss scale predicted from the observed gradient maximum over a history window.
+    """Loss scale from a forecast of log2(max |gradient|): level, tail, and a target overflow rate.
 
-    The rule, per call of ``update(state, found_inf, amax)`` (amax: max |scaled gradient| this step)::
+    The rule, per ``update(state, found_inf, amax, loss_finite=None)`` (amax: max |scaled gradient|)::
 
-        observed = limit / scale if found_inf else amax / scale     # unscaled; an overflow says
-                                                                    # "at least limit / scale"
-        history[position] = observed; position += 1 (mod history)
-        A = max(history)
-        if learn_margin:
-            first overflow after a clean step: extra_margin += 1
-            forget_interval clean steps in a row: extra_margin -= 1 (not below 0)
-        if A > 0: scale = 2 ** floor(log2(limit / A) - margin - extra_margin)
-        if found_inf: scale = min(scale, old_scale * backoff_factor)  # the safety net, at once
-        scale = clamp(2 ** floor(log2(scale)), min_scale, max_scale)   # powers of two inside the bounds
+        fault    = found_inf and (loss_finite is False
+                                  or (amax finite and amax < limit * 2**-fault_gap and clean_run > 0))
+        evidence = found_inf and not fault                  # an overflow the scale may have caused
+        if clean and 0 < amax < inf:                        # an observation, unscaled, in log2
+            x = log2(amax / scale); r = x - level
+            level += r / history                            (level = x on the first observation)
+            excess += (max(r - threshold, 0) - excess) / tail_history
+            threshold += 0.05 * ((r > threshold) - 0.1)    # tracks the 90th percentile of r
+        width = mean excess above the threshold / 0.1, blended with a prior 0.5 over the first 50
+        extra = max(extra - 1 / forget_interval, 0) + (1 if evidence and learn_margin and observed before)
+        headroom = threshold + width * ln(0.1 * target_interval) + extra + margin
+        scale = 2 ** floor(log2(limit) - level - headroom)  # exponential tail: P(overflow) ~ 1/target
+        if evidence: scale = min(scale, old * backoff_factor)   (old * 2**-8 before any observation)
+        if fault: scale = old
+        scale = clamp(power of two, min_scale, max_scale)
 
     ``limit`` is ``torch.finfo(dtype).max`` (65504 for float16). The scale is always a power of two,
-    so unscaling is exact. Cost: about 25 element-wise ops on tensors of ``history`` elements; no host
-    read. The amax itself comes from the overflow pass (``aminmax``), at no extra pass where the
-    scaler already reads the gradients once.
+    so unscaling is exact. Cost: about 40 element-wise ops on 0-d tensors; no host read (element-wise
+    throughout: state fields with a leading dimension advance that many independent scales). The amax
+    comes from the overflow pass (``aminmax``), at no extra pass where the scaler reads the
+    gradients once. Where it pays off: the gradient maximum drifts (warm-up, decay) or torch's blind
+    growth probes every ``growth_interval`` steps; on a stationary stream it keeps one scale.
 
     Args:
         init_scale: First scale (rounded down to a power of two).
-        margin: Powers of two of headroom between the window's maximum and ``limit`` (>= 0).
-        history: Steps remembered (>= 1); a spike lowers the scale for this many steps.
-        backoff_factor: Applied at once on an overflow, in (0, 1).
-        learn_margin: Add one power of two of headroom after each overflow (for models whose overflow
-            happens in backward intermediates larger than the parameter gradients), and give it back
-            after ``forget_interval`` clean steps in a row.
-        forget_interval: >= 1 clean steps before one learned power of two is forgotten.
+        target_interval: Mean steps between overflows the forecast aims for (>= 10).
+        history: Steps the level averages over (>= 1): shorter follows drift faster, noisier.
+        tail_history: Steps the tail width averages over (>= 1).
+        margin: Powers of two of headroom on top of the forecast (>= 0).
+        backoff_factor: At most this factor at once on an overflow that is evidence, in (0, 1).
+        learn_margin: Add one power of two of headroom per overflow the forecast missed, and give it
+            back linearly over ``forget_interval`` steps.
+        forget_interval: >= 1 steps to forget one learned power of two.
+        fault_gap: An overflow after a clean step whose finite amax is this many powers of two below
+            ``limit`` is not evidence about the scale (>= 1).
         dtype: The low-precision format whose largest finite value is ``limit``.
         min_scale, max_scale: Bounds (powers of two are taken inside them).
 
     Example:
         >>> import torch
-        >>> policy = PredictiveScale(init_scale=2.0**10, margin=1, history=4)
-        >>> state = policy.init()
-        >>> state = policy.update(state, torch.tensor(False), amax=torch.tensor(1.0 * 2**10))
-        >>> float(state.scale)  # largest power of two with 1.0 * scale <= 65504 / 2
-        16384.0
+        >>> policy = PredictiveScale(init_scale=2.0**10)
+        >>> state = policy.update(policy.init(), torch.tensor(False), amax=torch.tensor(1.0 * 2**10))
+        >>> float(state.scale)  # unscaled amax 1.0; headroom ~0.5 * ln(2000) = 3.8 powers of two
+        4096.0
     """
 
     init_scale: float = 2.0**16
-    margin: int = 2
-    history: int = 16
+    target_interval: int = 20_000
+    history: int = 32
+    tail_history: int = 500
+    margin: int = 0
     backoff_factor: float = 0.5
     learn_margin: bool = True
     forget_interval: int = 1000
+    fault_gap: int = 8
     dtype: torch.dtype = torch.float16
     min_scale: float = SMALLEST_NORMAL_FLOAT32
     max_scale: float = FLOAT32_MAX
 
     observes_amax: ClassVar[bool] = True  # the pipeline passes amax= to update()
+    observes_loss_finite: ClassVar[bool] = True  # the pipeline may pass loss_finite= (isfinite(loss), ANDed)
 
     def __post_init__(self) -> None:
         call = type(self).__name__
@@ -111,9 +140,10 @@ class PredictiveScale(Policy):
             raise ValueError(f"{call}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}): min_scale must "
                              f"be <= max_scale; got min_scale > max_scale.")
         check_scale(call, "init_scale", self.init_scale, low=self.min_scale, high=self.max_scale)
+        check_int_at_least(call, "target_interval", self.target_interval, 10)
+        for name in ("history", "tail_history", "forget_interval", "fault_gap"):
+            check_int_at_least(call, name, getattr(self, name), 1)
         check_int_at_least(call, "margin", self.margin, 0)
-        check_int_at_least(call, "history", self.history, 1)
-        check_int_at_least(call, "forget_interval", self.forget_interval, 1)
         check_choice(call, "learn_margin", self.learn_margin, (True, False))
         b = self.backoff_factor
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0.0 < b < 1.0):
@@ -131,16 +161,15 @@ class PredictiveScale(Policy):
         return float(torch.finfo(self.dtype).max)
 
     def init(self, device: torch.device | str | None = None) -> PredictiveState:
-        """A fresh state on ``device``: the initial scale (as a power of two) and an empty history."""
-        zero = torch.zeros((), dtype=torch.int32, device=device)
+        """A fresh state on ``device``: the initial scale (as a power of two) and no observation."""
+        def zero(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros((), dtype=dtype, device=device)
+
         start = min(max(_pow2_floor(self.init_scale), self._floor_pow2()), self._cap_pow2())
-        return PredictiveState(
-            scale=torch.full((), start, dtype=torch.float32, device=device),
-            history=torch.zeros(self.history, dtype=torch.float32, device=device),
-            position=zero,
-            extra_margin=zero.clone(),
-            clean_run=zero.clone(),
-        )
+        return PredictiveState(scale=torch.full((), start, dtype=torch.float32, device=device),
+                               level=zero(torch.float32), threshold=zero(torch.float32),
+                               excess=zero(torch.float32), observed=zero(torch.int32),
+                               extra=zero(torch.float32), clean_run=zero(torch.int32))
 
     def _cap_pow2(self) -> float:
         return _pow2_floor(self.max_scale)
@@ -149,39 +178,61 @@ class PredictiveScale(Policy):
         low = _pow2_floor(self.min_scale)
         return low if low >= self.min_scale else low * 2
 
-    def update(self, state: PredictiveState, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> PredictiveState:
-        """The next state from this step's overflow flag and scaled-gradient maximum (no host read)."""
-        bad = _as_flag(found_inf, state.scale.device)
-        scale = state.scale.double()
-        if amax is None:
-            amax = torch.zeros((), dtype=torch.float64, device=scale.device)
-        amax = amax.to(scale.device, torch.float64)
-        finite = torch.isfinite(amax)
-        clean_obs = torch.where(finite, amax, torch.zeros_like(amax)) / scale
-        observed = torch.where(bad, self.limit / scale, clean_obs).clamp_max(FLOAT32_MAX).float()
-
-        history = state.history.clone()
-        history.index_put_((state.position.long().reshape(1),), observed.reshape(1))
-        position = (state.position + 1) % self.history
-        window = history.max().double()
-
-        extra = state.extra_margin
+    def update(self, state: PredictiveState, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
+               *, loss_finite: torch.Tensor | None = None) -> PredictiveState:
+        """The next state from this step's overflow flag, scaled-gradient maximum and (optionally) whether
+        the loss was finite. No host read; ``loss_finite=None`` means unknown (today's scalers)."""
+        device = state.scale.device
+        bad = _as_flag(found_inf, device)
+        amax = torch.zeros((), device=device) if amax is None else amax.to(device, torch.float32)
+        fault = bad & self._is_fault(state, amax, loss_finite)
+        evidence = bad & ~fault
+        observed = self._observe(state, ~bad & torch.isfinite(amax) & (amax > 0), amax)
+        extra = (state.extra - 1.0 / self.forget_interval).clamp_min(0.0)
+        if self.learn_margin:  # a miss of the forecast (none exists before the first observation)
+            extra = extra + (evidence & (state.observed > 0)).float()
+        forecast = self._forecast(observed, extra)
+        blind = state.scale * 2.0**-BLIND_BACKOFF_POWERS
+        backed_off = torch.where(observed.observed > 0, torch.minimum(forecast, state.scale * self.backoff_factor),
+                                 blind)
+        new = torch.where(evidence, backed_off, torch.where(observed.observed > 0, forecast, state.scale))
+        new = torch.where(fault, state.scale, new)
+        new = torch.exp2(torch.floor(torch.log2(new))).clamp(self._floor_pow2(), self._cap_pow2())
         run = torch.where(bad, torch.zeros_like(state.clean_run), (state.clean_run + 1).clamp_max(2**30))
-        if self.learn_margin:
-            surprise = bad & (state.clean_run > 0)  # the first overflow of a run; NaN data does not inflate it
-            forget = run >= self.forget_interval
-            extra = torch.where(surprise, (extra + 1).clamp_max(126),
-                                torch.where(forget, (extra - 1).clamp_min(0), extra))
-            run = torch.where(forget, torch.zeros_like(run), run)
+        return PredictiveState(new.float(), observed.level, observed.threshold, observed.excess,
+                               observed.observed, extra.float(), run.to(torch.int32))
 
-        exponent = torch.floor(torch.log2(self.limit / window.clamp_min(1e-300))) - self.margin - extra.double()
-        predicted = torch.exp2(exponent.clamp(-126.0, 127.0))
-        predicted = torch.where(window > 0, predicted, scale)
-        predicted = torch.where(bad, torch.minimum(predicted, scale * self.backoff_factor), predicted)
-        # keep it a power of two inside the bounds (the backoff factor need not be one)
-        predicted = torch.exp2(torch.floor(torch.log2(predicted)))
-        new_scale = predicted.clamp(self._floor_pow2(), self._cap_pow2()).float()
-        return PredictiveState(new_scale, history, position.to(torch.int32), extra.to(torch.int32), run.to(torch.int32))
+    def _is_fault(self, state: PredictiveState, amax: torch.Tensor, loss_finite: torch.Tensor | None) -> torch.Tensor:
+        """An overflow that says nothing about the scale: a non-finite loss, or (after a clean step) a
+        finite amax more than ``fault_gap`` powers of two below the limit."""
+        far_below = torch.isfinite(amax) & (amax < self.limit * 2.0**-self.fault_gap) & (state.clean_run > 0)
+        if loss_finite is None:
+            return far_below
+        return far_below | ~_as_flag(loss_finite, state.scale.device)
+
+    def _observe(self, state: PredictiveState, valid: torch.Tensor, amax: torch.Tensor) -> PredictiveState:
+        """Level, threshold, excess and count after one (possibly absent) observation of log2 amax."""
+        x = torch.log2(torch.where(valid, amax, torch.ones_like(amax))) - torch.log2(state.scale)
+        first = valid & (state.observed == 0)
+        r = x - state.level
+        later = valid & ~first
+        level = torch.where(first, x, torch.where(later, state.level + r / self.history, state.level))
+        over = (r - state.threshold).clamp_min(0.0)
+        excess = torch.where(later, state.excess + (over - state.excess) / self.tail_history, state.excess)
+        step = THRESHOLD_RATE * ((r > state.threshold).float() - TAIL_SHARE)
+        threshold = torch.where(later, state.threshold + step, state.threshold)
+        count = (state.observed + valid.to(torch.int32)).clamp_max(2**30)
+        return PredictiveState(state.scale, level.float(), threshold.float(), excess.float(), count,
+                               state.extra, state.clean_run)
+
+    def _forecast(self, observed: PredictiveState, extra: torch.Tensor) -> torch.Tensor:
+        """The largest power of two whose forecast overflow rate is about 1 / target_interval."""
+        weight = observed.observed.float() / (observed.observed.float() + PRIOR_STEPS)
+        width = weight * observed.excess / TAIL_SHARE + (1.0 - weight) * PRIOR_WIDTH
+        headroom = (observed.threshold + width * math.log(TAIL_SHARE * self.target_interval)
+                    + extra + self.margin)
+        exponent = torch.floor(math.log2(self.limit) - observed.level - headroom)
+        return torch.exp2(exponent.clamp(-126.0, 127.0))
 
     def check_floor(self, state: PredictiveState) -> None:
         """A predictive scale keeps skipping at its floor; it never raises."""
