@@ -190,3 +190,33 @@ def test_docstring_examples_run(name):
         warnings.simplefilter("error")
         failed, attempted = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert failed == 0 and attempted > 0
+
+
+@pytest.mark.parametrize("front_end", ["GradScaler", "LossScaleOptimizer"])
+def test_a_non_finite_loss_reaches_policies_that_observe_it(front_end):
+    """PredictiveScale treats an overflow with a NaN loss as a fault of the data, not of the scale: both front
+    ends must tell it the loss was not finite, or it backs off."""
+    from lossscale import PredictiveScale
+
+    w = torch.nn.Parameter(torch.ones(4))
+    sgd = torch.optim.SGD([w], lr=0.1)
+    policy = PredictiveScale(init_scale=2.0**10)
+    scaler = GradScaler(policy=policy) if front_end == "GradScaler" else None
+    opt = None if scaler else LossScaleOptimizer(sgd, policy=policy)
+
+    def one_step(factor: float) -> float:
+        loss = (w * factor).sum()
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.step(sgd)
+            scaler.update()
+            sgd.zero_grad()
+            return scaler.get_scale()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return float(opt.scale)
+
+    before = [one_step(2.0) for _ in range(3)][-1]
+    assert one_step(float("nan")) == before
+    assert torch.allclose(w.detach(), torch.full((4,), 0.4))  # three applied steps, the NaN one skipped

@@ -32,6 +32,8 @@ def optimizer_state_dict(opt: Any) -> dict[str, Any]:
         out["window"] = run.window
     if opt.options.ema is not None:
         out["ema"] = opt.options.ema.state_dict()
+    if run.layers is not None:
+        out["layerwise"] = run.layers.state_dict()
     if run.schedule is not None:
         out["schedule"] = run.schedule.state_dict()
         out["seen_switch"] = run.seen_switch
@@ -70,6 +72,8 @@ def load_optimizer_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     for p, grad in zip(params, state_dict.get("accumulated_grads", [None] * len(params))):
         p.grad = None if grad is None else grad.to(p.device).clone()
     run.window = state_dict.get("window")
+    if run.layers is not None and "layerwise" in state_dict:
+        run.layers.load_state_dict(state_dict["layerwise"])
     if opt.options.ema is not None and "ema" in state_dict:
         opt.options.ema.load_state_dict(state_dict["ema"])
     if run.schedule is not None and "schedule" in state_dict:

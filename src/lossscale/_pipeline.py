@@ -39,15 +39,20 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
     found = torch.zeros((), dtype=torch.float32, device=opt._device)
     scale = owner.scale
 
+    layers = run.layers if active else None
     underflow = _underflow(groups, options.underflow_stride) if active else None
-    amax, norm_sq, detected = _measure(opt, groups, found, active, checking)
-    inv = stages.inverse_(scale, found) if active else torch.ones_like(scale)
+    if layers is None:
+        amax, norm_sq, detected = _measure(opt, groups, found, active, checking)
+        inv = stages.inverse_(scale, found) if active else torch.ones_like(scale)
+    else:  # per-layer scales: each unit unscaled by scale * 2**e[unit] and checked in one pass
+        layer_obs, amax, norm_sq = _measure_layers(opt, layers, found, scale)
+        inv, detected, layer_scales = torch.ones_like(scale), True, layers.layer_scales(scale)
     grad_norm = clip = None
     if norm_sq is not None:
         grad_norm = norm_sq.sqrt() * inv
         clip = global_clip_coefficient(grad_norm, options.clip_grad_norm)
     coef = inv if clip is None else inv * clip
-    _unscale(opt, groups, found, coef, active, checking and not detected, clip is not None)
+    _unscale(opt, groups, found, coef, active and layers is None, checking and not detected, clip is not None)
     found = stages.agree_(found, options.process_group)
     overflow = found > 0
     stepped = ~overflow
@@ -60,13 +65,32 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
     if options.ema is not None:
         options.ema.update(stepped, run.boundaries)
     if active:
-        try:
-            owner.update(found, amax)
+        try:  # with per-layer scales, an overflow a unit's own factor caused lowers that unit alone
+            owner.update(found if layers is None else layers.update(*layer_obs, scale), amax, run.loss_finite)
         except FloorError as err:
             raise FloorError(f"LossScaleOptimizer step {run.boundaries}: {err}") from None
+    run.loss_finite = None
     return StepResult(stepped=stepped, found_inf=overflow, scale=scale if active else torch.ones_like(scale),
                       next_scale=owner.scale, grad_norm=grad_norm, step=run.boundaries - 1, precision=precision,
-                      switched=opt._consume_switch(precision), underflow=underflow, loss=loss)
+                      switched=opt._consume_switch(precision), underflow=underflow, loss=loss,
+                      layer_scales=None if layers is None else layer_scales)
+
+
+def _measure_layers(opt: Any, layers: Any, found: torch.Tensor, scale: torch.Tensor
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    """Per-layer unscale and check (one read + one write pass), agreed over ranks (one MAX all-reduce of
+    [2, units]); the clip norm, when clipping, of the unscaled gradients (one read). No host read."""
+    options = opt.options
+    found_u, amax_u = layers.unscale_(scale)
+    observed = stages.agree_amax_(torch.stack([found_u.float(), amax_u.float()]), options.process_group)
+    found_u, amax_u = observed[0] > 0, observed[1]
+    found.add_(found_u.any().to(found.dtype).to(found.device))
+    norm_sq = None
+    if options.clip_grad_norm is not None:
+        raw = [p.grad for g in opt.inner.param_groups for p in g["params"] if p.grad is not None]
+        norm_sq = global_norm_squared(raw, options.process_group, options.sharded_grads, opt._device)
+        found += (~torch.isfinite(norm_sq)).float()
+    return (found_u, amax_u), amax_u.max().to(scale.device), norm_sq
 
 
 def _underflow(groups: stages.Groups, stride: int | None) -> torch.Tensor | None:

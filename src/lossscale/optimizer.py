@@ -16,6 +16,7 @@ import torch
 
 from lossscale import step as stages
 from lossscale._masked import MaskedSkip
+from lossscale._optimizer_hooks import Attachments
 from lossscale._optimizer_view import OptimizerView
 from lossscale._pipeline import run_boundary
 from lossscale.options import StepOptions, check_module, refuse_float16_params, upgrade_old_spellings
@@ -38,9 +39,11 @@ class _Run:
     schedule: Any = None
     seen_switch: bool = False
     options: StepOptions | None = None
+    loss_finite: torch.Tensor | None = None  # every loss of the window finite (policies that observe it)
+    layers: Any = None  # per-layer scales (LayerScales), when on
 
 
-class LossScaleOptimizer(OptimizerView):
+class LossScaleOptimizer(Attachments, OptimizerView):
     """Wraps any ``torch.optim.Optimizer`` with dynamic loss scaling; ``step()`` returns a :class:`StepResult`.
 
     Usage::
@@ -85,6 +88,8 @@ class LossScaleOptimizer(OptimizerView):
         module: Gives parameter names to overflow attribution.
         schedule: A :class:`~lossscale.PrecisionSchedule`; scaling runs only while it is in float16.
         check_when_unscaled: Keep catching inf/NaN (and skipping) while scaling is off (bf16/fp32 phase).
+        layerwise: A model, a list of modules or a :class:`~lossscale.layerwise.LayerScales`: one extra
+            power-of-two scale per module on top of the global one (see docs/layerwise.md).
         underflow_stride: Turn on the underflow meter (``StepResult.underflow``): sample every n-th value of
             the scaled gradients and report the share float16 would round to zero (reads 1/n of them).
         transform_unscaled: Called as ``fn(grads, process_group=..., sharded=...)`` on the unscaled
@@ -95,7 +100,8 @@ class LossScaleOptimizer(OptimizerView):
     """
 
     def __init__(self, inner: torch.optim.Optimizer, *args: Any, policy: Policy | LossScale | None = None,
-                 module: torch.nn.Module | None = None, schedule: Any = None, **options: Any) -> None:
+                 module: torch.nn.Module | None = None, schedule: Any = None, layerwise: Any = None,
+                 **options: Any) -> None:
         if args or "clip_grad_norm_per_param" in options:
             options = upgrade_old_spellings(args, dict(options, policy=policy) if policy is not None else options)
             policy = options.pop("policy", policy)
@@ -117,6 +123,8 @@ class LossScaleOptimizer(OptimizerView):
         if schedule is not None:
             self.attach_schedule(schedule)
         refuse_float16_params(inner)
+        if layerwise is not None:
+            self.attach_layerwise(layerwise)
 
     # --- what users read ---------------------------------------------------------------------
 
@@ -146,7 +154,7 @@ class LossScaleOptimizer(OptimizerView):
     @property
     def _explicit_unscale(self) -> bool:
         """Whether the gradients are unscaled by a pass of ours (not in a fused kernel)."""
-        return self.skip_mode != "fused" or self.options.writes_unscaled
+        return self.skip_mode != "fused" or self.options.writes_unscaled or self._run.layers is not None
 
     @property
     def policy(self) -> Policy:
@@ -205,7 +213,11 @@ class LossScaleOptimizer(OptimizerView):
             stages.scale_loss(loss, self._owner.scale)  # the same type check
             return loss
         factor = self._owner.scale if run.window[0] else torch.ones_like(self._owner.scale)
-        return stages.scale_loss(loss, factor, self.options.accumulation_steps)
+        scaled = stages.scale_loss(loss, factor, self.options.accumulation_steps)
+        if self.policy.observes_loss_finite:
+            finite = torch.isfinite(loss.detach()).all()
+            run.loss_finite = finite if run.loss_finite is None else run.loss_finite & finite
+        return scaled
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale_loss(loss).backward(**kwargs)``."""
@@ -243,30 +255,6 @@ class LossScaleOptimizer(OptimizerView):
 
     def _boundary_step(self, loss: Any) -> StepResult:
         return run_boundary(self, loss)
-
-    # --- schedule hooks --------------------------------------------------------------------------
-
-    def attach_schedule(self, schedule: Any) -> None:
-        """Scale only while ``schedule`` is in float16; refuse parameters already in low precision."""
-        from lossscale.schedule import check_attachable
-
-        check_attachable(schedule, [p for g in self.inner.param_groups for p in g["params"]])
-        self._run.schedule = schedule
-        self._run.seen_switch = schedule.switched
-
-    def _precision(self) -> str | None:
-        if self.schedule is None:
-            return None
-        dtype = self.schedule.dtype
-        return "float32" if dtype is None else str(dtype).replace("torch.", "")
-
-    def _consume_switch(self, precision: str | None) -> bool:
-        """True once: on the first boundary whose step ran in the original precision."""
-        run = self._run
-        if run.schedule is None or run.seen_switch or precision in ("float16", "bfloat16"):
-            return False
-        run.seen_switch = True
-        return True
 
     # --- attribution, checkpoints ------------------------------------------------------------------
 

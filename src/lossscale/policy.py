@@ -50,11 +50,14 @@ class Policy:
         of the step, taken in the overflow pass (``aminmax``: one read pass instead of a plain check).
     ``check_floor(state)`` (nothing): the floor rule, run after every update; may raise
         :class:`FloorError` (and may read the state on the host: say so in its docstring).
+    ``observes_loss_finite`` (False): True asks for ``update(..., loss_finite=...)``, whether every loss of
+        the step was finite (0-d bool; an overflow with a non-finite loss is not evidence about the scale).
     ``min_scale`` / ``max_scale`` (2**-126 / float32 max): the bounds every scale set from outside is
         validated against.
     """
 
     observes_amax: ClassVar[bool] = False
+    observes_loss_finite: ClassVar[bool] = False
     min_scale: float = SMALLEST_NORMAL_FLOAT32
     max_scale: float = FLOAT32_MAX
 

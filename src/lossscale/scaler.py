@@ -85,6 +85,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         self._owner = LossScale(policy)
         self._placed = False  # whether the state has moved to the device of the first scaled output
         self._replicas: dict[torch.device, torch.Tensor] = {}
+        self._loss_finite: torch.Tensor | None = None  # every scaled output finite (policies that observe it)
         self._reset_records()
 
     # --- state -------------------------------------------------------------------------------
@@ -124,6 +125,9 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
                 self._place(value.device)
+                if self._owner.policy.observes_loss_finite:  # whether the losses themselves were finite
+                    finite = torch.isfinite(value.detach()).all().to(self._owner.device)
+                    self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
                 return value * self._scale_on(value.device)
             if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
                 mapped = map(apply, value)
@@ -245,7 +249,8 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
                 maxima = [a.to(owner.device) for a in self._amax_seen]
                 amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=owner.device)
                 stages.agree_amax_(amax, self.process_group)
-            owner.update(found_inf, amax)
+            owner.update(found_inf, amax, self._loss_finite)
+        self._loss_finite = None
         self._reset_records()
 
     def get_scale(self) -> float:

@@ -183,11 +183,16 @@ class LossScale:
         turns a non-finite inverse into an overflow, never into a gradient."""
         self._state = dataclasses.replace(self._state, scale=scale.detach().reshape(()).to(self._state.scale))
 
-    def update(self, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> None:
-        """Advance the rule by one step (pure tensor ops), then apply the policy's floor rule.
+    def update(self, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
+               loss_finite: torch.Tensor | None = None) -> None:
+        """Advance the rule by one step (pure tensor ops), then apply the policy's floor rule. ``loss_finite``
+        reaches policies that observe it (``observes_loss_finite``).
 
         Cost: no host read, unless the policy raises at its floor (``at_floor="raise"``: one read)."""
-        self._state = self._policy.update(self._state, found_inf, amax=amax)
+        if self._policy.observes_loss_finite:
+            self._state = self._policy.update(self._state, found_inf, amax=amax, loss_finite=loss_finite)
+        else:
+            self._state = self._policy.update(self._state, found_inf, amax=amax)
         self._policy.check_floor(self._state)
 
     def state_dict(self) -> dict[str, Any]:
