@@ -18,8 +18,8 @@ dynamic_growth_steps=2000)``                                 initial_scale, dyna
 ``learning_rate``                                            the inner optimizer's ``lr`` (every param group)
 ``weight_decay``                                             ``weight_decay``: ``p -= p * wd * lr`` before applied
                                                              steps (decoupled, as Keras)
-``clipnorm``                                                 ``clip_grad_norm_per_param`` (``clip_by_norm`` per
-                                                             variable)
+``clipnorm``                                                 ``transform_unscaled=PerTensorClip(clipnorm)``
+                                                             (``clip_by_norm`` per variable)
 ``clipvalue``                                                ``clip_grad_value``
 ``global_clipnorm``                                          ``clip_grad_norm`` (torch's rule: ``max / (norm +
                                                              1e-6)``; Keras divides by the norm alone)
