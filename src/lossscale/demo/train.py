@@ -155,7 +155,7 @@ def train_run(
     params = list(model.parameters())
     inner = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     schedule = spec.make_schedule(cfg.steps)
-    opt = LossScaleOptimizer(inner, policy=spec.policy(), accumulation_steps=cfg.accumulation,
+    opt = LossScaleOptimizer(inner, policy=spec.policy(cfg), accumulation_steps=cfg.accumulation,
                              clip_grad_norm=cfg.clip_grad_norm, schedule=schedule,
                              underflow_stride=UNDERFLOW_METER_STRIDE)
     history = RunHistory()
