@@ -109,11 +109,12 @@ def test_quick_code_path_in_worker_processes_matches_one_process(tmp_path, capsy
     assert last.startswith("fp16-noscale ") and str(tmp_path / "workers" / "demo.png") in last
     assert str(tmp_path / "workers" / "results.json") in last
 
-    assert cli.main(["--quick", *SIZE, "--jobs", "1", "--out", str(tmp_path / "alone")]) == 0
-    alone = json.loads((tmp_path / "alone" / "results.json").read_text())
-    for w, a in zip(results["runs"], alone["runs"]):  # a worker trains exactly what this process trains
-        for key in ("train_loss", "scale", "skipped", "heldout_loss", "underflow_samples"):
-            assert w[key] == a[key], (w["name"], key)
+    args = ["--quick", *SIZE, "--jobs", "1", "--runs", "fp16-dynamic", "--out", str(tmp_path / "alone")]
+    assert cli.main(args) == 0
+    alone = json.loads((tmp_path / "alone" / "results.json").read_text())["runs"][0]
+    worker = next(r for r in results["runs"] if r["name"] == "fp16-dynamic")
+    for key in ("train_loss", "scale", "skipped", "heldout_loss", "underflow_samples"):
+        assert worker[key] == alone[key], key  # a worker trains exactly what this process trains
 
 
 def test_jobs_under_torchrun_is_a_usage_error(tmp_path, capsys, monkeypatch):
@@ -158,6 +159,19 @@ def test_fp16_without_scaling_flushes_gradients_that_dynamic_scaling_keeps():
     dynamic = train_run(runs.RUNS["fp16-dynamic"], cfg, corpus)
     assert max(u for _, u in noscale.underflow) > 0.05
     assert max(u for _, u in dynamic.underflow) < 0.01
+
+
+def test_skipped_steps_do_not_advance_the_learning_rate_schedule(monkeypatch):
+    # fp16-dynamic starts at 2**24, which overflows: its first steps are skipped, and the warm-up waits for them.
+    from lossscale.demo import train
+
+    seen = []
+    monkeypatch.setattr(train, "learning_rate", lambda cfg, applied: seen.append(applied) or cfg.lr)
+    cfg = QUICK.replace(steps=6, accumulation=2, sequences=4, context=16, d_model=8, files=3, eval_every=6)
+    history = train_run(runs.RUNS["fp16-dynamic"], cfg, load_corpus(cfg.files, cfg.seed, cfg.context))
+    skipped = [bool(row["skipped"]) for row in history.rows]
+    assert skipped[0]  # 2**24 overflows this model's float16 gradients
+    assert seen == [sum(not s for s in skipped[:i]) for i in range(6)]
 
 
 GROWING = runs.RunSpec("fp16-growing", "float16, scale grows every 2 steps", torch.float16,

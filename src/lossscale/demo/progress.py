@@ -36,8 +36,7 @@ class Progress:
     def __init__(self, name: str, total: int, initial: int = 0, enabled: bool = True, position: int = 0) -> None:
         self.name, self.total, self.enabled = name, total, enabled
         self._bar: Any = None
-        self._initial = initial
-        self._started = time.perf_counter()
+        self._first: tuple[float, int] | None = None  # (time, steps done) at the first update: runs may queue
         self._next_line = initial + max(1, total // 10)
         if enabled and have_tqdm():
             from tqdm import tqdm
@@ -46,14 +45,16 @@ class Progress:
                              dynamic_ncols=True, file=sys.stderr, position=position)
 
     def time_left(self, done: int) -> float | None:
-        """Seconds left at the rate of the steps done so far in this session (None before the first)."""
-        if done <= self._initial:
+        """Seconds left at the rate of the steps since the first update (None until there are two)."""
+        if self._first is None or done <= self._first[1]:
             return None
-        return (self.total - done) * (time.perf_counter() - self._started) / (done - self._initial)
+        return (self.total - done) * (time.perf_counter() - self._first[0]) / (done - self._first[1])
 
     def update(self, done: int, **postfix: Any) -> None:
         if not self.enabled:
             return
+        if self._first is None:
+            self._first = (time.perf_counter(), done)
         shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in postfix.items()}
         if self._bar is not None:
             self._bar.set_postfix(shown, refresh=False)

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from lossscale.demo.config import DemoConfig
+from lossscale.demo.config import DemoConfig, power_text
 from lossscale.demo.runs import RunSpec
 from lossscale.demo.train import RunHistory
 
@@ -64,7 +64,7 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         vs = f"{100 * (r['final_loss'] / reference - 1):+.1f}%" if reference and r["final_loss"] else "-"
         under = f"{100 * r['underflow']:.1f}% / {100 * r['underflow_peak']:.1f}%" if r["underflow"] is not None else "-"
-        lines.append([r["name"], f"{r['final_loss']:.4f}", vs, str(r["skipped_steps"]), f"{r['final_scale']:g}",
+        lines.append([r["name"], f"{r['final_loss']:.4f}", vs, str(r["skipped_steps"]), power_text(r["final_scale"]),
                       under, f"{r['seconds']:.1f}"])
     widths = [max(len(row[i]) for row in [header] + lines) for i in range(len(header))]
 
