@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", help=f"comma-separated runs to compare (default: all: {','.join(RUNS)}; with --quick: "
                    f"{','.join(QUICK_RUNS)})")
     p.add_argument("--jobs", type=_int_at_least(1), metavar="N",
-                   help="runs trained at a time, in worker processes with cores/N torch threads each (default: one "
+                   help="train at most N runs at a time, in worker processes with cores/N torch threads each (default: one "
                         "per core on the CPU; 1 under torchrun or on a GPU)")
     p.add_argument("--steps", type=_int_at_least(1), help="optimizer steps per run")
     p.add_argument("--seed", type=_int_at_least(0), help="seeds the model, the choice of files and the batches")
