@@ -83,7 +83,7 @@ def power_text(x: float) -> str:
     return f"2^{exponent:g}" if exponent == int(exponent) else f"{x:g}"
 
 
-#: ``lossscale demo``: longer, and more convincing.
+#: ``lossscale demo``: four times ``--quick``'s steps, with the precision schedule run as well.
 DEFAULT = DemoConfig()
 #: ``lossscale demo --quick``: the same model and batches, a quarter of the steps (see the README for its time).
 QUICK = DEFAULT.replace(steps=40, eval_every=10, measure_every=5)
