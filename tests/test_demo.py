@@ -13,15 +13,16 @@ import pytest
 import torch
 
 from lossscale import DynamicScale
-from lossscale.demo import cli, plot, runs
+from lossscale.demo import cli, machine, plot, runs
 from lossscale.demo.config import DEFAULT, QUICK
 from lossscale.demo.data import load_corpus
 from lossscale.demo.train import train_run
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--steps", "6", "--accumulation", "2", "--sequences", "4", "--context", "16", "--d-model", "8",
+SIZE = ["--steps", "6", "--accumulation", "2", "--sequences", "4", "--context", "16", "--d-model", "8",
         "--heads", "2", "--files", "3", "--eval-every", "3", "--measure-every", "2"]
-RUN_NAMES = ["fp32", "fp16-noscale", "fp16-dynamic", "bf16", "fast|step|0.9", "fp16-predictive"]
+TINY = [*SIZE, "--jobs", "1"]  # one process: tests may add runs to the table, which workers would not see
+RUN_NAMES = ["fp32", "fp16-noscale", "fp16-dynamic", "fp16-predictive", "bf16", "fast|step|0.9"]
 KEYS = {"name", "final_loss", "skipped_steps", "final_scale", "underflow", "seconds"}
 
 
@@ -80,13 +81,46 @@ def test_tiny_demo_end_to_end_writes_results_plot_and_csvs(tmp_path, capsys):
         assert (tmp_path / f"{cli._slug(r['name'])}.csv").exists()
     by_name = {r["name"]: r for r in results["runs"]}
     assert by_name["fp32"]["underflow"] == 0.0  # the float32 run is its own reference
-    assert by_name["fp16-dynamic"]["final_scale"] == 2.0**16 and by_name["fp32"]["final_scale"] == 1.0
+    assert by_name["fp32"]["final_scale"] == 1.0 and by_name["fp32"]["skipped_steps"] == 0
+    dynamic = by_name["fp16-dynamic"]  # from 2**24, which overflows: one halving per skipped step, no growth yet
+    assert dynamic["skipped_steps"] >= 1 and dynamic["final_scale"] == 2.0**24 / 2**dynamic["skipped_steps"]
+    assert results["machine"]["cpu_flags"] == machine.machine()["cpu_flags"] and results["machine"]["jobs"] == 1
     assert results["underflow_definition"].startswith("share of parameter-gradient values")
     width, height, _ = read_png(tmp_path / "demo.png")
     assert width > 200 and height > 200
     table = capsys.readouterr().out
     for name in RUN_NAMES:
         assert re.search(rf"^{re.escape(name)}\s+\d+\.\d{{4}}", table, re.M)
+
+
+def test_quick_code_path_in_worker_processes_matches_one_process(tmp_path, capsys):
+    # --quick's code path (its runs, two worker processes, the plot, the table, the summary line) at a tiny size.
+    assert cli.main(["--quick", *SIZE, "--jobs", "2", "--out", str(tmp_path / "workers")]) == 0
+    out = capsys.readouterr().out
+    results = json.loads((tmp_path / "workers" / "results.json").read_text())
+    assert [r["name"] for r in results["runs"]] == list(runs.QUICK_RUNS)
+    assert results["machine"]["jobs"] == 2 and results["machine"]["torch_threads"] >= 1
+    assert results["config"]["steps"] == 6 and results["config"]["init_scale"] == 2.0**24
+    width, height, _ = read_png(tmp_path / "workers" / "demo.png")
+    assert width >= 800 and height >= 800
+    for name in runs.QUICK_RUNS:
+        assert re.search(rf"^{re.escape(name)}\s+\d+\.\d{{4}}\s+[+-]\d+\.\d%\s+\d+\s+\S+\s+\d+\.\d% / ", out, re.M)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("fp16-noscale ") and str(tmp_path / "workers" / "demo.png") in last
+    assert str(tmp_path / "workers" / "results.json") in last
+
+    args = ["--quick", *SIZE, "--jobs", "1", "--runs", "fp16-dynamic", "--out", str(tmp_path / "alone")]
+    assert cli.main(args) == 0
+    alone = json.loads((tmp_path / "alone" / "results.json").read_text())["runs"][0]
+    worker = next(r for r in results["runs"] if r["name"] == "fp16-dynamic")
+    for key in ("train_loss", "scale", "skipped", "heldout_loss", "underflow_samples"):
+        assert worker[key] == alone[key], key  # a worker trains exactly what this process trains
+
+
+def test_jobs_under_torchrun_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main([*SIZE, "--jobs", "2", "--out", str(tmp_path)]) == 2
+    assert "--jobs 2: runs train side by side only on the CPU without torchrun" in capsys.readouterr().err
 
 
 def test_plot_without_matplotlib_is_still_a_valid_png(tmp_path, monkeypatch):
@@ -106,7 +140,8 @@ def test_without_tqdm_and_matplotlib_progress_is_plain_lines_with_a_note(tmp_pat
     assert demo("--out", str(tmp_path), "--runs", "fp16-dynamic") == 0
     out = capsys.readouterr().out
     assert "note: tqdm and matplotlib not installed" in out and "pip install 'lossscale[demo]'" in out
-    assert re.search(r"fp16-dynamic  step 6/6  loss \d\.\d+  scale 6\.554e\+04  skipped 0", out)
+    assert re.search(r"fp16-dynamic  step 3/6  loss \d\.\d+  scale \S+  skips \d  left ~\d+s", out)
+    assert re.search(r"fp16-dynamic  step 6/6  loss \d\.\d+  scale \S+  skips \d  left ~0s", out)
     read_png(tmp_path / "demo.png")
 
 
@@ -126,8 +161,21 @@ def test_fp16_without_scaling_flushes_gradients_that_dynamic_scaling_keeps():
     assert max(u for _, u in dynamic.underflow) < 0.01
 
 
+def test_skipped_steps_do_not_advance_the_learning_rate_schedule(monkeypatch):
+    # fp16-dynamic starts at 2**24, which overflows: its first steps are skipped, and the warm-up waits for them.
+    from lossscale.demo import train
+
+    seen = []
+    monkeypatch.setattr(train, "learning_rate", lambda cfg, applied: seen.append(applied) or cfg.lr)
+    cfg = QUICK.replace(steps=6, accumulation=2, sequences=4, context=16, d_model=8, files=3, eval_every=6)
+    history = train_run(runs.RUNS["fp16-dynamic"], cfg, load_corpus(cfg.files, cfg.seed, cfg.context))
+    skipped = [bool(row["skipped"]) for row in history.rows]
+    assert skipped[0]  # 2**24 overflows this model's float16 gradients
+    assert seen == [sum(not s for s in skipped[:i]) for i in range(6)]
+
+
 GROWING = runs.RunSpec("fp16-growing", "float16, scale grows every 2 steps", torch.float16,
-                       lambda: DynamicScale(init_scale=2.0**13, growth_interval=2))
+                       lambda cfg: DynamicScale(init_scale=2.0**13, growth_interval=2))
 
 
 @pytest.mark.parametrize("name", ["fp16-growing", "fast|step|0.9"])

@@ -20,12 +20,14 @@ import torch
 
 from lossscale import distributed as _dist
 from lossscale.demo.config import DEFAULT, QUICK, DemoConfig
-from lossscale.demo.data import load_corpus
+from lossscale.demo.data import Corpus, load_corpus
+from lossscale.demo.jobs import RunTask, run_in_workers, threads_per_job
+from lossscale.demo.machine import describe_machine, machine
 from lossscale.demo.plot import have_matplotlib, plot_runs
 from lossscale.demo.progress import Progress, have_tqdm
-from lossscale.demo.report import format_table, summarize, write_results
-from lossscale.demo.runs import RUNS, parse_runs
-from lossscale.demo.train import load_checkpoint, train_run
+from lossscale.demo.report import format_table, summarize, verdict, write_results
+from lossscale.demo.runs import QUICK_RUNS, RUNS, RunSpec, parse_runs
+from lossscale.demo.train import RunHistory, load_checkpoint, train_run
 
 __all__ = ["main"]
 
@@ -66,9 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lossscale demo", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog=f"--quick: {QUICK.describe()}\ndefault: {DEFAULT.describe()}")
-    p.add_argument("--quick", action="store_true", help="the short configuration (under two minutes on 2 cores)")
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated runs to compare (default: all: "
-                   f"{','.join(RUNS)})")
+    p.add_argument("--quick", action="store_true", help=f"the short configuration and runs {','.join(QUICK_RUNS)}")
+    p.add_argument("--runs", help=f"comma-separated runs to compare (default: all: {','.join(RUNS)}; with --quick: "
+                   f"{','.join(QUICK_RUNS)})")
+    p.add_argument("--jobs", type=_int_at_least(1), metavar="N",
+                   help="train at most N runs at a time, in worker processes with cores/N torch threads each (default: one "
+                        "per core on the CPU; 1 under torchrun or on a GPU)")
     p.add_argument("--steps", type=_int_at_least(1), help="optimizer steps per run")
     p.add_argument("--seed", type=_int_at_least(0), help="seeds the model, the choice of files and the batches")
     p.add_argument("--out", default="demo-out", help="directory for results.json, demo.png, CSVs, checkpoints")
@@ -85,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--heads", type=_int_at_least(1), help="attention heads")
     size.add_argument("--files", type=_int_at_least(2), help="standard-library files to read")
     size.add_argument("--lr", type=_positive_float, help="peak learning rate")
+    size.add_argument("--init-scale", type=_positive_float, metavar="S", help="first loss scale of the float16 runs")
+    size.add_argument("--growth-interval", type=_int_at_least(1), metavar="N",
+                      help="clean steps before DynamicScale doubles the scale")
     size.add_argument("--eval-every", type=_int_at_least(1), metavar="N", help="steps between held-out evaluations")
     size.add_argument("--measure-every", type=_int_at_least(1), metavar="N",
                       help="steps between underflow measurements")
@@ -94,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _config(args: argparse.Namespace) -> DemoConfig:
     cfg = QUICK if args.quick else DEFAULT
     names = ["steps", "seed", "accumulation", "sequences", "context", "d_model", "layers", "heads", "files", "lr",
-             "eval_every", "measure_every"]
+             "init_scale", "growth_interval", "eval_every", "measure_every"]
     cfg = cfg.replace(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
     if cfg.d_model % cfg.heads:
         raise _UsageError(f"--d-model {cfg.d_model} must be a multiple of --heads {cfg.heads}")
@@ -118,7 +126,7 @@ def main(argv: list[str]) -> int:
     """Run the demo; returns the exit status (0, 1 for a failure, 2 for bad input)."""
     try:
         args = build_parser().parse_args(argv)
-        specs = parse_runs(args.runs)
+        specs = parse_runs(args.runs if args.runs is not None else ",".join(QUICK_RUNS if args.quick else RUNS))
         cfg = _config(args)
         if args.device != "cpu":
             try:
@@ -126,6 +134,10 @@ def main(argv: list[str]) -> int:
             except (RuntimeError, ValueError) as err:
                 raise _UsageError(f"--device {args.device!r} is not usable here ({str(err).splitlines()[0]})") from None
         _writable_dir(args.out)
+        torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if args.jobs is not None and args.jobs > 1 and (args.device != "cpu" or torchrun):
+            raise _UsageError(f"--jobs {args.jobs}: runs train side by side only on the CPU without torchrun; "
+                              f"{'under torchrun' if torchrun else f'with --device {args.device}'} use --jobs 1")
     except (_UsageError, ValueError) as err:
         print(f"lossscale demo: error: {err}", file=sys.stderr)
         return 2
@@ -153,51 +165,93 @@ def _join(device: str) -> tuple[int, int]:
     return init("nccl" if device.startswith("cuda") else "gloo")
 
 
-def _run(args: argparse.Namespace, specs: list, cfg: DemoConfig, rank: int, world_size: int) -> int:
+def _run(args: argparse.Namespace, specs: list[RunSpec], cfg: DemoConfig, rank: int, world_size: int) -> int:
     main_rank = rank == 0
     say = print if main_rank else (lambda *a, **k: None)
+    started = time.perf_counter()
     corpus = load_corpus(cfg.files, cfg.seed, cfg.context)
+    jobs = _jobs(args, specs, world_size)
+    threads = threads_per_job(jobs, os.cpu_count()) if jobs > 1 else torch.get_num_threads()
+    host = machine(args.device) | {"torch_threads": threads, "jobs": jobs}
     say(f"lossscale demo: a character-level transformer on Python's own standard library "
         f"({len(corpus.train_files)} files, {len(corpus.train):,} characters; "
         f"{len(corpus.heldout_files)} files, {len(corpus.heldout):,} characters held out)")
     say(f"  {cfg.describe(world_size)}")
     say(f"  each micro-batch's loss is normalized by the {cfg.tokens_per_step(world_size):,} characters of the "
         f"global batch: its gradient values are {cfg.accumulation * world_size}x smaller than its own mean's")
+    say(f"  on {describe_machine(host)}; {len(specs)} runs, {jobs} at a time")
     missing = [n for n, ok in (("tqdm", have_tqdm()), ("matplotlib", have_matplotlib())) if not ok]
     if missing:
         say(f"  note: {' and '.join(missing)} not installed: plain progress lines"
             f"{' and a plot without text' if 'matplotlib' in missing else ''}; "
             f"pip install 'lossscale[demo]' for the full output")
-    checkpoints = os.path.join(args.out, "checkpoints")
     if args.checkpoint_every and main_rank:
-        os.makedirs(checkpoints, exist_ok=True)
-    summaries = []
-    started = time.perf_counter()
-    for spec in specs:
-        ckpt = os.path.join(checkpoints, f"{_slug(spec.name)}.pt") if args.checkpoint_every or args.resume else None
-        saved = load_checkpoint(ckpt, spec, cfg) if args.resume and ckpt is not None else None
-        initial = 0 if saved is None else int(saved["step"])
-        bar = Progress(spec.name, cfg.steps, initial=initial, enabled=main_rank)
-
-        def on_step(done: int, row: dict[str, Any], bar: Progress = bar) -> None:
-            bar.update(done, loss=row["loss"], scale=row["next_scale"], skipped=row["skipped_steps"])
-
-        try:
-            history = train_run(spec, cfg, corpus, device=args.device, rank=rank, world_size=world_size,
-                                csv_path=os.path.join(args.out, f"{_slug(spec.name)}.csv") if main_rank else None,
-                                checkpoint_path=ckpt, checkpoint_every=args.checkpoint_every,
-                                resume=args.resume, on_step=on_step)
-        finally:
-            bar.close()
-        summaries.append(summarize(spec, history))
+        os.makedirs(os.path.join(args.out, "checkpoints"), exist_ok=True)
+    histories = _train_all(args, specs, cfg, corpus, rank, world_size, jobs, threads)
     if not main_rank:
         return 0
+    summaries = [summarize(spec, history) for spec, history in zip(specs, histories)]
     results = os.path.join(args.out, "results.json")
-    write_results(results, cfg, summaries, world_size, corpus)
+    write_results(results, cfg, summaries, world_size, corpus, host | {"wall_seconds": time.perf_counter() - started})
     figure = os.path.join(args.out, "demo.png")
     drawn = plot_runs(figure, summaries, f"lossscale demo: {cfg.describe(world_size)}")
     print()
     print(format_table(summaries))
-    print(f"\nwrote {results}, {figure}{' (plain: no matplotlib)' if drawn == 'plain' else ''} and a CSV per run "
-          f"({time.perf_counter() - started:.0f} s)")
+    print(f"\n{verdict(summaries)}plot: {figure}{' (plain, no matplotlib)' if drawn == 'plain' else ''}; table "
+          f"above and in {results}; {time.perf_counter() - started:.0f} s in all")
     return 0
+
+
+def _jobs(args: argparse.Namespace, specs: list[RunSpec], world_size: int) -> int:
+    """Runs trained at a time: ``--jobs``, else one per core (CPU, one process), else 1."""
+    alone = world_size == 1 and args.device == "cpu"
+    if args.jobs is not None:
+        return min(args.jobs, len(specs))
+    return min(len(specs), os.cpu_count() or 1) if alone else 1
+
+
+def _train_all(args: argparse.Namespace, specs: list[RunSpec], cfg: DemoConfig, corpus: Corpus, rank: int,
+               world_size: int, jobs: int, threads: int) -> list[RunHistory]:
+    """Every run's history, in the order of ``specs``: one after the other in this process, or ``jobs`` at
+    a time in worker processes (float32 runs, the shortest, start last)."""
+    tasks = [_task(args, spec, cfg, rank) for spec in specs]
+    if jobs > 1:
+        bars = {t.name: _progress(args, spec, t, rank, position) for position, (spec, t) in enumerate(zip(specs, tasks))}
+        order = sorted(tasks, key=lambda t: RUNS[t.name].dtype is None and RUNS[t.name].schedule is None)
+        try:
+            done = run_in_workers(order, jobs, threads, lambda name, step, row: _show(bars[name], step, row))
+        finally:
+            for bar in bars.values():
+                bar.close()
+        by_name = {t.name: history for t, history in zip(order, done)}
+        return [by_name[t.name] for t in tasks]
+    histories = []
+    for spec, task in zip(specs, tasks):
+        bar = _progress(args, spec, task, rank, 0)
+        try:
+            histories.append(train_run(spec, cfg, corpus, device=args.device, rank=rank, world_size=world_size,
+                                       csv_path=task.csv_path, checkpoint_path=task.checkpoint_path,
+                                       checkpoint_every=task.checkpoint_every, resume=task.resume,
+                                       on_step=lambda step, row, bar=bar: _show(bar, step, row)))
+        finally:
+            bar.close()
+    return histories
+
+
+def _task(args: argparse.Namespace, spec: RunSpec, cfg: DemoConfig, rank: int) -> RunTask:
+    checkpoint = args.checkpoint_every or args.resume
+    return RunTask(spec.name, cfg, args.device,
+                   csv_path=os.path.join(args.out, f"{_slug(spec.name)}.csv") if rank == 0 else None,
+                   checkpoint_path=os.path.join(args.out, "checkpoints", f"{_slug(spec.name)}.pt") if checkpoint
+                   else None, checkpoint_every=args.checkpoint_every, resume=args.resume)
+
+
+def _progress(args: argparse.Namespace, spec: RunSpec, task: RunTask, rank: int, position: int) -> Progress:
+    """The run's progress line, starting where its checkpoint left off when resuming."""
+    saved = load_checkpoint(task.checkpoint_path, spec, task.cfg) if args.resume and task.checkpoint_path else None
+    return Progress(spec.name, task.cfg.steps, initial=0 if saved is None else int(saved["step"]),
+                    enabled=rank == 0, position=position)
+
+
+def _show(bar: Progress, step: int, row: dict[str, Any]) -> None:
+    bar.update(step, loss=row["loss"], scale=row["next_scale"], skips=row["skipped_steps"])

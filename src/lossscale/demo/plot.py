@@ -11,11 +11,13 @@ import math
 import textwrap
 from typing import Any
 
+from lossscale.demo.config import power_text
+
 __all__ = ["have_matplotlib", "plot_runs"]
 
 _COLORS = {"fp32": (0, 0, 0), "fp16-noscale": (214, 39, 40), "fp16-dynamic": (31, 119, 180),
-           "bf16": (44, 160, 44), "fast|step|0.9": (148, 103, 189)}
-_OTHER = [(255, 127, 14), (140, 86, 75), (227, 119, 194), (127, 127, 127)]
+           "fp16-predictive": (255, 127, 14), "bf16": (44, 160, 44), "fast|step|0.9": (148, 103, 189)}
+_OTHER = [(140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34)]
 
 
 def have_matplotlib() -> bool:
@@ -28,6 +30,11 @@ def have_matplotlib() -> bool:
 
 def _color(name: str, i: int) -> tuple[int, int, int]:
     return _COLORS.get(name, _OTHER[i % len(_OTHER)])
+
+
+def _scales(run: dict[str, Any]) -> bool:
+    """Whether the run's loss scale ever differs from 1 (runs without scaling are left off the scale panel)."""
+    return any(s != 1.0 for s in run["scale"])
 
 
 def plot_runs(path: str, runs: list[dict[str, Any]], title: str) -> str:
@@ -53,9 +60,11 @@ def _plot_matplotlib(path: str, runs: list[dict[str, Any]], title: str) -> None:
         held = r["heldout_loss"]
         loss_ax.plot([s for s, _ in held], [v for _, v in held], "o-", color=color, ms=3,
                      label=f"{r['name']}  held-out {r['final_loss']:.3f}")
-        scale_ax.plot(steps, r["scale"], color=color, lw=1.2, label=r["name"])
+        if _scales(r):
+            scale_ax.step(steps, r["scale"], where="post", color=color, lw=1.4,
+                          label=f"{r['name']}: {r['skipped_steps']} skipped, final {power_text(r['final_scale'])}")
         if r["skipped"]:
-            scale_ax.plot(r["skipped"], [r["scale"][s] for s in r["skipped"]], "x", color=color, ms=7, mew=1.5)
+            scale_ax.plot(r["skipped"], [r["scale"][s] for s in r["skipped"]], "x", color=color, ms=8, mew=1.8)
         samples = r["underflow_samples"]
         under_ax.plot([s for s, _ in samples], [100 * v for _, v in samples], "o-", color=color, ms=3,
                       label=r["name"])
@@ -72,9 +81,12 @@ def _plot_matplotlib(path: str, runs: list[dict[str, Any]], title: str) -> None:
     loss_ax.set_ylabel("loss (nats/char)")
     loss_ax.set_title("training loss (faint) and held-out loss (dots)")
     loss_ax.legend(fontsize=8)
+    scale_ax.plot([], [], "x", color="gray", ms=8, mew=1.8, label="skipped step: overflow, scale halved")
     scale_ax.set_yscale("log", base=2)
-    scale_ax.set_ylabel("loss scale")
-    scale_ax.set_title("loss scale per step (x = skipped step; dotted = precision schedule's switch to float32)")
+    scale_ax.set_ylabel("loss scale (log2)")
+    unscaled = ", ".join(r["name"] for r in runs if not _scales(r))
+    scale_ax.set_title("loss scale used at each step (x = skipped step: overflow, parameters untouched)"
+                       + (f"; not shown, no scaling: {unscaled}" if unscaled else ""), fontsize=10)
     scale_ax.legend(fontsize=8)
     under_ax.set_ylabel("% flushed to zero")
     under_ax.set_xlabel("optimizer step")

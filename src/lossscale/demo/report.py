@@ -6,11 +6,11 @@ import json
 import os
 from typing import Any
 
-from lossscale.demo.config import DemoConfig
+from lossscale.demo.config import DemoConfig, power_text
 from lossscale.demo.runs import RunSpec
 from lossscale.demo.train import RunHistory
 
-__all__ = ["UNDERFLOW_DEFINITION", "summarize", "format_table", "write_results"]
+__all__ = ["UNDERFLOW_DEFINITION", "summarize", "format_table", "verdict", "write_results"]
 
 UNDERFLOW_DEFINITION = (
     "share of parameter-gradient values that are nonzero in a float32 backward pass of the same micro-batch "
@@ -64,7 +64,7 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         vs = f"{100 * (r['final_loss'] / reference - 1):+.1f}%" if reference and r["final_loss"] else "-"
         under = f"{100 * r['underflow']:.1f}% / {100 * r['underflow_peak']:.1f}%" if r["underflow"] is not None else "-"
-        lines.append([r["name"], f"{r['final_loss']:.4f}", vs, str(r["skipped_steps"]), f"{r['final_scale']:g}",
+        lines.append([r["name"], f"{r['final_loss']:.4f}", vs, str(r["skipped_steps"]), power_text(r["final_scale"]),
                       under, f"{r['seconds']:.1f}"])
     widths = [max(len(row[i]) for row in [header] + lines) for i in range(len(header))]
 
@@ -75,10 +75,28 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join([fmt(header), rule] + [fmt(row) for row in lines])
 
 
-def write_results(path: str, cfg: DemoConfig, runs: list[dict[str, Any]], world_size: int, corpus: Any) -> None:
-    """``results.json``: ``{"config", "underflow_definition", "runs": [...]}`` (written atomically)."""
+def verdict(runs: list[dict[str, Any]]) -> str:
+    """The float16 runs against float32 in a few words, e.g. ``fp16-noscale +6.1% vs fp32 (underflow 3.2%);
+    fp16-dynamic +0.2% (7 skipped); `` (empty without an fp32 run)."""
+    reference = next((r["final_loss"] for r in runs if r["name"] == "fp32"), None)
+    if not reference:
+        return ""
+    parts = []
+    for r in runs:
+        if r["name"] != "fp32" and r["name"].startswith("fp16"):
+            detail = (f"underflow {100 * r['underflow']:.1f}%" if r["name"] == "fp16-noscale"
+                      else f"{r['skipped_steps']} skipped")
+            parts.append(f"{r['name']} {100 * (r['final_loss'] / reference - 1):+.1f}% vs fp32 ({detail}); ")
+    return "".join(parts)
+
+
+def write_results(path: str, cfg: DemoConfig, runs: list[dict[str, Any]], world_size: int, corpus: Any,
+                  host: dict[str, Any]) -> None:
+    """``results.json``: ``{"config", "machine", "underflow_definition", "runs": [...]}`` (written atomically);
+    ``machine`` is :func:`lossscale.demo.machine.machine`'s record plus jobs and wall seconds."""
     payload = {
         "config": cfg.as_dict() | {"world_size": world_size, "description": cfg.describe(world_size)},
+        "machine": host,
         "corpus": {"train_characters": len(corpus.train), "heldout_characters": len(corpus.heldout),
                    "train_files": [os.path.basename(f) for f in corpus.train_files],
                    "heldout_files": [os.path.basename(f) for f in corpus.heldout_files]},

@@ -4,12 +4,17 @@ Every run wraps the same fused AdamW in :class:`lossscale.LossScaleOptimizer` (s
 non-finite check and the :class:`~lossscale.StepResult` are the same code for all of them); only the
 autocast precision and the loss-scale policy differ::
 
-    fp32            no autocast;                 FixedScale(1.0): numerically plain AdamW
-    fp16-noscale    autocast float16;            FixedScale(1.0): no loss scaling (non-finite steps still skipped)
-    fp16-dynamic    autocast float16;            DynamicScale(): torch's rule, 2**16 start, x2 every 2000 clean steps
-    bf16            autocast bfloat16;           FixedScale(1.0): bfloat16 has float32's range, needs no scaling
-    fast|step|0.9   PrecisionSchedule: float16 for the first 90% of steps, then float32; DynamicScale() while float16
-    fp16-predictive autocast float16;            PredictiveScale(): the scale set from the observed gradient maximum
+    fp32            no autocast;        FixedScale(1.0): numerically plain AdamW
+    fp16-noscale    autocast float16;   FixedScale(1.0): no loss scaling (non-finite steps still skipped)
+    fp16-dynamic    autocast float16;   DynamicScale(init_scale=cfg.init_scale, growth_interval=cfg.growth_interval):
+                                        torch's rule (x0.5 and skip on overflow, x2 after a run of clean steps)
+    fp16-predictive autocast float16;   PredictiveScale(init_scale=cfg.init_scale): set from the observed maximum
+    bf16            autocast bfloat16;  FixedScale(1.0): bfloat16 has float32's range, needs no scaling
+    fast|step|0.9   PrecisionSchedule: float16 for the first 90% of steps, then float32; fp16-dynamic's policy
+
+Both scaled runs start from ``cfg.init_scale`` (2**24, MindSpore's default), which overflows: the dynamic
+rule halves it one skipped step at a time, the predictive rule jumps to a safe scale after one.
+``--quick`` runs :data:`QUICK_RUNS` (all but the schedule); the default runs all of them.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from lossscale import DynamicScale, FixedScale, PredictiveScale
+from lossscale.demo.config import DemoConfig
 
-__all__ = ["RunSpec", "RUNS", "parse_runs"]
+__all__ = ["RunSpec", "RUNS", "QUICK_RUNS", "parse_runs"]
 
 
 @dataclass(frozen=True)
@@ -33,14 +39,14 @@ class RunSpec:
         name: The run's name on the command line, in the table and in ``results.json``.
         summary: What it is, in a few words (the table and ``results.json`` show it).
         dtype: The autocast dtype, or None for float32 (ignored when ``schedule`` is set).
-        policy: Builds the loss-scale policy.
+        policy: Builds the loss-scale policy from the demo's configuration.
         schedule: A :class:`lossscale.PrecisionSchedule` mode, or None.
     """
 
     name: str
     summary: str
     dtype: torch.dtype | None
-    policy: Callable[[], Any]
+    policy: Callable[[DemoConfig], Any]
     schedule: str | None = None
 
     def make_schedule(self, total_steps: int) -> Any:
@@ -60,8 +66,16 @@ class RunSpec:
         return torch.autocast(device_type, dtype=self.dtype)
 
 
-def _no_scaling() -> FixedScale:
+def _no_scaling(cfg: DemoConfig) -> FixedScale:
     return FixedScale(1.0)
+
+
+def _dynamic(cfg: DemoConfig) -> DynamicScale:
+    return DynamicScale(init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
+
+
+def _predictive(cfg: DemoConfig) -> PredictiveScale:
+    return PredictiveScale(init_scale=cfg.init_scale)
 
 
 RUNS: dict[str, RunSpec] = {
@@ -69,14 +83,18 @@ RUNS: dict[str, RunSpec] = {
     for spec in [
         RunSpec("fp32", "float32, the reference", None, _no_scaling),
         RunSpec("fp16-noscale", "float16 autocast, loss scale fixed at 1", torch.float16, _no_scaling),
-        RunSpec("fp16-dynamic", "float16 autocast, LossScaleOptimizer(DynamicScale())", torch.float16, DynamicScale),
+        RunSpec("fp16-dynamic", "float16 autocast, DynamicScale: halve and skip on overflow, grow after clean steps",
+                torch.float16, _dynamic),
+        RunSpec("fp16-predictive", "float16 autocast, PredictiveScale: set from the observed gradient maximum",
+                torch.float16, _predictive),
         RunSpec("bf16", "bfloat16 autocast, no loss scaling", torch.bfloat16, _no_scaling),
         RunSpec("fast|step|0.9", "PrecisionSchedule: float16 (dynamic scale) for 90% of steps, then float32",
-                None, DynamicScale, schedule="fast|step|0.9"),
-        RunSpec("fp16-predictive", "float16 autocast, LossScaleOptimizer(PredictiveScale()): no blind growth",
-                torch.float16, PredictiveScale),
+                None, _dynamic, schedule="fast|step|0.9"),
     ]
 }
+
+#: ``--quick``'s runs: the schedule is left out (it repeats fp16-dynamic's first 90% and costs as much).
+QUICK_RUNS: tuple[str, ...] = ("fp32", "fp16-noscale", "fp16-dynamic", "fp16-predictive", "bf16")
 
 
 def parse_runs(text: str) -> list[RunSpec]:

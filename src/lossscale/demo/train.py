@@ -67,7 +67,11 @@ class RunHistory:
 
 
 def learning_rate(cfg: DemoConfig, step: int) -> float:
-    """Linear warm-up over the first 10% of steps, then cosine decay to 10% of ``cfg.lr``."""
+    """Linear warm-up over the first 10% of steps, then cosine decay to 10% of ``cfg.lr``.
+
+    ``step`` counts applied updates: a skipped step does not advance the schedule (DeepSpeed's engine
+    steps its scheduler only when the step was not an overflow), so a run that starts by skipping steps
+    still warms up; its batches still follow the step number."""
     warmup = max(1, cfg.steps // 10)
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
@@ -155,7 +159,7 @@ def train_run(
     params = list(model.parameters())
     inner = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     schedule = spec.make_schedule(cfg.steps)
-    opt = LossScaleOptimizer(inner, policy=spec.policy(), accumulation_steps=cfg.accumulation,
+    opt = LossScaleOptimizer(inner, policy=spec.policy(cfg), accumulation_steps=cfg.accumulation,
                              clip_grad_norm=cfg.clip_grad_norm, schedule=schedule,
                              underflow_stride=UNDERFLOW_METER_STRIDE)
     history = RunHistory()
@@ -181,12 +185,13 @@ def train_run(
         })
 
     try:
+        applied = sum(not row["skipped"] for row in history.rows)
         for step in range(start, cfg.steps):
             began = time.perf_counter()
             if schedule is not None:
                 schedule.update(step=step)
             for group in opt.param_groups:
-                group["lr"] = learning_rate(cfg, step)
+                group["lr"] = learning_rate(cfg, applied)
             measure = step % cfg.measure_every == 0 or step == cfg.steps - 1
             loss_sum = torch.zeros((), device=device)
             opt.zero_grad()
@@ -211,6 +216,7 @@ def train_run(
                 result = opt.step()
             row = logger.write(step_record(result, loss=loss_sum / cfg.accumulation))  # one host read
             history.rows.append(row)
+            applied += not row["skipped"]
             if row["switched"]:
                 history.switch_step = step
             history.seconds += time.perf_counter() - began
