@@ -129,6 +129,78 @@ def load_checkpoint(path: str, spec: RunSpec, cfg: DemoConfig, device: str = "cp
     return saved
 
 
+@dataclasses.dataclass
+class _Trainer:
+    """What one run trains with: the model, its optimizer wrapper and schedule, where it runs."""
+
+    spec: RunSpec
+    cfg: DemoConfig
+    corpus: Corpus
+    model: CharTransformer
+    opt: LossScaleOptimizer
+    schedule: Any
+    device: str
+    rank: int
+    world_size: int
+
+    def micro_batches(self, step: int, history: RunHistory, measure: bool) -> tuple[Any, torch.Tensor]:
+        """One optimizer step: every micro-batch's forward and scaled backward, the underflow re-run on the
+        first one when ``measure``, the ranks' gradient sum, then ``opt.step()``. Returns (result, loss sum,
+        seconds spent measuring)."""
+        cfg, opt, model = self.cfg, self.opt, self.model
+        loss_sum = torch.zeros((), device=self.device)
+        paused = 0.0
+        opt.zero_grad()
+        for micro in range(cfg.accumulation):
+            x, y = (t.to(self.device) for t in self.corpus.batch(cfg.seed, step, micro, cfg.sequences, cfg.context,
+                                                                  self.rank))
+            with self.spec.autocast(self.device, self.schedule):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
+            opt.backward(loss / self.world_size)  # / accumulation inside: normalized by the global batch
+            loss_sum += loss.detach()
+            if measure and micro == 0:
+                began = time.perf_counter()
+                share, by_param = _underflow_shares(model, x, y)
+                if share > max((u for _, u in history.underflow), default=0.0):
+                    history.underflow_peak_by_parameter = by_param
+                history.underflow.append([step, share])
+                paused += time.perf_counter() - began
+            if micro == cfg.accumulation - 1 and self.world_size > 1:
+                for p in model.parameters():  # the ranks' shares of the global batch, summed
+                    if p.grad is not None:
+                        _dist.all_reduce_sum_(p.grad)
+            result = opt.step()
+        return result, loss_sum, paused
+
+    def restore(self, saved: dict[str, Any] | None) -> tuple[RunHistory, int]:
+        """Model and optimizer state from a checkpoint; the history and the next step (fresh: empty, 0)."""
+        if saved is None:
+            return RunHistory(), 0
+        self.model.load_state_dict(saved["model"])
+        self.opt.load_state_dict(saved["optimizer"])
+        return RunHistory(**saved["history"]), int(saved["step"])
+
+    def save(self, path: str | None, done: int, history: RunHistory) -> None:
+        """A checkpoint after ``done`` steps (rank 0 only; nothing without a path)."""
+        if path is None or self.rank != 0:
+            return
+        _save(path, {"format": CHECKPOINT_FORMAT, "run": self.spec.name, "config": self.cfg.as_dict(),
+                     "step": done, "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                     "history": dataclasses.asdict(history)})
+
+
+def _trainer(spec: RunSpec, cfg: DemoConfig, corpus: Corpus, device: str, rank: int, world_size: int) -> _Trainer:
+    torch.manual_seed(cfg.seed)
+    model = CharTransformer(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.context).to(device)
+    inner = torch.optim.AdamW(list(model.parameters()), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    schedule = spec.make_schedule(cfg.steps)
+    opt = LossScaleOptimizer(inner, policy=spec.policy(cfg), accumulation_steps=cfg.accumulation,
+                             clip_grad_norm=cfg.clip_grad_norm, schedule=schedule,
+                             underflow_stride=UNDERFLOW_METER_STRIDE)
+    return _Trainer(spec, cfg, corpus, model, opt, schedule, device, rank, world_size)
+
+
 def train_run(
     spec: RunSpec,
     cfg: DemoConfig,
@@ -154,35 +226,15 @@ def train_run(
     ``stop_after`` stops (as if killed) once that many steps are done, without a final checkpoint: tests
     use it to simulate a run killed between two checkpoints.
     """
-    torch.manual_seed(cfg.seed)
-    model = CharTransformer(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.context).to(device)
-    params = list(model.parameters())
-    inner = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    schedule = spec.make_schedule(cfg.steps)
-    opt = LossScaleOptimizer(inner, policy=spec.policy(cfg), accumulation_steps=cfg.accumulation,
-                             clip_grad_norm=cfg.clip_grad_norm, schedule=schedule,
-                             underflow_stride=UNDERFLOW_METER_STRIDE)
-    history = RunHistory()
-    start = 0
+    run = _trainer(spec, cfg, corpus, device, rank, world_size)
+    model, opt, schedule = run.model, run.opt, run.schedule
     saved = load_checkpoint(checkpoint_path, spec, cfg, device) if resume and checkpoint_path else None
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        history = RunHistory(**saved["history"])
-        start = int(saved["step"])
+    history, start = run.restore(saved)
 
     heldout_batches = corpus.heldout_batches(cfg.context, cfg.eval_tokens)
     logger = StepLogger(csv_path) if rank == 0 else StepLogger()
     for row in history.rows:  # a resumed run's CSV starts with the rows of the steps already done
         logger.write(row)
-
-    def checkpoint(done: int) -> None:
-        if checkpoint_path is None or rank != 0:
-            return
-        _save(checkpoint_path, {
-            "format": CHECKPOINT_FORMAT, "run": spec.name, "config": cfg.as_dict(), "step": done,
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "history": dataclasses.asdict(history),
-        })
 
     try:
         applied = sum(not row["skipped"] for row in history.rows)
@@ -193,33 +245,13 @@ def train_run(
             for group in opt.param_groups:
                 group["lr"] = learning_rate(cfg, applied)
             measure = step % cfg.measure_every == 0 or step == cfg.steps - 1
-            loss_sum = torch.zeros((), device=device)
-            opt.zero_grad()
-            for micro in range(cfg.accumulation):
-                x, y = (t.to(device) for t in corpus.batch(cfg.seed, step, micro, cfg.sequences, cfg.context, rank))
-                with spec.autocast(device, schedule):
-                    logits = model(x)
-                loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
-                opt.backward(loss / world_size)  # / accumulation inside: normalized by the global batch
-                loss_sum += loss.detach()
-                if measure and micro == 0:
-                    paused = time.perf_counter()
-                    share, by_param = _underflow_shares(model, x, y)
-                    if share > max((u for _, u in history.underflow), default=0.0):
-                        history.underflow_peak_by_parameter = by_param
-                    history.underflow.append([step, share])
-                    began += time.perf_counter() - paused
-                if micro == cfg.accumulation - 1 and world_size > 1:
-                    for p in params:  # the ranks' shares of the global batch, summed
-                        if p.grad is not None:
-                            _dist.all_reduce_sum_(p.grad)
-                result = opt.step()
+            result, loss_sum, paused = run.micro_batches(step, history, measure)
             row = logger.write(step_record(result, loss=loss_sum / cfg.accumulation))  # one host read
             history.rows.append(row)
             applied += not row["skipped"]
             if row["switched"]:
                 history.switch_step = step
-            history.seconds += time.perf_counter() - began
+            history.seconds += time.perf_counter() - began - paused
             done = step + 1
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 history.heldout.append([done, heldout_loss(model, heldout_batches, device)])
@@ -228,7 +260,7 @@ def train_run(
             if stop_after is not None and done >= stop_after and done < cfg.steps:
                 return history
             if checkpoint_every and (done % checkpoint_every == 0 or done == cfg.steps):
-                checkpoint(done)
+                run.save(checkpoint_path, done, history)
     finally:
         logger.close()
     return history
