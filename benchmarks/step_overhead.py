@@ -150,9 +150,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="the first is used for every size")
     parser.add_argument("--layout-size", default="20", help="millions of parameters for the other layouts")
     parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--tiny", action="store_true", help="a few thousand parameters (for the test suite)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = []
     for total, layout, opt_name, clip in plan(args):
         row = measure(total, layout, opt_name, clip, 2 if args.tiny else args.rounds)
