@@ -107,7 +107,9 @@ def check_with_amax_(
 
 
 # Below this many elements a tensor is checked inside one foreach call rather than by its own sum.
-_SUM_MIN_NUMEL = 1 << 16
+# ``_foreach_norm(ord=1)`` reads at about 0.4x the speed of ``sum`` (measured on AVX2 and AVX-512 CPUs),
+# and a ``sum`` call costs a few microseconds: only tensors this small are cheaper in the foreach call.
+_SUM_MIN_NUMEL = 1 << 12
 
 
 def _non_finite(grads: Sequence[torch.Tensor]) -> torch.Tensor:

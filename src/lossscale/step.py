@@ -71,6 +71,8 @@ def _writable(param: torch.Tensor) -> torch.Tensor:
     gradient's values. float16 sparse gradients are coalesced first (written back to ``param.grad``), as
     torch does, so duplicate indices cannot hide an overflow of their sum."""
     grad = param.grad
+    if type(grad) is torch.Tensor and grad.layout is torch.strided:  # dense, not a DTensor: itself
+        return grad
     if grad.is_sparse:
         if grad.dtype == torch.float16 and not grad.is_coalesced():
             param.grad = grad = grad.coalesce()
