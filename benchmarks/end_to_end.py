@@ -30,8 +30,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = QUICK.replace(files=4, sequences=4, context=16) if args.tiny else QUICK
     corpus = load_corpus(cfg.files, cfg.seed, cfg.context)
     x, y = corpus.batch(cfg.seed, 0, 0, cfg.sequences, cfg.context)
