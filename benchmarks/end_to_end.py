@@ -79,9 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
     contenders["fp16 torch.amp.GradScaler"] = torch_fp16
     t = alternate(contenders, 2 if args.tiny else args.rounds)
     tokens = cfg.sequences * cfg.context
-    rows = [{"run": k, "ms per step": v * 1e3, "tokens/s": tokens / v, "vs fp32": v / t["fp32"]} for k, v in t.items()]
+    ref = t["fp16 torch.amp.GradScaler"]
+    rows = [{"run": k, "ms per step": v * 1e3, "tokens/s": tokens / v, "vs fp32": v / t["fp32"],
+             "vs torch fp16": v / ref} for k, v in t.items()]
     md = (f"One micro-batch of {cfg.sequences} x {cfg.context} characters, {cfg.layers} layer(s), d_model "
-          f"{cfg.d_model}, fused AdamW.\n\n" + table(rows, ["run", "ms per step", "tokens/s", "vs fp32"]))
+          f"{cfg.d_model}, fused AdamW.\n\n" + table(rows, ["run", "ms per step", "tokens/s", "vs fp32", "vs torch fp16"]))
     payload = {"machine": machine(), "rows": rows, "markdown": md}
     emit("end_to_end", payload, args.json)
     return payload

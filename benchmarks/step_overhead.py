@@ -15,7 +15,7 @@ Reported: total ratio (x / torch), overhead ratio ((x - bare) / (torch - bare)),
 ((x - bare) / floor), and the passes over the gradients beyond the bare step (R = one read of every
 gradient, W = one write), counted structurally by a dispatch mode (``_passes.py``), not timed.
 
-    python benchmarks/step_overhead.py                       # 1M, 20M, 100M; 100 tensors; plus layouts at 20M
+    python benchmarks/step_overhead.py    # every optimizer at 20M, two at 1M and 100M; 100 tensors; layouts at 20M
     python benchmarks/step_overhead.py --sizes 20 --rounds 15 --optimizers "fused AdamW"
 """
 
@@ -138,6 +138,8 @@ def plan(args: argparse.Namespace) -> list[tuple[int, str, str, bool]]:
     sizes = [int(float(s) * 10**6) for s in args.sizes.split(",")]
     layouts = args.layouts.split(",")
     rows = [(s, layouts[0], o, c) for s in sizes for o in args.optimizers.split(",") for c in (True, False)]
+    scaling = [int(float(s) * 10**6) for s in args.scaling_sizes.split(",") if s]
+    rows += [(s, layouts[0], o, c) for s in scaling for o in args.scaling_optimizers.split(",") for c in (True, False)]
     rows += [(int(float(args.layout_size) * 10**6), layout, "fused AdamW", c) for layout in layouts[1:]
              for c in (True, False)]
     return rows
@@ -145,8 +147,10 @@ def plan(args: argparse.Namespace) -> list[tuple[int, str, str, bool]]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="1,20,100", help="millions of parameters, comma-separated")
+    parser.add_argument("--sizes", default="20", help="millions of parameters, comma-separated (every optimizer)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--scaling-sizes", default="1,100", help="more sizes, for --scaling-optimizers only")
+    parser.add_argument("--scaling-optimizers", default="fused AdamW,SGD momentum")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="the first is used for every size")
     parser.add_argument("--layout-size", default="20", help="millions of parameters for the other layouts")
     parser.add_argument("--rounds", type=int, default=11)
