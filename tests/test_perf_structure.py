@@ -133,3 +133,14 @@ def _counted(front, fused, clip):
 ])
 def test_passes_over_the_gradients_are_what_the_docs_claim(front, fused, clip, expected):
     assert _counted(front, fused, clip) == expected
+
+
+def test_run_all_only_replaces_its_sections_and_keeps_the_others(tmp_path):
+    import run_all
+
+    old = tmp_path / "RESULTS.md"
+    old.write_text("# Benchmark results\n\nMachine: cpu=Old\n\n## A\n\n`python a.py`\n\nold a\n\n## B\n\n`python b.py`\n\nold b\n")
+    merged = run_all._merge(old, {"B": "## B\n\nnew b\n", "C": "## C\n\nnew c\n"})
+    assert [m.split("\n", 1)[0] for m in merged] == ["## A", "## B", "## C"]
+    assert "old a" in merged[0] and "Machine: cpu=Old" in merged[0]  # the header's machine moves into it
+    assert merged[1] == "## B\n\nnew b\n"
