@@ -97,7 +97,7 @@ def test_no_pass_over_the_gradients_between_accumulation_boundaries(fused):
 def _counted(front, fused, clip):
     """Passes over the gradients beyond the bare step, per front end (read, write), in whole passes."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(4096)) for _ in range(6)]
+    params = [torch.nn.Parameter(torch.randn(1 << 14)) for _ in range(6)]
     make = (lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)) if fused else (
         lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
     base = [torch.randn_like(p) * 256 for p in params]
