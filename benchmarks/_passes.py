@@ -33,12 +33,14 @@ class GradTouches(TorchDispatchMode):
     read: int = 0
     written: int = 0
     ops: list[str] = field(default_factory=list)
+    calls: int = 0  # every op dispatched, gradients or not (fixed per-step cost, noise-free)
 
     def __post_init__(self) -> None:
         super().__init__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        self.calls += 1
         schema = func._schema
         is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
         if not is_view:

@@ -116,6 +116,7 @@ def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int) -> 
            "floor ms": floor * 1e3, "bare ms": t["bare"] * 1e3}
     for name in ("torch", "LSO", "GS"):
         row[f"{name} passes"] = passes_text(counts[name], n, counts["bare"])
+        row[f"{name} ops"] = counts[name].calls - counts["bare"].calls
         row[f"{name} ms"] = t[name] * 1e3
         row[f"{name} floors"] = (t[name] - t["bare"]) / floor
     over_torch = t["torch"] - t["bare"]
@@ -125,9 +126,9 @@ def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int) -> 
     return row
 
 
-COLUMNS = ["params", "layout", "optimizer", "clip", "floor ms", "bare ms", "torch passes", "torch ms",
-           "torch floors", "LSO passes", "LSO ms", "LSO total", "LSO overhead", "LSO floors", "GS passes",
-           "GS ms", "GS total", "GS overhead", "GS floors"]
+COLUMNS = ["params", "layout", "optimizer", "clip", "floor ms", "bare ms", "torch passes", "torch ops", "torch ms",
+           "torch floors", "LSO passes", "LSO ops", "LSO ms", "LSO total", "LSO overhead", "LSO floors", "GS passes",
+           "GS ops", "GS ms", "GS total", "GS overhead", "GS floors"]
 
 
 def plan(args: argparse.Namespace) -> list[tuple[int, str, str, bool]]:
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
           "*total* = time / torch's; *overhead* = (time - bare) / "
           "(torch - bare); *floors* = (time - bare) / floor, where the floor is the faster of one per-tensor "
           "sum and one `_foreach_norm` over the gradients. Passes beyond the bare step, counted by a dispatch "
-          "mode: R = one read of every gradient, W = one write. LSO = LossScaleOptimizer, GS = "
+          "mode: R = one read of every gradient, W = one write; *ops* = aten calls beyond the bare step (the "
+          "fixed cost per step). LSO = LossScaleOptimizer, GS = "
           "lossscale.GradScaler.\n\n" + table(rows, COLUMNS))
     payload = {"machine": machine(), "rows": rows, "markdown": md}
     emit("step_overhead", payload, args.json)
