@@ -42,8 +42,10 @@ def machine() -> dict:
 
 
 def alternate(contenders: dict[str, Callable[[], None]], rounds: int, setup: Callable[[str], None] | None = None,
-              sync: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """Median seconds per call of each contender, run in turn in every round (same process, same tensors)."""
+              sync: Callable[[], None] = lambda: None, stat: str = "median") -> dict[str, float]:
+    """Seconds per call of each contender, run in turn in every round (same process, same tensors): the
+    median over rounds, or with ``stat="min"`` the fastest round (robust on a machine shared with other
+    work, where slow rounds measure the neighbours)."""
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for r in range(rounds + 1):
         for name, fn in contenders.items():
@@ -55,7 +57,8 @@ def alternate(contenders: dict[str, Callable[[], None]], rounds: int, setup: Cal
             sync()
             if r:  # the first round warms up
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    pick = min if stat == "min" else statistics.median
+    return {name: pick(ts) for name, ts in times.items()}
 
 
 def grad_restorer(params: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable[[str], None]:

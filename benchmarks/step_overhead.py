@@ -1,16 +1,28 @@
-"""Step overhead: LossScaleOptimizer.step() vs torch's unscale_ + clip_grad_norm_ + step + update vs a bare step.
+"""Step overhead of both front ends against torch's scaler, in ratios and in read-pass "floors".
 
 Every contender works on the same parameters and the same scaled gradients (restored before each
-timed call, outside the timing), alternating in every round; medians over rounds. Reported:
-total ratio ours / torch, and overhead ratio (ours - bare) / (torch - bare).
+timed call, outside the timing), alternating in every round; medians over rounds. Contenders:
 
-    python benchmarks/step_overhead.py                # 10M, 20M, 100M params
-    python benchmarks/step_overhead.py --sizes 20 --rounds 15
+- ``bare``: ``optimizer.step()`` alone;
+- ``torch``: torch.amp.GradScaler's pipeline (``unscale_`` + ``clip_grad_norm_`` where clipped, ``step``,
+  ``update``);
+- ``LSO``: ``LossScaleOptimizer(..., clip_grad_norm=)``.step();
+- ``GS``: ``lossscale.GradScaler`` driven exactly as torch's;
+- two floors: one read pass over the gradients as a per-tensor ``sum`` and as one ``torch._foreach_norm``.
+  The *floor* is the faster of them.
+
+Reported: total ratio (x / torch), overhead ratio ((x - bare) / (torch - bare)), overhead in floors
+((x - bare) / floor), and the passes over the gradients beyond the bare step (R = one read of every
+gradient, W = one write), counted structurally by a dispatch mode (``_passes.py``), not timed.
+
+    python benchmarks/step_overhead.py    # every optimizer at 20M, two at 1M and 100M; 100 tensors; layouts at 20M
+    python benchmarks/step_overhead.py --sizes 20 --rounds 15 --optimizers "fused AdamW"
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -18,80 +30,154 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import alternate, emit, grad_restorer, machine, table  # noqa: E402
+from _passes import count_passes, passes_text  # noqa: E402
 
-from lossscale import FixedScale, LossScaleOptimizer  # noqa: E402
+from lossscale import FixedScale, GradScaler, LossScaleOptimizer  # noqa: E402
 
 SCALE = 2.0**16
+STAT = "median"  # or "min" (--stat)
 OPTIMIZERS = {
     "fused AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-8, fused=True),
+    "fused Adam": lambda ps: torch.optim.Adam(ps, lr=1e-8, fused=True),
+    "fused SGD": lambda ps: torch.optim.SGD(ps, lr=1e-8, momentum=0.9, fused=True),
     "foreach Adam": lambda ps: torch.optim.Adam(ps, lr=1e-8, foreach=True),
     "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=1e-8, momentum=0.9, foreach=True),
 }
 
 
-def params_of(total: int, tensors: int = 100) -> list[torch.nn.Parameter]:
-    sizes = [total // tensors] * tensors
-    sizes[0] += total - sum(sizes)
-    return [torch.nn.Parameter(torch.randn(n) * 0.02) for n in sizes]
+def _transformer_shapes(total: int) -> list[tuple[int, ...]]:
+    """12 blocks of 16 tensors (layer norms, q/k/v/o, two MLP matrices, all with biases), ~total params."""
+    d = max(8, int(math.sqrt(total / 144)))
+    block = [(d,), (d,), (d, d), (d,), (d, d), (d,), (d, d), (d,), (d, d), (d,), (d,), (d,),
+             (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return block * 12
 
 
-def measure(total: int, opt_name: str, clip: bool, rounds: int) -> dict:
-    torch.manual_seed(0)
-    params = params_of(total)
-    base = [torch.randn_like(p) * 1e-3 * SCALE for p in params]
+LAYOUTS = {
+    "100 tensors": lambda total: [(total // 100,)] * 100,
+    "1000 tensors": lambda total: [(total // 1000,)] * 1000,
+    "transformer": _transformer_shapes,
+}
+
+
+def params_of(total: int, layout: str) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in LAYOUTS[layout](total)]
+
+
+def _floors(grads: list[torch.Tensor]) -> dict:
+    """The two one-read floors over ``grads``."""
+    return {
+        "floor sum": lambda: torch.stack([g.sum() for g in grads]),
+        "floor norm": lambda: torch._foreach_norm(grads, 2.0),
+    }
+
+
+def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> dict:
+    """The timed callables (each with its own optimizer over the shared parameters)."""
     make = OPTIMIZERS[opt_name]
-    bare_opt = make(params)
-    torch_opt = make(params)
+    bare_opt, torch_opt, gs_opt = make(params), make(params), make(params)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10**9)
     scaler.scale(torch.ones(()))  # initialise its scale tensor, as the backward pass would
-    ours = LossScaleOptimizer(make(params), policy=FixedScale(SCALE), clip_grad_norm=1.0 if clip else None)
+    ours_gs = GradScaler("cpu", init_scale=SCALE, growth_interval=10**9)
+    ours_gs.scale(torch.ones(()))
+    lso = LossScaleOptimizer(make(params), policy=FixedScale(SCALE), clip_grad_norm=1.0 if clip else None)
 
+    def pipeline(s, opt):
+        def run() -> None:
+            if clip:
+                s.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+            s.step(opt)
+            s.update()
+        return run
+
+    return {"bare": bare_opt.step, "torch": pipeline(scaler, torch_opt), "LSO": lso.step,
+            "GS": pipeline(ours_gs, gs_opt), "_skip_mode": lso.skip_mode}
+
+
+def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int) -> dict:
+    torch.manual_seed(0)
+    params = params_of(total, layout)
+    base = [torch.randn_like(p) * 1e-3 * SCALE for p in params]
     restore = grad_restorer(params, base)
-
-    def bare() -> None:
-        bare_opt.step()
-
-    def torch_pipeline() -> None:
-        scaler.unscale_(torch_opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-        scaler.step(torch_opt)
-        scaler.update()
-
-    def lossscale_step() -> None:
-        ours.step()
-
-    t = alternate({"bare": bare, "torch": torch_pipeline, "lossscale": lossscale_step}, rounds, setup=restore)
+    restore("")
+    fns = contenders(params, opt_name, clip)
+    skip_mode = fns.pop("_skip_mode")
+    fns.update(_floors([p.grad for p in params]))
+    t = alternate(fns, rounds, setup=restore, stat=STAT)
+    floor = min(t["floor sum"], t["floor norm"])
+    n = sum(p.numel() for p in params)
+    counts = {}
+    for name in ("bare", "torch", "LSO", "GS"):
+        restore(name)
+        counts[name] = count_passes(params, fns[name])
+    row = {"params": f"{n / 1e6:.3g}M", "layout": layout, "optimizer": opt_name,
+           "clip": "global norm" if clip else "none", "skip mode": skip_mode,
+           "floor ms": floor * 1e3, "bare ms": t["bare"] * 1e3}
+    for name in ("torch", "LSO", "GS"):
+        row[f"{name} passes"] = passes_text(counts[name], n, counts["bare"])
+        row[f"{name} ops"] = counts[name].calls - counts["bare"].calls
+        row[f"{name} ms"] = t[name] * 1e3
+        row[f"{name} floors"] = (t[name] - t["bare"]) / floor
     over_torch = t["torch"] - t["bare"]
-    return {
-        "params": f"{total // 10**6}M", "optimizer": opt_name, "clip": "global norm" if clip else "none",
-        "bare ms": t["bare"] * 1e3, "torch ms": t["torch"] * 1e3, "lossscale ms": t["lossscale"] * 1e3,
-        "total ratio": t["lossscale"] / t["torch"],
-        "overhead ratio": (t["lossscale"] - t["bare"]) / over_torch if over_torch > 0 else float("nan"),
-        "skip mode": ours.skip_mode,
-    }
+    for name in ("LSO", "GS"):
+        row[f"{name} total"] = t[name] / t["torch"]
+        row[f"{name} overhead"] = (t[name] - t["bare"]) / over_torch if over_torch > 0 else float("nan")
+    return row
+
+
+COLUMNS = ["params", "layout", "optimizer", "clip", "floor ms", "bare ms", "torch passes", "torch ops", "torch ms",
+           "torch floors", "LSO passes", "LSO ops", "LSO ms", "LSO total", "LSO overhead", "LSO floors", "GS passes",
+           "GS ops", "GS ms", "GS total", "GS overhead", "GS floors"]
+
+
+def plan(args: argparse.Namespace) -> list[tuple[int, str, str, bool]]:
+    """(total, layout, optimizer, clip) per row: every optimizer at every size in the first layout, then
+    fused AdamW in the other layouts at ``--layout-size``."""
+    if args.tiny:
+        return [(20_000, "100 tensors", o, c) for o in ("fused AdamW", "SGD momentum") for c in (True, False)] + [
+            (20_000, "transformer", "fused AdamW", True)]
+    sizes = [int(float(s) * 10**6) for s in args.sizes.split(",")]
+    layouts = args.layouts.split(",")
+    rows = [(s, layouts[0], o, c) for s in sizes for o in args.optimizers.split(",") for c in (True, False)]
+    scaling = [int(float(s) * 10**6) for s in args.scaling_sizes.split(",") if s]
+    rows += [(s, layouts[0], o, c) for s in scaling for o in args.scaling_optimizers.split(",") for c in (True, False)]
+    rows += [(int(float(args.layout_size) * 10**6), layout, "fused AdamW", c) for layout in layouts[1:]
+             for c in (True, False)]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="10,20,100", help="millions of parameters, comma-separated")
+    parser.add_argument("--sizes", default="20", help="millions of parameters, comma-separated (every optimizer)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--scaling-sizes", default="1,100", help="more sizes, for --scaling-optimizers only")
+    parser.add_argument("--scaling-optimizers", default="fused AdamW,SGD momentum")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="the first is used for every size")
+    parser.add_argument("--layout-size", default="20", help="millions of parameters for the other layouts")
     parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--stat", default="median", choices=["median", "min"], help="over rounds (min: shared CPUs)")
     parser.add_argument("--tiny", action="store_true", help="a few thousand parameters (for the test suite)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    sizes = [20_000] if args.tiny else [int(float(s) * 10**6) for s in args.sizes.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    global STAT
+    STAT = args.stat
     rows = []
-    for total in sizes:
-        for opt_name in args.optimizers.split(","):
-            for clip in (True, False):
-                row = measure(total, opt_name, clip, 2 if args.tiny else args.rounds)
-                rows.append(row)
-                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                      file=sys.stderr, flush=True)
-    cols = ["params", "optimizer", "clip", "skip mode", "bare ms", "torch ms", "lossscale ms", "total ratio",
-            "overhead ratio"]
-    md = table(rows, cols)
+    for total, layout, opt_name, clip in plan(args):
+        row = measure(total, layout, opt_name, clip, 2 if args.tiny else args.rounds)
+        rows.append(row)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              file=sys.stderr, flush=True)
+    md = (f"Times in ms, {STAT}s over {2 if args.tiny else args.rounds} alternating rounds. "
+          "*total* = time / torch's; *overhead* = (time - bare) / "
+          "(torch - bare); *floors* = (time - bare) / floor, where the floor is the faster of one per-tensor "
+          "sum and one `_foreach_norm` over the gradients. Passes beyond the bare step, counted by a dispatch "
+          "mode: R = one read of every gradient, W = one write; *ops* = aten calls beyond the bare step (the "
+          "fixed cost per step). LSO = LossScaleOptimizer, GS = "
+          "lossscale.GradScaler.\n\n" + table(rows, COLUMNS))
     payload = {"machine": machine(), "rows": rows, "markdown": md}
     emit("step_overhead", payload, args.json)
     return payload

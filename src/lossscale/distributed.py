@@ -75,6 +75,8 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
     The result shares storage with ``t``: writing into it (unscaling, clipping) writes the DTensor.
     """
+    if type(t) is torch.Tensor:  # the common case, without a module lookup per gradient
+        return t
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(t, dtensor):
         with torch.no_grad():  # the local tensor itself, not an autograd view of it
@@ -85,6 +87,8 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 def is_shard(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor sharded over some mesh dimension (FSDP2's ``Shard(0)``): its squared
     norm is the sum of the ranks' local squared norms. Replicated DTensors and plain tensors are not."""
+    if type(t) is torch.Tensor:
+        return False
     dtensor = _dtensor_type()
     if dtensor is None or not isinstance(t, dtensor):
         return False
