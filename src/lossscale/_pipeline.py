@@ -65,7 +65,7 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
     _apply(opt, found, overflow, stepped, _fused_divisor(opt, scale, active, clip))
 
     run.boundaries += 1
-    if run.schedule is not None:  # HELPER-CHANGE: the schedule warns once when it is never fed (issue 14)
+    if run.schedule is not None:  # the schedule warns once when it is never fed
         run.schedule.note_optimizer_step()
     if options.ema is not None:
         options.ema.update(stepped, run.boundaries)
