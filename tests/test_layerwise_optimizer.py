@@ -79,3 +79,23 @@ def test_a_parameter_outside_every_unit_is_refused():
     extra = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match=r"param_groups\[0\]\[48\] of the inner optimizer belongs to no unit"):
         LossScaleOptimizer(torch.optim.SGD([*model.parameters(), extra], lr=0.1), layerwise=model)
+
+
+@pytest.mark.parametrize("skip_mode", ["host", "masked"])
+def test_an_overflow_skips_the_step_exactly_with_clipping_and_each_skip_mode(skip_mode):
+    model = deep_net()
+    opt = LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), layerwise=model, clip_grad_norm=0.5,
+                             skip_mode=skip_mode)
+    for step in range(3):
+        opt.zero_grad()
+        opt.backward(loss_of(model, step, half=True))
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[next(model.parameters())].items() if torch.is_tensor(v)}
+    opt.zero_grad()
+    opt.backward(loss_of(model, 3, half=True) * torch.tensor(float("inf")))
+    result = opt.step()
+    assert bool(result.found_inf) and not bool(result.stepped)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    after = opt.state[next(model.parameters())]
+    assert all(torch.equal(v, after[k]) for k, v in state.items())
