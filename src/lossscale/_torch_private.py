@@ -141,5 +141,4 @@ class TorchPrivateAttributes:
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
-    def _agreed(self, found: dict[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
-        raise NotImplementedError  # provided by GradScaler
+    _agreed: Any  # GradScaler's: found_inf per device, reduced over ranks when distributed

@@ -17,7 +17,7 @@ import torch
 
 from lossscale._validate import ArgumentTypeError
 
-__all__ = ["checked_scale", "to_float32", "ScaleTypeError", "SMALLEST_NORMAL_FLOAT32", "FLOAT32_MAX"]
+__all__ = ["checked_scale", "to_float32", "SMALLEST_NORMAL_FLOAT32", "FLOAT32_MAX"]
 
 #: 2**-126, the smallest normal float32: the lowest scale whose inverse is finite.
 SMALLEST_NORMAL_FLOAT32 = 2.0**-126
@@ -33,10 +33,6 @@ def to_float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-#: A scale of the wrong kind: a TypeError that is also a ValueError (either ``except`` catches it).
-ScaleTypeError = ArgumentTypeError
-
-
 def _as_number(door: str, name: str, value: Any) -> float:
     """The Python number a float, int or one-element tensor holds.
 
@@ -44,7 +40,7 @@ def _as_number(door: str, name: str, value: Any) -> float:
     """
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.requires_grad or value.is_complex() or value.dtype == torch.bool:
-            raise ScaleTypeError(f"{door}: {name} must be a float or a 1-element tensor (real, without grad); got a "
+            raise ArgumentTypeError(f"{door}: {name} must be a float or a 1-element tensor (real, without grad); got a "
                                  f"{value.dtype} tensor of shape {tuple(value.shape)}"
                                  f"{' that requires grad' if value.requires_grad else ''}.")
         flat = value.detach().reshape(())
@@ -55,7 +51,7 @@ def _as_number(door: str, name: str, value: Any) -> float:
             return float(flat.to(torch.float64).numpy())
         return float(flat.to("cpu", torch.float64).numpy())  # one device sync
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ScaleTypeError(f"{door}: {name} must be a float or a 1-element tensor; got {type(value).__name__} "
+        raise ArgumentTypeError(f"{door}: {name} must be a float or a 1-element tensor; got {type(value).__name__} "
                              f"{value!r}.")
     return float(value)
 

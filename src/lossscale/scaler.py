@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import torch
 from torch.amp.grad_scaler import OptState
 
+from lossscale import distributed as _dist
 from lossscale import step as stages
 from lossscale._validate import ArgumentTypeError
 from lossscale._scaler_state import ScalerCheckpoint, policy_from_args
@@ -161,7 +162,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
 
     def _agreed(self, found: dict[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
         """found_inf per device, summed onto the scale's device and reduced over ranks when distributed."""
-        if not found or not stages._dist.active(self.process_group):
+        if not found or not _dist.active(self.process_group):
             return found
         device = self._owner.device
         total = torch.zeros((), dtype=torch.float32, device=device)
