@@ -3,13 +3,13 @@ Keras's EMA rules (the first applied step copies the weights; ``ema_overwrite_fr
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from lossscale.compat._checks import checked_tensors
 
-__all__ = ["checked_grads", "write_grads", "keras_ema_rules"]
+__all__ = ["KerasVariables", "checked_grads", "split_pairs", "write_grads", "keras_ema_rules"]
 
 
 def checked_grads(call: str, grads: Any, variables: Sequence[torch.Tensor],
@@ -59,3 +59,33 @@ def keras_ema_rules(ema: Any, stepped: torch.Tensor, first: torch.Tensor, applie
     if overwrite_frequency:
         due = stepped & (applied % overwrite_frequency == 0)
         torch._foreach_lerp_([p.detach() for p in ema.params], ema.shadow, due.to(ema.shadow[0].dtype))
+
+
+def split_pairs(call: str, grads_and_vars: Iterable[Any]) -> tuple[list[Any], list[Any]]:
+    """``(grads, vars)`` from Keras's ``(gradient, variable)`` pairs; a TypeError for anything else."""
+    pairs = list(grads_and_vars)
+    if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+        raise TypeError(f"{call}(grads_and_vars=...): grads_and_vars must hold (gradient, variable) pairs; got "
+                        f"{[type(p).__name__ for p in pairs][:4]}.")
+    return [g for g, _ in pairs], [v for _, v in pairs]
+
+
+class KerasVariables:
+    """Keras's ``learning_rate`` and ``variables``, read from (and written to) the inner torch optimizer."""
+
+    inner_optimizer: torch.optim.Optimizer
+
+    @property
+    def learning_rate(self) -> float:
+        """The inner optimizer's learning rate (of its first param group)."""
+        return self.inner_optimizer.param_groups[0]["lr"]
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        for group in self.inner_optimizer.param_groups:
+            group["lr"] = value
+
+    @property
+    def variables(self) -> list[torch.Tensor]:
+        """The parameters the inner optimizer updates."""
+        return [p for g in self.inner_optimizer.param_groups for p in g["params"]]

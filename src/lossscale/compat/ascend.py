@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from lossscale import presets
 from lossscale._validate import check_choice, check_scale
-from lossscale.compat._checks import check_optimizer, checked_state_dict
+from lossscale.compat._checks import check_optimizer, checked_state_dict, overflow_from_finite_grads
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.overflow import OverflowMode
 from lossscale.policy import FLOAT32_MAX, FixedScale, ScaleState
@@ -61,33 +61,6 @@ __all__ = [
     "ExperimentalConfig",
     "TellMeStepOrLossHook",
 ]
-
-
-def _found_inf(finite_grads: Any, scale: torch.Tensor) -> torch.Tensor:
-    """The overflow flag (0-d bool) of one step's ``finite_grads``; no host read.
-
-    Rule: a Python bool or a one-value bool tensor is TF1's ``finite_grads`` (True: every gradient is
-    finite); a one-value floating tensor is an NPU float status (0: no overflow; anything else, NaN
-    included: overflow). A state loaded batched (a scale of shape (N,)) takes N verdicts. Anything else
-    is refused rather than cast (a 2-value tensor would turn a scalar scale into a vector).
-    """
-    call = f"update_loss_scale(finite_grads={finite_grads!r})"
-    device = scale.device
-    if isinstance(finite_grads, bool):
-        return torch.tensor(not finite_grads, device=device)
-    if not isinstance(finite_grads, torch.Tensor) or not (finite_grads.dtype == torch.bool
-                                                          or finite_grads.is_floating_point()):
-        kind = type(finite_grads).__name__ if not isinstance(finite_grads, torch.Tensor) else finite_grads.dtype
-        raise TypeError(f"{call}: finite_grads must be a bool, a bool tensor (True when every gradient is finite) "
-                        f"or a floating NPU float status tensor (0 when nothing overflowed); got {kind}.")
-    if finite_grads.numel() == 1:
-        flag = finite_grads.reshape(scale.shape if scale.numel() == 1 else ()).to(device)
-    elif finite_grads.shape == scale.shape:  # a batched state (one verdict per entry), as tests replay it
-        flag = finite_grads.to(device)
-    else:
-        raise ValueError(f"{call}: finite_grads must hold one value (one step's verdict for all gradients); got "
-                         f"shape {tuple(finite_grads.shape)}. Reduce it first, e.g. finite_grads.all().")
-    return ~flag if flag.dtype == torch.bool else flag != 0
 
 
 class _LossScaleManager:
@@ -112,7 +85,7 @@ class _LossScaleManager:
 
     def update_loss_scale(self, finite_grads: Any) -> None:
         """Advance the rule with one step's ``finite_grads`` (True: no overflow). No host read."""
-        self.loss_scale.update(_found_inf(finite_grads, self.loss_scale.scale))
+        self.loss_scale.update(overflow_from_finite_grads(finite_grads, self.loss_scale.scale))
 
     def state_dict(self) -> dict[str, Any]:
         """The scale and counters as plain numbers (reads them on the host)."""

@@ -54,7 +54,7 @@ import torch
 from lossscale import presets
 from lossscale.clip import PerTensorClip
 from lossscale.compat._checks import check_optimizer, checked_state_dict
-from lossscale.compat._keras_apply import checked_grads, keras_ema_rules, write_grads
+from lossscale.compat._keras_apply import KerasVariables, checked_grads, keras_ema_rules, split_pairs, write_grads
 from lossscale.compat._keras_args import BASE_KWARGS, KerasEMA, validated
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
 from lossscale.result import StepResult
@@ -64,7 +64,7 @@ __all__ = ["LossScaleOptimizer", "BASE_KWARGS"]
 _CALL = "LossScaleOptimizer"
 
 
-class LossScaleOptimizer:
+class LossScaleOptimizer(KerasVariables):
     """Keras 3's dynamic loss scaling around a torch optimizer: ``scale_loss``, then ``apply(grads)``.
 
     Usage, as in a Keras custom training step::
@@ -116,7 +116,6 @@ class LossScaleOptimizer:
         self._applied = torch.zeros((), dtype=torch.int64, device=device)
         self.last_result: StepResult | None = None
 
-    # --- what Keras code reads ------------------------------------------------------------------
 
     @property
     def dynamic_scale(self) -> torch.Tensor:
@@ -132,23 +131,6 @@ class LossScaleOptimizer:
     def iterations(self) -> torch.Tensor:
         """``apply()`` calls whose gradients were not discarded for overflow (0-d int64 tensor)."""
         return self._iterations
-
-    @property
-    def learning_rate(self) -> float:
-        """The inner optimizer's learning rate (of its first param group)."""
-        return self.inner_optimizer.param_groups[0]["lr"]
-
-    @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
-        for group in self.inner_optimizer.param_groups:
-            group["lr"] = value
-
-    @property
-    def variables(self) -> list[torch.Tensor]:
-        """The parameters the inner optimizer updates."""
-        return [p for g in self.inner_optimizer.param_groups for p in g["params"]]
-
-    # --- the calls ----------------------------------------------------------------------------
 
     def scale_loss(self, loss: Any) -> torch.Tensor:
         """``loss * dynamic_scale`` (times ``loss_scale_factor`` when set). No host read.
@@ -185,25 +167,17 @@ class LossScaleOptimizer:
         self._iterations += stepped
         self._applied += stepped
         if self.ema is not None:
-            self._keras_ema(result.stepped, first)
+            keras_ema_rules(self.ema, result.stepped, first, self._applied, self.ema_overwrite_frequency)
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
         """``apply(grads, vars)`` for a list of ``(grad, var)`` pairs."""
-        pairs = list(grads_and_vars)
-        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
-            raise TypeError(f"{_CALL}.apply_gradients(grads_and_vars=...): grads_and_vars must hold (gradient, "
-                            f"variable) pairs; got {[type(p).__name__ for p in pairs][:4]}.")
-        self.apply([g for g, _ in pairs], [v for _, v in pairs])
-
-    def _keras_ema(self, stepped: torch.Tensor, first: torch.Tensor) -> None:
-        keras_ema_rules(self.ema, stepped, first, self._applied, self.ema_overwrite_frequency)
+        self.apply(*split_pairs(f"{_CALL}.apply_gradients", grads_and_vars))
 
     def finalize_variable_values(self, var_list: Sequence[torch.Tensor] | None = None) -> None:
         """Copy the moving average into the weights (when ``use_ema``), as Keras does at the end of ``fit``."""
         if self.ema is not None:
             self.ema.copy_to(var_list)
 
-    # --- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The core optimizer's state plus ``iterations``."""
