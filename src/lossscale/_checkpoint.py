@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lossscale._validate import check_int_in_range
-from lossscale.state import StateDictError
+from lossscale.state import checked_state_dict
 
 __all__ = ["optimizer_state_dict", "load_optimizer_state_dict"]
 
@@ -41,14 +41,8 @@ def optimizer_state_dict(opt: Any) -> dict[str, Any]:
 
 
 def _validated_position(door: str, state_dict: dict[str, Any], accumulation_steps: int) -> tuple[int, int]:
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"{door}: state_dict must be a dict saved by LossScaleOptimizer.state_dict(); got "
-                        f"{type(state_dict).__name__}.")
-    missing = [k for k in _REQUIRED if k not in state_dict]
-    if missing:
-        raise StateDictError(f"{door}: the state dict lacks {missing} (keys of LossScaleOptimizer.state_dict(): "
-                       f"{list(_REQUIRED)}); got keys {sorted(state_dict)}. A plain torch optimizer's state_dict "
-                       f"goes to opt.inner.load_state_dict(...).")
+    checked_state_dict(door, state_dict, _REQUIRED, " A plain torch optimizer's state_dict goes to "
+                       "opt.inner.load_state_dict(...).")
     micro, boundaries = state_dict["micro_step"], state_dict["boundaries"]
     check_int_in_range(door, "micro_step", micro, 0, accumulation_steps - 1)
     check_int_in_range(door, "boundaries", boundaries, 0, 2**62)
@@ -57,7 +51,7 @@ def _validated_position(door: str, state_dict: dict[str, Any], accumulation_step
 
 def load_optimizer_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     """Restore what :func:`optimizer_state_dict` saved; nothing changes unless every part is valid."""
-    door = "LossScaleOptimizer.load_state_dict(state_dict)"
+    door = "LossScaleOptimizer.load_state_dict"
     run = opt._run
     micro, boundaries = _validated_position(door, state_dict, opt.options.accumulation_steps)
     before = opt._owner.state_dict()

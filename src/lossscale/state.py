@@ -19,7 +19,7 @@ import torch
 from lossscale._validate import INT32_MAX
 from lossscale.scale_value import checked_scale
 
-__all__ = ["ScaleState", "LossScale", "StateDictError", "state_to_dict", "state_from_dict"]
+__all__ = ["ScaleState", "LossScale", "StateDictError", "checked_state_dict", "state_to_dict", "state_from_dict"]
 
 
 class StateDictError(KeyError, ValueError):
@@ -49,6 +49,23 @@ class ScaleState:
     def to(self, device: torch.device | str) -> ScaleState:
         """The same state on ``device`` (a copy only where it moves)."""
         return move_state(self, device)
+
+
+def checked_state_dict(call: str, state_dict: Any, keys: Any, hint: str = "") -> dict[str, Any]:
+    """``state_dict`` if it is a dict holding ``keys`` (what the owner's ``state_dict()`` saves).
+
+    Raises:
+        TypeError: not a dict. StateDictError (a ValueError and a KeyError): a key is missing, e.g. another
+        object's state dict; ``hint`` says where such a dict goes instead.
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{call}(state_dict={state_dict!r}): state_dict must be the dict that state_dict() "
+                        f"returned; got {type(state_dict).__name__}.")
+    missing = [k for k in keys if k not in state_dict]
+    if missing:
+        raise StateDictError(f"{call}(state_dict with keys {sorted(state_dict)}): missing {missing}; pass the dict "
+                             f"that state_dict() returned.{hint}")
+    return state_dict
 
 
 def move_state(state: Any, device: torch.device | str) -> Any:

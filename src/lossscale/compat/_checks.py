@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from lossscale.state import checked_state_dict
+
 __all__ = ["check_optimizer", "checked_state_dict", "checked_tensors", "overflow_from_finite_grads"]
 
 
@@ -15,22 +17,6 @@ def check_optimizer(call: str, name: str, value: Any) -> None:
     if not isinstance(value, torch.optim.Optimizer):
         raise TypeError(f"{call}({name}={value!r}): {name} must be a torch.optim.Optimizer; got "
                         f"{type(value).__name__}.")
-
-
-def checked_state_dict(call: str, state_dict: Any, keys: Iterable[str]) -> dict[str, Any]:
-    """``state_dict`` if it is a dict holding ``keys`` (what the facade's ``state_dict()`` saves).
-
-    Raises:
-        TypeError: not a dict. ValueError: a key is missing (e.g. another object's state dict).
-    """
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"{call}(state_dict={state_dict!r}): state_dict must be the dict that state_dict() "
-                        f"returned; got {type(state_dict).__name__}.")
-    missing = [k for k in keys if k not in state_dict]
-    if missing:
-        raise ValueError(f"{call}(state_dict with keys {sorted(state_dict)}): missing {missing}; pass the dict "
-                         f"that state_dict() returned.")
-    return state_dict
 
 
 def checked_tensors(call: str, name: str, value: Any, *, none_items: bool) -> list[Any]:
