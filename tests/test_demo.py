@@ -75,15 +75,17 @@ def test_tiny_demo_end_to_end_writes_results_plot_and_csvs(tmp_path, capsys):
     for r in results["runs"]:
         assert KEYS <= set(r)
         assert r["final_loss"] > 0 and r["seconds"] > 0 and 0.0 <= r["underflow"] <= 1.0
-        assert len(r["train_loss"]) == len(r["scale"]) == len(r["underflow_meter"]) == 6
+        # six updates applied; a skipped step comes on top of them
+        assert len(r["train_loss"]) == len(r["scale"]) == len(r["underflow_meter"]) == 6 + r["skipped_steps"]
         if r["name"] in ("fp16-noscale", "fp16-dynamic", "fp16-predictive"):  # the meter runs while scaling
             assert all(v is not None and 0.0 <= v <= 1.0 for v in r["underflow_meter"])
         assert (tmp_path / f"{cli._slug(r['name'])}.csv").exists()
     by_name = {r["name"]: r for r in results["runs"]}
     assert by_name["fp32"]["underflow"] == 0.0  # the float32 run is its own reference
     assert by_name["fp32"]["final_scale"] == 1.0 and by_name["fp32"]["skipped_steps"] == 0
-    dynamic = by_name["fp16-dynamic"]  # from 2**24, which overflows: one halving per skipped step, no growth yet
-    assert dynamic["skipped_steps"] >= 1 and dynamic["final_scale"] == 2.0**24 / 2**dynamic["skipped_steps"]
+    dynamic = by_name["fp16-dynamic"]  # from 2**32, which overflows: one halving per skipped step, no growth yet
+    assert dynamic["skipped_steps"] >= 1 and dynamic["final_scale"] == 2.0**32 / 2**dynamic["skipped_steps"]
+    assert dynamic["skipped"] == list(range(dynamic["skipped_steps"]))  # the first steps, then none
     assert results["machine"]["cpu_flags"] == machine.machine()["cpu_flags"] and results["machine"]["jobs"] == 1
     assert results["underflow_definition"].startswith("share of parameter-gradient values")
     width, height, _ = read_png(tmp_path / "demo.png")
@@ -100,7 +102,7 @@ def test_quick_code_path_in_worker_processes_matches_one_process(tmp_path, capsy
     results = json.loads((tmp_path / "workers" / "results.json").read_text())
     assert [r["name"] for r in results["runs"]] == list(runs.QUICK_RUNS)
     assert results["machine"]["jobs"] == 2 and results["machine"]["torch_threads"] >= 1
-    assert results["config"]["steps"] == 6 and results["config"]["init_scale"] == 2.0**24
+    assert results["config"]["steps"] == 6 and results["config"]["init_scale"] == 2.0**32
     width, height, _ = read_png(tmp_path / "workers" / "demo.png")
     assert width >= 800 and height >= 800
     for name in runs.QUICK_RUNS:
@@ -140,8 +142,8 @@ def test_without_tqdm_and_matplotlib_progress_is_plain_lines_with_a_note(tmp_pat
     assert demo("--out", str(tmp_path), "--runs", "fp16-dynamic") == 0
     out = capsys.readouterr().out
     assert "note: tqdm and matplotlib not installed" in out and "pip install 'lossscale[demo]'" in out
-    assert re.search(r"fp16-dynamic  step 3/6  loss \d\.\d+  scale \S+  skips \d  left ~\d+s", out)
-    assert re.search(r"fp16-dynamic  step 6/6  loss \d\.\d+  scale \S+  skips \d  left ~0s", out)
+    assert re.search(r"fp16-dynamic  update 3/6  loss \d\.\d+  scale \S+  skips \d  left ~\d+s", out)
+    assert re.search(r"fp16-dynamic  update 6/6  loss \d\.\d+  scale \S+  skips \d  left ~0s", out)
     read_png(tmp_path / "demo.png")
 
 
@@ -152,8 +154,8 @@ def test_runs_option_picks_runs_in_order(tmp_path):
 
 
 def test_fp16_without_scaling_flushes_gradients_that_dynamic_scaling_keeps():
-    # The mechanism of the demo at a size a test can afford: 64 micro-batches per step.
-    cfg = QUICK.replace(steps=3, accumulation=64, sequences=2, d_model=16, files=3, measure_every=1, eval_every=3)
+    # The mechanism of the demo at a size a test can afford: the loss divided by 2**20 characters.
+    cfg = QUICK.replace(steps=3, accumulation=2, sequences=8, d_model=16, files=3, measure_every=1, eval_every=3)
     corpus = load_corpus(cfg.files, cfg.seed, cfg.context)
     noscale = train_run(runs.RUNS["fp16-noscale"], cfg, corpus)
     dynamic = train_run(runs.RUNS["fp16-dynamic"], cfg, corpus)
@@ -161,17 +163,40 @@ def test_fp16_without_scaling_flushes_gradients_that_dynamic_scaling_keeps():
     assert max(u for _, u in dynamic.underflow) < 0.01
 
 
-def test_skipped_steps_do_not_advance_the_learning_rate_schedule(monkeypatch):
-    # fp16-dynamic starts at 2**24, which overflows: its first steps are skipped, and the warm-up waits for them.
-    from lossscale.demo import train
+def test_skipped_steps_advance_neither_the_learning_rate_nor_the_data(monkeypatch):
+    # fp16-dynamic starts at 2**32, which overflows: its first steps are skipped; the warm-up and the batches
+    # wait for them, and the run goes on until it has applied cfg.steps updates.
+    from lossscale.demo import data, train
 
-    seen = []
+    seen, positions = [], []
+    batch = data.Corpus.batch
+
+    def recording_batch(self, seed, position, micro, *args):
+        if micro == 0:
+            positions.append(position)
+        return batch(self, seed, position, micro, *args)
+
     monkeypatch.setattr(train, "learning_rate", lambda cfg, applied: seen.append(applied) or cfg.lr)
+    monkeypatch.setattr(data.Corpus, "batch", recording_batch)
     cfg = QUICK.replace(steps=6, accumulation=2, sequences=4, context=16, d_model=8, files=3, eval_every=6)
     history = train_run(runs.RUNS["fp16-dynamic"], cfg, load_corpus(cfg.files, cfg.seed, cfg.context))
     skipped = [bool(row["skipped"]) for row in history.rows]
-    assert skipped[0]  # 2**24 overflows this model's float16 gradients
-    assert seen == [sum(not s for s in skipped[:i]) for i in range(6)]
+    assert skipped[0] and sum(not s for s in skipped) == 6  # 2**32 overflows this model's float16 gradients
+    applied = [sum(not s for s in skipped[:i]) for i in range(len(skipped))]
+    assert seen == applied and positions == applied
+    assert history.heldout[-1][0] == len(skipped)
+
+
+def test_loss_normalizer_leaves_float32_training_unchanged():
+    # AdamW's eps is divided by the same factor as the loss: float32 trains as with a plain mean.
+    cfg = QUICK.replace(steps=4, accumulation=2, sequences=4, context=16, d_model=8, files=3, eval_every=2)
+    corpus = load_corpus(cfg.files, cfg.seed, cfg.context)
+    plain = train_run(runs.RUNS["fp32"], cfg.replace(loss_normalizer=0), corpus)
+    divided = train_run(runs.RUNS["fp32"], cfg, corpus)
+    assert cfg.normalizer() == 2**20 and cfg.replace(loss_normalizer=0).normalizer() == cfg.tokens_per_step() == 128
+    for (step, a), (step_b, b) in zip(plain.heldout, divided.heldout, strict=True):
+        assert step == step_b and a == pytest.approx(b, rel=1e-5)
+    assert [r["loss"] for r in plain.rows] == pytest.approx([r["loss"] for r in divided.rows], rel=1e-5)
 
 
 GROWING = runs.RunSpec("fp16-growing", "float16, scale grows every 2 steps", torch.float16,
@@ -201,9 +226,11 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path, monkeypatch, 
     if name == "fp16-growing":
         assert len(set(whole["scale"])) > 2  # the policy's state really moved across the checkpoint
     else:
-        assert whole["switch_step"] == 9 and whole["precision"][8:] == ["float16", "float32"]
+        # the schedule switches after 90% of the 10 updates; the skipped steps come on top
+        skips = whole["skipped_steps"]
+        assert whole["switch_step"] == 9 + skips and whole["precision"][8 + skips:] == ["float16", "float32"]
     with open(tmp_path / "killed" / f"{cli._slug(name)}.csv") as f:
-        assert len(f.readlines()) == 1 + 10  # the resumed CSV has every step once
+        assert len(f.readlines()) == 1 + 10 + whole["skipped_steps"]  # the resumed CSV has every step once
 
 
 def test_resume_with_other_settings_is_a_one_line_error(tmp_path, capsys):
@@ -264,3 +291,43 @@ def test_under_torchrun_every_rank_trains_and_rank_0_writes(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["config"]["world_size"] == 2
     assert out.stdout.count("lossscale demo: a character-level transformer") == 1  # rank 0 alone prints
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
+def test_ctrl_c_stops_the_workers_and_exits_130(tmp_path):
+    # Ctrl-C while two runs train in worker processes: the parent stops them within a step and exits.
+    import os
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "lossscale", "demo", *SIZE, "--steps", "100000", "--jobs", "2",
+           "--runs", "fp32,bf16", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"{name}.csv").exists() and (tmp_path / f"{name}.csv").stat().st_size > 200
+                  for name in ("fp32", "bf16")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    workers = _children(proc.pid)
+    assert len(workers) >= 2
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "lossscale demo: interrupted; nothing saved" in err
+    time.sleep(1)
+    assert not [pid for pid in workers if _alive(pid)]

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=_int_at_least(1), metavar="N",
                    help="train at most N runs at a time, in worker processes with cores/N torch threads each (default: one "
                         "per core on the CPU; 1 under torchrun or on a GPU)")
-    p.add_argument("--steps", type=_int_at_least(1), help="optimizer steps per run")
+    p.add_argument("--steps", type=_int_at_least(1), help="updates each run applies (skipped steps come on top)")
     p.add_argument("--seed", type=_int_at_least(0), help="seeds the model, the choice of files and the batches")
     p.add_argument("--out", default="demo-out", help="directory for results.json, demo.png, CSVs, checkpoints")
     p.add_argument("--checkpoint-every", type=_int_at_least(0), default=0, metavar="N",
@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--files", type=_int_at_least(2), help="standard-library files to read")
     size.add_argument("--lr", type=_positive_float, help="peak learning rate")
     size.add_argument("--init-scale", type=_positive_float, metavar="S", help="first loss scale of the float16 runs")
+    size.add_argument("--loss-normalizer", type=_int_at_least(0), metavar="N",
+                      help="divide a step's summed loss by N characters (0: by its own, a plain mean)")
     size.add_argument("--growth-interval", type=_int_at_least(1), metavar="N",
                       help="clean steps before DynamicScale doubles the scale")
     size.add_argument("--eval-every", type=_int_at_least(1), metavar="N", help="steps between held-out evaluations")
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _config(args: argparse.Namespace) -> DemoConfig:
     cfg = QUICK if args.quick else DEFAULT
     names = ["steps", "seed", "accumulation", "sequences", "context", "d_model", "layers", "heads", "files", "lr",
-             "init_scale", "growth_interval", "eval_every", "measure_every"]
+             "init_scale", "growth_interval", "loss_normalizer", "eval_every", "measure_every"]
     cfg = cfg.replace(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
     if cfg.d_model % cfg.heads:
         raise _UsageError(f"--d-model {cfg.d_model} must be a multiple of --heads {cfg.heads}")
@@ -149,6 +151,12 @@ def main(argv: list[str]) -> int:
         if rank == 0:
             print(f"lossscale demo: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if rank == 0:
+            kept = (f"checkpoints in {os.path.join(args.out, 'checkpoints')}: add --resume to go on"
+                    if args.checkpoint_every else "nothing saved (--checkpoint-every N saves runs as they go)")
+            print(f"\nlossscale demo: interrupted; {kept}", file=sys.stderr)
+        return 130
     finally:
         if world_size > 1:
             _dist.shutdown()
@@ -177,8 +185,9 @@ def _run(args: argparse.Namespace, specs: list[RunSpec], cfg: DemoConfig, rank: 
         f"({len(corpus.train_files)} files, {len(corpus.train):,} characters; "
         f"{len(corpus.heldout_files)} files, {len(corpus.heldout):,} characters held out)")
     say(f"  {cfg.describe(world_size)}")
-    say(f"  each micro-batch's loss is normalized by the {cfg.tokens_per_step(world_size):,} characters of the "
-        f"global batch: its gradient values are {cfg.accumulation * world_size}x smaller than its own mean's")
+    say(f"  each step's summed loss is divided by {cfg.normalizer(world_size):,} characters: its gradient values are "
+        f"{cfg.normalizer(world_size) / cfg.tokens_per_micro_batch:,.0f}x smaller than a micro-batch mean's; a skipped "
+        f"step's batch is trained on at the next step")
     say(f"  on {describe_machine(host)}; {len(specs)} runs, {jobs} at a time")
     missing = [n for n, ok in (("tqdm", have_tqdm()), ("matplotlib", have_matplotlib())) if not ok]
     if missing:
@@ -249,7 +258,8 @@ def _task(args: argparse.Namespace, spec: RunSpec, cfg: DemoConfig, rank: int) -
 def _progress(args: argparse.Namespace, spec: RunSpec, task: RunTask, rank: int, position: int) -> Progress:
     """The run's progress line, starting where its checkpoint left off when resuming."""
     saved = load_checkpoint(task.checkpoint_path, spec, task.cfg) if args.resume and task.checkpoint_path else None
-    return Progress(spec.name, task.cfg.steps, initial=0 if saved is None else int(saved["step"]),
+    applied = 0 if saved is None else sum(not row["skipped"] for row in saved["history"]["rows"])
+    return Progress(spec.name, task.cfg.steps, initial=applied,
                     enabled=rank == 0, position=position)
 
 

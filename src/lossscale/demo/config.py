@@ -15,10 +15,8 @@ class DemoConfig:
     """Everything that decides a run's numbers (the run's name aside).
 
     Attributes:
-        steps: Optimizer steps.
-        accumulation: Micro-batches per step; each micro-batch's loss is its mean over its own characters
-            divided by ``accumulation`` (and by the number of ranks), i.e. the sum over the global
-            batch's characters divided by their count.
+        steps: Updates a run applies (skipped steps come on top: see :mod:`lossscale.demo.train`).
+        accumulation: Micro-batches per step.
         sequences: Sequences per micro-batch.
         context: Characters per sequence.
         d_model, layers, heads: The transformer's size.
@@ -29,15 +27,20 @@ class DemoConfig:
         eval_every: Steps between held-out evaluations (the last step is always evaluated).
         measure_every: Steps between underflow measurements (the first and last step always measured).
         seed: Seeds the model's initialisation, the choice of files and every batch.
-        init_scale: The loss scale the float16 runs start from; the default, 2**24, is MindSpore's
-            ``DynamicLossScaleManager`` default and overflows this model's float16 gradients, so the plot
-            shows the dynamic scaler backing off (one skipped step per halving) before it trains.
+        init_scale: The loss scale the float16 runs start from; the default, 2**32, is Megatron-LM's
+            ``--initial-loss-scale`` and overflows this model's float16 gradients, so the plot shows the
+            dynamic scaler backing off (one skipped step per halving) before it trains.
         growth_interval: ``DynamicScale(growth_interval=...)``: clean steps before the scale doubles again
             (torch's default is 2000; the demo's runs are short enough that 2000 would never show a growth).
+        loss_normalizer: A step's summed cross-entropy is divided by this many characters (0: by the
+            step's own characters, a plain mean). The presets use 2**20, a large language-model batch, so
+            the backward passes carry gradients as small as such a run's (a plain mean over this small
+            step's characters gives gradients 64x larger, which float16 holds without scaling); AdamW's
+            ``eps`` is divided by the same factor, so float32 trains exactly as with a plain mean.
     """
 
     steps: int = 160
-    accumulation: int = 16
+    accumulation: int = 8
     sequences: int = 64
     context: int = 32
     d_model: int = 16
@@ -50,8 +53,9 @@ class DemoConfig:
     eval_every: int = 20
     measure_every: int = 10
     seed: int = 0
-    init_scale: float = 2.0**24
+    init_scale: float = 2.0**32
     growth_interval: int = 20
+    loss_normalizer: int = 2**20
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -60,13 +64,18 @@ class DemoConfig:
     def tokens_per_step(self, world_size: int = 1) -> int:
         return self.tokens_per_micro_batch * self.accumulation * world_size
 
+    def normalizer(self, world_size: int = 1) -> int:
+        """The count a step's summed loss is divided by (``loss_normalizer``, or the step's characters)."""
+        return self.loss_normalizer or self.tokens_per_step(world_size)
+
     def describe(self, world_size: int = 1) -> str:
         """One line, quoted verbatim by the README for ``--quick`` and the default."""
         ranks = f" x {world_size} ranks" if world_size > 1 else ""
-        return (f"{self.steps} steps x {self.accumulation} micro-batches{ranks} x {self.sequences} sequences x "
+        return (f"{self.steps} updates x {self.accumulation} micro-batches{ranks} x {self.sequences} sequences x "
                 f"{self.context} characters ({self.tokens_per_step(world_size):,} characters per step); "
                 f"{self.layers} layer{'s' if self.layers != 1 else ''}, d_model {self.d_model}, "
-                f"{self.heads} heads; {self.files} stdlib files; AdamW lr {self.lr:g}"
+                f"{self.heads} heads; {self.files} stdlib files; loss / {self.normalizer(world_size):,} characters; "
+                f"AdamW lr {self.lr:g}"
                 f"{f', clip {self.clip_grad_norm:g}' if self.clip_grad_norm else ''}; float16 loss scale from "
                 f"{power_text(self.init_scale)}, x2 after {self.growth_interval} clean steps; seed {self.seed}")
 

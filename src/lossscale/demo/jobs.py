@@ -15,12 +15,17 @@ The rule::
 
 Cost: each worker imports torch once (about a second, in parallel); the per-step messages are a few
 hundred bytes. A worker's error is raised in the parent.
+
+Ctrl-C: the workers ignore SIGINT (a terminal sends it to them too); the parent sets a shared stop flag,
+which each worker reads after every step and then stops (within one step, without a final checkpoint),
+cancels the runs not yet started and raises KeyboardInterrupt once every worker has stopped.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import queue as queue_module
+import signal
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -38,6 +43,11 @@ __all__ = ["RunTask", "run_in_workers", "threads_per_job"]
 PROGRESS_FIELDS = ("loss", "next_scale", "skipped_steps")
 
 _messages: Any = None  # the worker's end of the progress queue (set by _start_worker)
+_stop: Any = None  # the parent's stop flag, a multiprocessing Event (set by _start_worker)
+
+
+class _Stopped(Exception):
+    """Raised in a worker after a step when the parent asked every run to stop (Ctrl-C)."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,10 @@ def threads_per_job(jobs: int, cores: int | None) -> int:
     return max(1, (cores or 1) // jobs)
 
 
-def _start_worker(messages: Any, threads: int) -> None:
-    global _messages
-    _messages = messages
+def _start_worker(messages: Any, stop: Any, threads: int) -> None:
+    global _messages, _stop
+    _messages, _stop = messages, stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides, and tells the workers through _stop
     torch.set_num_threads(threads)
 
 
@@ -69,6 +80,8 @@ def _work(task: RunTask) -> RunHistory:
 
     def report(done: int, row: dict[str, Any]) -> None:
         _messages.put((task.name, done, {k: row[k] for k in PROGRESS_FIELDS}))
+        if _stop.is_set():
+            raise _Stopped(task.name)
 
     try:
         return train_run(RUNS[task.name], task.cfg, corpus, device=task.device, csv_path=task.csv_path,
@@ -84,21 +97,33 @@ def run_in_workers(tasks: list[RunTask], jobs: int, threads: int,
     done, row)`` is called in this process as the workers report. Returns the histories in task order.
     Runs listed first start first (put the long ones first to finish soonest)."""
     context = multiprocessing.get_context("spawn")
-    messages = context.Queue()
+    messages, stop = context.Queue(), context.Event()
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_start_worker,
-                             initargs=(messages, threads)) as pool:
+                             initargs=(messages, stop, threads)) as pool:
         futures: list[Future[RunHistory]] = [pool.submit(_work, task) for task in tasks]
-        ended = 0
-        while ended < len(tasks):
-            try:
-                name, done, row = messages.get(timeout=0.2)
-            except queue_module.Empty:
-                for future in futures:  # a worker that died without a word (killed, out of memory)
-                    if future.done() and future.exception() is not None:
-                        future.result()
-                continue
-            if done is None:
-                ended += 1
-            else:
-                on_step(name, done, row)
+        try:
+            _relay(messages, futures, on_step)
+        except KeyboardInterrupt:
+            stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
         return [future.result() for future in futures]  # a worker's error is raised here
+
+
+def _relay(messages: Any, futures: list[Future[RunHistory]],
+           on_step: Callable[[str, int, dict[str, Any]], None]) -> None:
+    """Pass the workers' progress messages to ``on_step`` until every run has ended; a worker that died without
+    a word (killed, out of memory) raises here."""
+    ended = 0
+    while ended < len(futures):
+        try:
+            name, done, row = messages.get(timeout=0.2)
+        except queue_module.Empty:
+            for future in futures:
+                if future.done() and future.exception() is not None:
+                    future.result()
+            continue
+        if done is None:
+            ended += 1
+        else:
+            on_step(name, done, row)

@@ -37,6 +37,20 @@ def _scales(run: dict[str, Any]) -> bool:
     return any(s != 1.0 for s in run["scale"])
 
 
+def _plot_underflow(ax: Any, run: dict[str, Any], color: tuple[float, ...]) -> None:
+    """The run's measured underflow (dots) and, for float16 runs, the library's per-step meter (dashed)."""
+    samples = run["underflow_samples"]
+    ax.plot([s for s, _ in samples], [100 * v for _, v in samples], "o-", color=color, ms=3, label=run["name"])
+    meter = [(s, v) for s, v in enumerate(run.get("underflow_meter") or []) if v is not None]
+    if meter and _float16(run):  # StepResult.underflow: what float16 would flush of the accumulated gradients
+        ax.plot([s for s, _ in meter], [100 * v for _, v in meter], "--", color=color, lw=0.8, alpha=0.7)
+
+
+def _float16(run: dict[str, Any]) -> bool:
+    """Whether the run computes in float16 (the underflow meter counts what float16 would flush)."""
+    return run["name"].startswith("fp16") or "float16" in (run.get("precision") or [])
+
+
 def plot_runs(path: str, runs: list[dict[str, Any]], title: str) -> str:
     """Write the figure to ``path``; returns ``"matplotlib"`` or ``"plain"`` (the fallback that was used)."""
     if have_matplotlib():
@@ -58,19 +72,16 @@ def _plot_matplotlib(path: str, runs: list[dict[str, Any]], title: str) -> None:
         steps = range(len(r["train_loss"]))
         loss_ax.plot(steps, r["train_loss"], color=color, lw=0.8, alpha=0.45)
         held = r["heldout_loss"]
-        loss_ax.plot([s for s, _ in held], [v for _, v in held], "o-", color=color, ms=3,
+        reference = r["name"] == "fp32"  # a wide band under the others: runs that match it run through it
+        loss_ax.plot([s for s, _ in held], [v for _, v in held], "o-", color=color, ms=6 if reference else 3,
+                     lw=4 if reference else 1.5, alpha=0.35 if reference else 1.0, zorder=1 if reference else 2,
                      label=f"{r['name']}  held-out {r['final_loss']:.3f}")
         if _scales(r):
             scale_ax.step(steps, r["scale"], where="post", color=color, lw=1.4,
                           label=f"{r['name']}: {r['skipped_steps']} skipped, final {power_text(r['final_scale'])}")
         if r["skipped"]:
             scale_ax.plot(r["skipped"], [r["scale"][s] for s in r["skipped"]], "x", color=color, ms=8, mew=1.8)
-        samples = r["underflow_samples"]
-        under_ax.plot([s for s, _ in samples], [100 * v for _, v in samples], "o-", color=color, ms=3,
-                      label=r["name"])
-        meter = [(s, v) for s, v in enumerate(r.get("underflow_meter") or []) if v is not None]
-        if meter:  # the library's per-step meter (StepResult.underflow), dashed
-            under_ax.plot([s for s, _ in meter], [100 * v for _, v in meter], "--", color=color, lw=0.8, alpha=0.7)
+        _plot_underflow(under_ax, r, color)
         if r.get("switch_step") is not None:
             for ax in (loss_ax, scale_ax, under_ax):
                 ax.axvline(r["switch_step"], color=color, ls=":", lw=1)
@@ -89,7 +100,7 @@ def _plot_matplotlib(path: str, runs: list[dict[str, Any]], title: str) -> None:
                        + (f"; not shown, no scaling: {unscaled}" if unscaled else ""), fontsize=10)
     scale_ax.legend(fontsize=8)
     under_ax.set_ylabel("% flushed to zero")
-    under_ax.set_xlabel("optimizer step")
+    under_ax.set_xlabel("optimizer step (a skipped step's batch is trained on at the next step)")
     under_ax.set_title("measured underflow: gradient values nonzero in float32 but zero in the run's backward\n"
                        "(dashed: the underflow meter, StepResult.underflow: sampled scaled gradients <= 2^-25)",
                        fontsize=10)

@@ -1,4 +1,4 @@
-"""A progress line per run: steps, loss, scale, skipped steps and the time left.
+"""A progress line per run: updates applied, loss, scale, skipped steps and the time left.
 
 With tqdm (the ``demo`` extra) every run has its own bar (stacked when runs train side by side), whose
 ``<`` time is the time left. Without it, a plain line every tenth of the run with the same fields and
@@ -27,8 +27,8 @@ class Progress:
 
     Args:
         name: The run's name (the bar's label).
-        total: Steps in the run.
-        initial: Steps already done (a resumed run).
+        total: Updates the run applies (skipped steps do not count).
+        initial: Updates already applied (a resumed run).
         enabled: False on ranks other than 0: nothing is shown.
         position: The bar's line, counted from the first bar (runs shown at the same time).
     """
@@ -41,7 +41,7 @@ class Progress:
         if enabled and have_tqdm():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, desc=f"{name:>15}", unit="step", leave=True,
+            self._bar = tqdm(total=total, initial=initial, desc=f"{name:>15}", unit="update", leave=True,
                              dynamic_ncols=True, file=sys.stderr, position=position)
 
     def time_left(self, done: int) -> float | None:
@@ -64,7 +64,7 @@ class Progress:
             fields = "  ".join(f"{k} {v}" for k, v in shown.items())
             left = self.time_left(done)
             eta = "" if left is None else f"  left ~{left:.0f}s"
-            print(f"{self.name:>15}  step {done:>{len(str(self.total))}}/{self.total}  {fields}{eta}", flush=True)
+            print(f"{self.name:>15}  update {done:>{len(str(self.total))}}/{self.total}  {fields}{eta}", flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

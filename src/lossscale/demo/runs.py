@@ -12,7 +12,7 @@ autocast precision and the loss-scale policy differ::
     bf16            autocast bfloat16;  FixedScale(1.0): bfloat16 has float32's range, needs no scaling
     fast|step|0.9   PrecisionSchedule: float16 for the first 90% of steps, then float32; fp16-dynamic's policy
 
-Both scaled runs start from ``cfg.init_scale`` (2**24, MindSpore's default), which overflows: the dynamic
+Both scaled runs start from ``cfg.init_scale`` (2**32, Megatron-LM's default), which overflows: the dynamic
 rule halves it one skipped step at a time, the predictive rule jumps to a safe scale after one.
 ``--quick`` runs :data:`QUICK_RUNS` (all but the schedule); the default runs all of them.
 """

@@ -1,11 +1,18 @@
 """One demo run: train the character transformer, measure underflow, checkpoint, resume.
 
-A step is ``accumulation`` micro-batches. Each micro-batch's loss is the mean cross-entropy over its own
-characters; ``LossScaleOptimizer(accumulation_steps=K)`` divides it by K, and under torchrun it is also
-divided by the number of ranks before the gradients are summed over them. So every gradient that the
-backward pass computes is normalized by the character count of the whole global batch, as in language-model
-training: the accumulated gradient has the usual size, but each micro-batch's share (which float16 has to
-hold) is K x ranks times smaller.
+A step is ``accumulation`` micro-batches. A step's loss is the sum of its characters' cross-entropies
+divided by ``cfg.normalizer()``: 2**20 in the presets, the character count of a typical language-model
+batch, though a step computes only ``cfg.tokens_per_step()`` of them. (Each micro-batch's mean is multiplied
+by ``tokens_per_step / normalizer`` and divided by the number of ranks; ``LossScaleOptimizer(
+accumulation_steps=K)`` divides it by K.) So every backward pass carries gradient values as small as a
+large-batch run's, which is what float16 has to hold. AdamW's update does not depend on that factor when
+its ``eps`` is divided by the same factor, and it is: float32 and bfloat16 train exactly as with a plain mean.
+
+A run lasts until it has applied ``cfg.steps`` updates. A skipped step (an overflow) costs its compute and
+its batch is trained on at the next step, and the learning rate follows the applied updates; so every run
+sees the same batches in the same order at the same learning rates, and the runs differ by their precision
+and loss scale alone. A run that skips ``cfg.steps`` times stops there (at twice the steps), with fewer
+updates.
 
 Underflow (the ``underflow`` of ``results.json``) is measured, not assumed: at every ``measure_every``-th
 step (and the first and last), right after the first micro-batch's backward pass, the same micro-batch is
@@ -67,11 +74,11 @@ class RunHistory:
 
 
 def learning_rate(cfg: DemoConfig, step: int) -> float:
-    """Linear warm-up over the first 10% of steps, then cosine decay to 10% of ``cfg.lr``.
+    """Linear warm-up over the first 10% of ``cfg.steps`` updates, then cosine decay to 10% of ``cfg.lr``.
 
     ``step`` counts applied updates: a skipped step does not advance the schedule (DeepSpeed's engine
     steps its scheduler only when the step was not an overflow), so a run that starts by skipping steps
-    still warms up; its batches still follow the step number."""
+    still warms up, and every run ends at the same rate."""
     warmup = max(1, cfg.steps // 10)
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
@@ -143,21 +150,22 @@ class _Trainer:
     rank: int
     world_size: int
 
-    def micro_batches(self, step: int, history: RunHistory, measure: bool) -> tuple[Any, torch.Tensor]:
-        """One optimizer step: every micro-batch's forward and scaled backward, the underflow re-run on the
-        first one when ``measure``, the ranks' gradient sum, then ``opt.step()``. Returns (result, loss sum,
-        seconds spent measuring)."""
+    def micro_batches(self, step: int, position: int, history: RunHistory,
+                      measure: bool) -> tuple[Any, torch.Tensor, float]:
+        """One optimizer step on the batches of update ``position``: every micro-batch's forward and scaled
+        backward, the underflow re-run on the first one when ``measure``, the ranks' gradient sum, then
+        ``opt.step()``. Returns (result, loss sum, seconds spent measuring)."""
         cfg, opt, model = self.cfg, self.opt, self.model
         loss_sum = torch.zeros((), device=self.device)
         paused = 0.0
         opt.zero_grad()
         for micro in range(cfg.accumulation):
-            x, y = (t.to(self.device) for t in self.corpus.batch(cfg.seed, step, micro, cfg.sequences, cfg.context,
+            x, y = (t.to(self.device) for t in self.corpus.batch(cfg.seed, position, micro, cfg.sequences, cfg.context,
                                                                   self.rank))
             with self.spec.autocast(self.device, self.schedule):
                 logits = model(x)
             loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
-            opt.backward(loss / self.world_size)  # / accumulation inside: normalized by the global batch
+            opt.backward(loss * (self.loss_factor / self.world_size))  # / accumulation inside
             loss_sum += loss.detach()
             if measure and micro == 0:
                 began = time.perf_counter()
@@ -172,6 +180,28 @@ class _Trainer:
                         _dist.all_reduce_sum_(p.grad)
             result = opt.step()
         return result, loss_sum, paused
+
+    @property
+    def loss_factor(self) -> float:
+        """``tokens_per_step / normalizer``: what a micro-batch's mean is multiplied by (ranks aside)."""
+        return self.cfg.tokens_per_step(self.world_size) / self.cfg.normalizer(self.world_size)
+
+    def one_step(self, step: int, applied: int, history: RunHistory, logger: StepLogger) -> dict[str, Any]:
+        """Step ``step`` on the batches of update ``applied``, at that update's learning rate and precision;
+        records it in ``history`` and ``logger`` (one host read) and returns its row."""
+        began = time.perf_counter()
+        if self.schedule is not None:
+            self.schedule.update(step=applied)
+        for group in self.opt.param_groups:
+            group["lr"] = learning_rate(self.cfg, applied)
+        measure = step % self.cfg.measure_every == 0 or applied == self.cfg.steps - 1
+        result, loss_sum, paused = self.micro_batches(step, applied, history, measure)
+        row = logger.write(step_record(result, loss=loss_sum / self.cfg.accumulation))
+        history.rows.append(row)
+        if row["switched"]:
+            history.switch_step = step
+        history.seconds += time.perf_counter() - began - paused
+        return row
 
     def restore(self, saved: dict[str, Any] | None) -> tuple[RunHistory, int]:
         """Model and optimizer state from a checkpoint; the history and the next step (fresh: empty, 0)."""
@@ -193,7 +223,9 @@ class _Trainer:
 def _trainer(spec: RunSpec, cfg: DemoConfig, corpus: Corpus, device: str, rank: int, world_size: int) -> _Trainer:
     torch.manual_seed(cfg.seed)
     model = CharTransformer(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.context).to(device)
-    inner = torch.optim.AdamW(list(model.parameters()), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    eps = 1e-8 * cfg.tokens_per_step(world_size) / cfg.normalizer(world_size)  # the update of a plain mean's
+    inner = torch.optim.AdamW(list(model.parameters()), lr=cfg.lr, betas=(0.9, 0.95), eps=eps, weight_decay=0.1,
+                              fused=True)
     schedule = spec.make_schedule(cfg.steps)
     opt = LossScaleOptimizer(inner, policy=spec.policy(cfg), accumulation_steps=cfg.accumulation,
                              clip_grad_norm=cfg.clip_grad_norm, schedule=schedule,
@@ -218,16 +250,11 @@ def train_run(
 ) -> RunHistory:
     """Train one run from scratch, or from ``checkpoint_path`` when ``resume`` and it exists.
 
-    Checkpoints (model, optimizer with its loss-scale policy state and schedule, the data position and the
-    history) are written every ``checkpoint_every`` steps and at the end, by rank 0 only. A resumed run
-    repeats the uninterrupted run exactly: batches depend on the step number alone, the model has no
-    dropout, and the optimizer, scale and schedule state are restored bit for bit.
-
-    ``stop_after`` stops (as if killed) once that many steps are done, without a final checkpoint: tests
-    use it to simulate a run killed between two checkpoints.
-    """
+    Checkpoints (model, optimizer with its policy state and schedule, the history, hence the data position:
+    the count of applied updates) are written every ``checkpoint_every`` steps and at the end, by rank 0; a
+    resumed run repeats the uninterrupted one exactly (no dropout; every state restored bit for bit).
+    ``on_step(updates applied, row)`` after every step; ``stop_after`` steps stops as if killed (tests)."""
     run = _trainer(spec, cfg, corpus, device, rank, world_size)
-    model, opt, schedule = run.model, run.opt, run.schedule
     saved = load_checkpoint(checkpoint_path, spec, cfg, device) if resume and checkpoint_path else None
     history, start = run.restore(saved)
 
@@ -238,29 +265,20 @@ def train_run(
 
     try:
         applied = sum(not row["skipped"] for row in history.rows)
-        for step in range(start, cfg.steps):
-            began = time.perf_counter()
-            if schedule is not None:
-                schedule.update(step=step)
-            for group in opt.param_groups:
-                group["lr"] = learning_rate(cfg, applied)
-            measure = step % cfg.measure_every == 0 or step == cfg.steps - 1
-            result, loss_sum, paused = run.micro_batches(step, history, measure)
-            row = logger.write(step_record(result, loss=loss_sum / cfg.accumulation))  # one host read
-            history.rows.append(row)
+        step = start
+        while applied < cfg.steps and step < 2 * cfg.steps:
+            row = run.one_step(step, applied, history, logger)
             applied += not row["skipped"]
-            if row["switched"]:
-                history.switch_step = step
-            history.seconds += time.perf_counter() - began - paused
-            done = step + 1
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                history.heldout.append([done, heldout_loss(model, heldout_batches, device)])
+            step += 1
+            last = applied == cfg.steps or step == 2 * cfg.steps
+            if last or (not row["skipped"] and applied % cfg.eval_every == 0):
+                history.heldout.append([step, heldout_loss(run.model, heldout_batches, device)])
             if on_step is not None:
-                on_step(done, row)
-            if stop_after is not None and done >= stop_after and done < cfg.steps:
+                on_step(applied, row)
+            if stop_after is not None and step >= stop_after and not last:
                 return history
-            if checkpoint_every and (done % checkpoint_every == 0 or done == cfg.steps):
-                run.save(checkpoint_path, done, history)
+            if checkpoint_every and (step % checkpoint_every == 0 or last):
+                run.save(checkpoint_path, step, history)
     finally:
         logger.close()
     return history
