@@ -40,7 +40,7 @@ class DemoConfig:
     """
 
     steps: int = 160
-    accumulation: int = 8
+    accumulation: int = 6
     sequences: int = 64
     context: int = 32
     d_model: int = 16
