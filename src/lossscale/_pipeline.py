@@ -20,6 +20,8 @@ when clipping (without clipping its ``aminmax`` read is the check). No host read
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -40,7 +42,7 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
     active, precision = (opt.scaling_active, opt._precision()) if run.window is None else run.window
     run.window = None
     checking = active or options.check_when_unscaled
-    groups = stages.grouped(stages.gradients(opt.inner, "LossScaleOptimizer.step()"))
+    groups = stages.grouped_gradients(opt.inner, "LossScaleOptimizer.step()")
     found = torch.zeros((), dtype=torch.float32, device=opt._device)
     scale = owner.scale
 
@@ -94,7 +96,7 @@ def _measure_layers(opt: Any, layers: Any, found: torch.Tensor, scale: torch.Ten
     if options.clip_grad_norm is not None:
         raw = [p.grad for g in opt.inner.param_groups for p in g["params"] if p.grad is not None]
         norm_sq = global_norm_squared(raw, options.process_group, options.sharded_grads, opt._device)
-        found += (~torch.isfinite(norm_sq)).float()
+        found.add_(~(norm_sq < math.inf))  # inf or NaN (never negative): 2 ops; isfinite is 5
     return (found_u, amax_u), amax_u.max().to(scale.device), norm_sq
 
 
@@ -124,7 +126,7 @@ def _measure(opt: Any, groups: stages.Groups, found: torch.Tensor, active: bool,
     if options.clip_grad_norm is not None:
         norm_sq = _norm_squared(opt, groups)
         if checking:
-            found += (~torch.isfinite(norm_sq)).float()
+            found.add_(~(norm_sq < math.inf))  # inf or NaN (never negative): 2 ops; isfinite is 5
     detected = norm_sq is not None or (options.overflow_mode == "saturation" and active) or observes
     if checking and not detected and not opt._explicit_unscale:
         stages.measure_(groups, found, "inf_nan", options.threshold, amax=False)

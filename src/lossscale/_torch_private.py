@@ -111,9 +111,10 @@ class TorchPrivateAttributes:
         """Unscale ``optimizer``'s gradients by ``inv_scale`` in place; return found_inf per device (each a
         copy of ``found_inf`` plus this check). One read+write pass (saturation: one read more); for a
         policy that observes amax, one more read (recorded for ``update()``). No host read."""
-        grads = stages.gradients(optimizer, "GradScaler.unscale_(optimizer)", allow_fp16=allow_fp16, required=False)
+        groups = stages.grouped_gradients(optimizer, "GradScaler.unscale_(optimizer)", allow_fp16=allow_fp16,
+                                          required=False)
         found: dict[torch.device, torch.Tensor] = {}
-        for (device, _), group in stages.grouped(grads).items():
+        for (device, _), group in groups.items():
             if device not in found:
                 found[device] = found_inf.to(device, copy=True)
             if self._owner.policy.observes_amax:
@@ -126,9 +127,9 @@ class TorchPrivateAttributes:
         """A read-only check of ``optimizer``'s gradients, recorded for it (found_inf per device).
         One read pass (``aminmax`` for saturation or amax); no write, no host read."""
         record = self._per_optimizer_states[id(optimizer)]
-        grads = stages.gradients(optimizer, "GradScaler.step(optimizer)", required=False)
+        groups = stages.grouped_gradients(optimizer, "GradScaler.step(optimizer)", required=False)
         found: dict[torch.device, torch.Tensor] = {}
-        for (device, dtype), group in stages.grouped(grads).items():
+        for (device, dtype), group in groups.items():
             if device not in found:
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
             amax = stages.measure_({(device, dtype): group}, found[device], self.overflow_mode, self._threshold,

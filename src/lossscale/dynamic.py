@@ -145,7 +145,8 @@ class DynamicScale(Policy):
         """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
         bad = _as_flag(found_inf, state.scale.device)
         if self._torch_rule:
-            return self._update_torch_rule(state, bad)
+            plain = found_inf.dtype == torch.float32 and found_inf.device == state.scale.device and found_inf.dim() == 0
+            return self._update_torch_rule(state, bad, found_inf if plain else bad.float())
         clean = ~bad
         scale, tracker, left = state.scale, state.growth_tracker, state.hysteresis_left
         full = torch.full_like(left, self.hysteresis)
@@ -194,14 +195,15 @@ class DynamicScale(Policy):
                 and self.backoff_divisor is None and self.growth_guard == "result" and self.at_floor == "skip"
                 and self.max_scale == FLOAT32_MAX and self.growth_interval < 2**31 - 1)
 
-    def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor) -> ScaleState:
-        """The same rule in about ten ops: torch's ``_amp_update_scale_`` on copies, then the floor."""
+    def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor, found: torch.Tensor) -> ScaleState:
+        """The same rule in eight ops: torch's ``_amp_update_scale_`` on copies, then the floor.
+
+        ``found`` is the float32 flag torch's kernel takes (``found_inf`` itself when it is one). floor_hits:
+        ``(hits + at_floor) * bad``, saturated: +1 on an overflow at the floor, kept on one above it, 0 when
+        clean (the general rule's three cases, in three ops instead of six)."""
         scale, tracker = state.scale.clone(), state.growth_tracker.clone()
-        torch._amp_update_scale_(scale, tracker, bad.float(), self.growth_factor, self.backoff_factor,
-                                 self.growth_interval)
-        hit = bad & (state.scale <= self.min_scale)
-        floor_hits = torch.where(hit, (state.floor_hits + 1).clamp_max(_SATURATE),
-                                 torch.where(bad, state.floor_hits, 0)).to(torch.int32)
+        torch._amp_update_scale_(scale, tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval)
+        floor_hits = (state.floor_hits + (state.scale <= self.min_scale)).mul_(bad).clamp_max_(_SATURATE)
         return ScaleState(scale.clamp_min_(self.min_scale), tracker, state.hysteresis_left, floor_hits)
 
     def _times(self, scale: torch.Tensor, factor: float) -> torch.Tensor:

@@ -116,22 +116,35 @@ def check_with_amax_(
 _SUM_MIN_NUMEL = 1 << 14
 
 
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def one(device: torch.device) -> torch.Tensor:
+    """A 0-d float32 1.0 on ``device``, made once and only ever read (a multiplier, a default)."""
+    if device not in _ONES:
+        _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return _ONES[device]
+
+
 def _non_finite(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """0-d bool: some value is inf or NaN. One read pass: a float32 ``sum`` per tensor of at least
-    16384 elements (the fastest read here; non-finite exactly when an input value is), and for all
-    smaller ones together one ``torch._amp_foreach_non_finite_check_and_unscale_`` by 1.0 (one C++ call,
-    about 10x faster over many tiny tensors than ``sum`` or ``_foreach_norm`` per tensor), which
+    """0-d flag (bool or float32 0/1): some value is inf or NaN. One read pass: a float32 ``sum`` per
+    tensor of at least 16384 elements (the fastest read here; non-finite exactly when an input value is),
+    and for all smaller ones together one ``torch._amp_foreach_non_finite_check_and_unscale_`` by 1.0 (one
+    C++ call, about 10x faster over many tiny tensors than ``sum`` or ``_foreach_norm`` per tensor), which
     writes each value back unchanged (``x * 1.0 == x`` bit for bit, NaN stays NaN); large tensors are
-    never written."""
-    device = grads[0].device
-    small = [g for g in grads if g.numel() < _SUM_MIN_NUMEL]
-    flag = torch.zeros((), dtype=torch.float32, device=device)
+    never written. Fixed cost: 2 ops for the small ones, 4 + one per tensor for the large ones."""
+    small, large = [], []
+    for g in grads:
+        (small if g.numel() < _SUM_MIN_NUMEL else large).append(g)
+    flag = None
     if small:
-        torch._amp_foreach_non_finite_check_and_unscale_(small, flag, torch.ones((), device=device))
-    sums = [g.sum(dtype=torch.float32) for g in grads if g.numel() >= _SUM_MIN_NUMEL]
-    if sums:
-        flag = flag + (~torch.isfinite(torch.stack(sums)).all())
-    return flag > 0
+        device = small[0].device
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(small, flag, one(device))
+    if large:
+        bad = ~torch.isfinite(torch.stack([g.sum(dtype=torch.float32) for g in large])).all()
+        flag = bad if flag is None else flag.maximum(bad)
+    return flag
 
 
 def check_(
@@ -147,7 +160,9 @@ def check_(
     if not grads:
         return found_inf
     flag = _saturated(grads, threshold) if mode == "saturation" else _non_finite(grads)
-    return found_inf.add_(flag.to(found_inf.dtype))
+    if flag.device != found_inf.device or flag.dtype not in (torch.bool, found_inf.dtype):
+        flag = flag.to(device=found_inf.device, dtype=found_inf.dtype)
+    return found_inf.add_(flag)
 
 
 def unscale_and_check_(

@@ -3,7 +3,7 @@
 One optimizer step of loss scaling is::
 
     scale_loss        loss * scale (/ accumulation)                         no pass, no host read
-    gradients         the tensors to check and unscale, in place            no pass
+    grouped_gradients the tensors to check and unscale in place, by device  no pass
     measure_          overflow (+ amax) in one read pass, read-only         1 read
     inverse_          1/scale, guarded: a non-finite inverse is an overflow   0-d ops
     unscale_and_check_  (overflow.py) fused multiply + inf/NaN check          1 read + 1 write
@@ -28,14 +28,13 @@ import torch
 
 from lossscale import distributed as _dist
 from lossscale._validate import ArgumentTypeError
-from lossscale.overflow import OverflowMode, check_, check_with_amax_, group_by_device_and_dtype, overflowing
+from lossscale.overflow import OverflowMode, check_, check_with_amax_, one, overflowing
 
 __all__ = [
     "NoGradientsError",
     "check_optimizer",
     "scale_loss",
-    "gradients",
-    "grouped",
+    "grouped_gradients",
     "measure_",
     "inverse_",
     "agree_",
@@ -89,33 +88,36 @@ def _writable(param: torch.Tensor) -> torch.Tensor:
     return _dist.local_shard(grad)
 
 
-def gradients(optimizer: torch.optim.Optimizer, call: str, *, allow_fp16: bool = True,
-              required: bool = True) -> list[torch.Tensor]:
-    """The tensors to check and unscale in place, one per parameter with a gradient. No pass.
+def grouped_gradients(optimizer: torch.optim.Optimizer, call: str, *, allow_fp16: bool = True,
+                      required: bool = True) -> Groups:
+    """The tensors to check and unscale in place, one per parameter with a gradient, grouped by (device,
+    dtype) for the foreach kernels in the same loop. No pass; one dict lookup per gradient.
 
     Raises:
         NoGradientsError: no parameter of ``optimizer`` has a gradient (when ``required``).
         ValueError: a float16 gradient where ``allow_fp16`` is False (unscaling it would underflow).
     """
-    out = []
+    groups: Groups = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            if not allow_fp16 and p.grad.dtype == torch.float16:
+            if not allow_fp16 and grad.dtype == torch.float16:
                 raise ValueError(f"{call}: the optimizer holds float16 gradients, whose unscaled values would "
                                  f"underflow; keep float32 master parameters (autocast does) and scale the loss.")
-            out.append(_writable(p))
-    if not out and required:
+            if not (type(grad) is torch.Tensor and grad.layout is torch.strided):
+                grad = _writable(p)
+            bucket = groups.get((grad.device, grad.dtype))
+            if bucket is None:
+                groups[(grad.device, grad.dtype)] = [grad]
+            else:
+                bucket.append(grad)
+    if not groups and required:
         raise NoGradientsError(f"{call}: No inf checks were recorded for this optimizer: none of its parameters has "
                                f"a gradient. Call backward on the scaled loss before stepping; a step with no "
                                f"gradients would count as a clean step and grow the scale.")
-    return out
-
-
-def grouped(grads: Iterable[torch.Tensor]) -> Groups:
-    """Gradients grouped by (device, dtype) for the foreach kernels. No pass."""
-    return group_by_device_and_dtype(grads)
+    return groups
 
 
 def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, threshold: float,
@@ -147,7 +149,7 @@ def inverse_(scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
     inv = scale.double().reciprocal().float()
     ok = inv.clamp(min=_TINY, max=_FMAX) == inv  # False for NaN, inf, 0 and negatives: 2 ops, not 4
     found_inf.add_(ok.logical_not().to(found_inf.device))
-    return torch.where(ok, inv, 1.0)
+    return torch.where(ok, inv, one(inv.device))
 
 
 def agree_(found_inf: torch.Tensor, process_group: Any = None) -> torch.Tensor:
