@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
