@@ -187,6 +187,12 @@ def test_skipped_steps_advance_neither_the_learning_rate_nor_the_data(monkeypatc
     assert history.heldout[-1][0] == len(skipped)
 
 
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "1024"])
+def test_loss_normalizer_must_be_a_count(bad):
+    with pytest.raises(ValueError, match=rf"loss_normalizer={re.escape(repr(bad))}\): loss_normalizer must be an int >= 0"):
+        QUICK.replace(loss_normalizer=bad)
+
+
 def test_loss_normalizer_leaves_float32_training_unchanged():
     # AdamW's eps is divided by the same factor as the loss: float32 trains as with a plain mean.
     cfg = QUICK.replace(steps=4, accumulation=2, sequences=4, context=16, d_model=8, files=3, eval_every=2)
@@ -245,6 +251,7 @@ def test_resume_with_other_settings_is_a_one_line_error(tmp_path, capsys):
     (["--runs", "fp8"], "unknown run 'fp8'; the runs are fp32, fp16-noscale"),
     (["--steps", "-3"], "must be an integer >= 1; got -3"),
     (["--checkpoint-every", "x"], "must be an integer >= 0; got 'x'"),
+    (["--loss-normalizer", "-1"], "--loss-normalizer: must be an integer >= 0; got -1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--d-model", "10", "--heads", "4"], "--d-model 10 must be a multiple of --heads 4"),
 ])

@@ -57,6 +57,12 @@ class DemoConfig:
     growth_interval: int = 20
     loss_normalizer: int = 2**20
 
+    def __post_init__(self) -> None:
+        normalizer = self.loss_normalizer
+        if isinstance(normalizer, bool) or not isinstance(normalizer, int) or normalizer < 0:
+            raise ValueError(f"DemoConfig(loss_normalizer={normalizer!r}): loss_normalizer must be an int >= 0 (the "
+                             f"characters a step's summed loss is divided by; 0 for the step's own count).")
+
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.sequences * self.context
