@@ -189,7 +189,8 @@ def test_skipped_steps_advance_neither_the_learning_rate_nor_the_data(monkeypatc
 
 @pytest.mark.parametrize("bad", [-1, 2.5, True, "1024"])
 def test_loss_normalizer_must_be_a_count(bad):
-    with pytest.raises(ValueError, match=rf"loss_normalizer={re.escape(repr(bad))}\): loss_normalizer must be an int >= 0"):
+    expected = rf"loss_normalizer={re.escape(repr(bad))}\): loss_normalizer must be an int >= 0"
+    with pytest.raises(ValueError, match=expected):
         QUICK.replace(loss_normalizer=bad)
 
 
@@ -324,17 +325,22 @@ def test_ctrl_c_stops_the_workers_and_exits_130(tmp_path):
     import time
 
     cmd = [sys.executable, "-m", "lossscale", "demo", *SIZE, "--steps", "100000", "--jobs", "2",
-           "--runs", "fp32,bf16", "--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"{name}.csv").exists() and (tmp_path / f"{name}.csv").stat().st_size > 200
-                  for name in ("fp32", "bf16")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
-    workers = _children(proc.pid)
-    assert len(workers) >= 2
-    os.kill(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and "lossscale demo: interrupted; nothing saved" in err
+           "--runs", "fp32,bf16", "--out", str(tmp_path / "out")]
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)  # files: output never blocks it
+        try:
+            deadline = time.monotonic() + 180
+            csvs = [tmp_path / "out" / f"{name}.csv" for name in ("fp32", "bf16")]
+            while not all(csv.exists() and csv.stat().st_size > 200 for csv in csvs):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+                time.sleep(0.2)
+            workers = _children(proc.pid)
+            assert len(workers) >= 2
+            os.kill(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=60) == 130
+        finally:
+            proc.kill()
+            proc.wait()
+    assert "lossscale demo: interrupted; nothing saved" in (tmp_path / "stderr").read_text()
     time.sleep(1)
     assert not [pid for pid in workers if _alive(pid)]

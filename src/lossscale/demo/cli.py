@@ -185,9 +185,9 @@ def _run(args: argparse.Namespace, specs: list[RunSpec], cfg: DemoConfig, rank: 
         f"({len(corpus.train_files)} files, {len(corpus.train):,} characters; "
         f"{len(corpus.heldout_files)} files, {len(corpus.heldout):,} characters held out)")
     say(f"  {cfg.describe(world_size)}")
-    say(f"  each step's summed loss is divided by {cfg.normalizer(world_size):,} characters: its gradient values are "
-        f"{cfg.normalizer(world_size) / cfg.tokens_per_micro_batch:,.0f}x smaller than a micro-batch mean's; a skipped "
-        f"step's batch is trained on at the next step")
+    say(f"  each step's summed loss is divided by {cfg.normalizer(world_size):,} characters: gradient values "
+        f"{1 / cfg.loss_factor(world_size):,.0f}x smaller than a plain mean's; a skipped step's batch is trained on "
+        f"at the next step")
     say(f"  on {describe_machine(host)}; {len(specs)} runs, {jobs} at a time")
     missing = [n for n, ok in (("tqdm", have_tqdm()), ("matplotlib", have_matplotlib())) if not ok]
     if missing:

@@ -74,6 +74,10 @@ class DemoConfig:
         """The count a step's summed loss is divided by (``loss_normalizer``, or the step's characters)."""
         return self.loss_normalizer or self.tokens_per_step(world_size)
 
+    def loss_factor(self, world_size: int = 1) -> float:
+        """``tokens_per_step / normalizer``: what a plain mean's loss (and AdamW's ``eps``) is multiplied by."""
+        return self.tokens_per_step(world_size) / self.normalizer(world_size)
+
     def describe(self, world_size: int = 1) -> str:
         """One line, quoted verbatim by the README for ``--quick`` and the default."""
         ranks = f" x {world_size} ranks" if world_size > 1 else ""

@@ -18,7 +18,8 @@ hundred bytes. A worker's error is raised in the parent.
 
 Ctrl-C: the workers ignore SIGINT (a terminal sends it to them too); the parent sets a shared stop flag,
 which each worker reads after every step and then stops (within one step, without a final checkpoint),
-cancels the runs not yet started and raises KeyboardInterrupt once every worker has stopped.
+cancels the runs not yet started, keeps reading the progress queue until every worker has stopped (a
+worker never waits on a full queue), and raises KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import multiprocessing
 import queue as queue_module
 import signal
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -71,6 +73,7 @@ def threads_per_job(jobs: int, cores: int | None) -> int:
 def _start_worker(messages: Any, stop: Any, threads: int) -> None:
     global _messages, _stop
     _messages, _stop = messages, stop
+    messages.cancel_join_thread()  # exiting never waits for the parent to read (it may have stopped reading)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides, and tells the workers through _stop
     torch.set_num_threads(threads)
 
@@ -105,9 +108,23 @@ def run_in_workers(tasks: list[RunTask], jobs: int, threads: int,
             _relay(messages, futures, on_step)
         except KeyboardInterrupt:
             stop.set()
+            for future in futures:
+                future.cancel()  # the runs not started yet
+            _drain(messages, futures)
             pool.shutdown(wait=True, cancel_futures=True)
             raise
         return [future.result() for future in futures]  # a worker's error is raised here
+
+
+def _drain(messages: Any, futures: list[Future[RunHistory]], seconds: float = 60.0) -> None:
+    """Read and drop progress messages until every started run has stopped (at most ``seconds``), so that no
+    worker waits on a full queue."""
+    deadline = time.monotonic() + seconds
+    while not all(future.done() for future in futures) and time.monotonic() < deadline:
+        try:
+            messages.get(timeout=0.05)
+        except queue_module.Empty:
+            pass
 
 
 def _relay(messages: Any, futures: list[Future[RunHistory]],

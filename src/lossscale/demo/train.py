@@ -160,12 +160,12 @@ class _Trainer:
         paused = 0.0
         opt.zero_grad()
         for micro in range(cfg.accumulation):
-            x, y = (t.to(self.device) for t in self.corpus.batch(cfg.seed, position, micro, cfg.sequences, cfg.context,
-                                                                  self.rank))
+            x, y = (t.to(self.device) for t in self.corpus.batch(cfg.seed, position, micro, cfg.sequences,
+                                                                  cfg.context, self.rank))
             with self.spec.autocast(self.device, self.schedule):
                 logits = model(x)
             loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
-            opt.backward(loss * (self.loss_factor / self.world_size))  # / accumulation inside
+            opt.backward(loss * (cfg.loss_factor(self.world_size) / self.world_size))  # / accumulation inside
             loss_sum += loss.detach()
             if measure and micro == 0:
                 began = time.perf_counter()
@@ -180,11 +180,6 @@ class _Trainer:
                         _dist.all_reduce_sum_(p.grad)
             result = opt.step()
         return result, loss_sum, paused
-
-    @property
-    def loss_factor(self) -> float:
-        """``tokens_per_step / normalizer``: what a micro-batch's mean is multiplied by (ranks aside)."""
-        return self.cfg.tokens_per_step(self.world_size) / self.cfg.normalizer(self.world_size)
 
     def one_step(self, step: int, applied: int, history: RunHistory, logger: StepLogger) -> dict[str, Any]:
         """Step ``step`` on the batches of update ``applied``, at that update's learning rate and precision;
@@ -223,7 +218,7 @@ class _Trainer:
 def _trainer(spec: RunSpec, cfg: DemoConfig, corpus: Corpus, device: str, rank: int, world_size: int) -> _Trainer:
     torch.manual_seed(cfg.seed)
     model = CharTransformer(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.context).to(device)
-    eps = 1e-8 * cfg.tokens_per_step(world_size) / cfg.normalizer(world_size)  # the update of a plain mean's
+    eps = 1e-8 * cfg.loss_factor(world_size)  # with the loss's factor: a plain mean's updates exactly
     inner = torch.optim.AdamW(list(model.parameters()), lr=cfg.lr, betas=(0.9, 0.95), eps=eps, weight_decay=0.1,
                               fused=True)
     schedule = spec.make_schedule(cfg.steps)
