@@ -327,7 +327,10 @@ def test_ctrl_c_stops_the_workers_and_exits_130(tmp_path):
     cmd = [sys.executable, "-m", "lossscale", "demo", *SIZE, "--steps", "100000", "--jobs", "2",
            "--runs", "fp32,bf16", "--out", str(tmp_path / "out")]
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)  # files: output never blocks it
+        # files: output never blocks it; SIGINT at its default, as in a terminal's foreground job (a shell
+        # starts background jobs with SIGINT ignored, and Python keeps an inherited SIG_IGN)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + 180
             csvs = [tmp_path / "out" / f"{name}.csv" for name in ("fp32", "bf16")]
