@@ -1,7 +1,9 @@
 """``lossscale demo``: end to end on a tiny configuration, kill-and-resume, bad input, and what the README quotes."""
 
 import json
+import os
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -317,33 +319,56 @@ def _alive(pid):
         return False
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
-def test_ctrl_c_stops_the_workers_and_exits_130(tmp_path):
-    # Ctrl-C while two runs train in worker processes: the parent stops them within a step and exits.
-    import os
-    import signal
+def _demo_with_two_workers(tmp_path):
+    """A demo of two endless runs in two workers, started as a terminal's foreground job would be (SIGINT
+    at its default: a shell starts background jobs with SIGINT ignored, and Python keeps an inherited
+    SIG_IGN), its output in files so that it never blocks; returns (process, worker pids) once both train."""
     import time
 
     cmd = [sys.executable, "-m", "lossscale", "demo", *SIZE, "--steps", "100000", "--jobs", "2",
            "--runs", "fp32,bf16", "--out", str(tmp_path / "out")]
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        # files: output never blocks it; SIGINT at its default, as in a terminal's foreground job (a shell
-        # starts background jobs with SIGINT ignored, and Python keeps an inherited SIG_IGN)
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        try:
-            deadline = time.monotonic() + 180
-            csvs = [tmp_path / "out" / f"{name}.csv" for name in ("fp32", "bf16")]
-            while not all(csv.exists() and csv.stat().st_size > 200 for csv in csvs):
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
-                time.sleep(0.2)
-            workers = _children(proc.pid)
-            assert len(workers) >= 2
-            os.kill(proc.pid, signal.SIGINT)
-            assert proc.wait(timeout=60) == 130
-        finally:
+    deadline = time.monotonic() + 180
+    csvs = [tmp_path / "out" / f"{name}.csv" for name in ("fp32", "bf16")]
+    while not all(csv.exists() and csv.stat().st_size > 200 for csv in csvs):
+        if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            proc.wait()
+            raise AssertionError((tmp_path / "stderr").read_text())
+        time.sleep(0.2)
+    return proc, _children(proc.pid)
+
+
+def _gone(pids, seconds=30):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while [pid for pid in pids if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not [pid for pid in pids if _alive(pid)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
+def test_ctrl_c_stops_the_workers_and_exits_130(tmp_path):
+    # Ctrl-C while two runs train in worker processes: the parent stops them within a step and exits.
+    proc, workers = _demo_with_two_workers(tmp_path)
+    try:
+        assert len(workers) >= 2
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+        proc.wait()
     assert "lossscale demo: interrupted; nothing saved" in (tmp_path / "stderr").read_text()
-    time.sleep(1)
-    assert not [pid for pid in workers if _alive(pid)]
+    assert _gone(workers)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
+def test_workers_stop_when_the_demo_is_killed_outright(tmp_path):
+    # SIGKILL leaves the parent no chance to tell the workers; they notice it is gone and stop.
+    proc, workers = _demo_with_two_workers(tmp_path)
+    assert len(workers) >= 2
+    proc.kill()
+    proc.wait()
+    assert _gone(workers)

@@ -19,12 +19,14 @@ hundred bytes. A worker's error is raised in the parent.
 Ctrl-C: the workers ignore SIGINT (a terminal sends it to them too); the parent sets a shared stop flag,
 which each worker reads after every step and then stops (within one step, without a final checkpoint),
 cancels the runs not yet started, keeps reading the progress queue until every worker has stopped (a
-worker never waits on a full queue), and raises KeyboardInterrupt.
+worker never waits on a full queue), and raises KeyboardInterrupt. A worker whose parent was killed outright
+(no chance to set the flag) sees its parent's pid change and stops after its step too.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue as queue_module
 import signal
 import time
@@ -46,6 +48,7 @@ PROGRESS_FIELDS = ("loss", "next_scale", "skipped_steps")
 
 _messages: Any = None  # the worker's end of the progress queue (set by _start_worker)
 _stop: Any = None  # the parent's stop flag, a multiprocessing Event (set by _start_worker)
+_parent = 0  # the parent's pid: a worker whose parent has died (killed) stops after its step
 
 
 class _Stopped(Exception):
@@ -71,8 +74,8 @@ def threads_per_job(jobs: int, cores: int | None) -> int:
 
 
 def _start_worker(messages: Any, stop: Any, threads: int) -> None:
-    global _messages, _stop
-    _messages, _stop = messages, stop
+    global _messages, _stop, _parent
+    _messages, _stop, _parent = messages, stop, os.getppid()
     messages.cancel_join_thread()  # exiting never waits for the parent to read (it may have stopped reading)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides, and tells the workers through _stop
     torch.set_num_threads(threads)
@@ -83,13 +86,17 @@ def _work(task: RunTask) -> RunHistory:
 
     def report(done: int, row: dict[str, Any]) -> None:
         _messages.put((task.name, done, {k: row[k] for k in PROGRESS_FIELDS}))
-        if _stop.is_set():
+        if _stop.is_set() or os.getppid() != _parent:
             raise _Stopped(task.name)
 
     try:
         return train_run(RUNS[task.name], task.cfg, corpus, device=task.device, csv_path=task.csv_path,
                          checkpoint_path=task.checkpoint_path, checkpoint_every=task.checkpoint_every,
                          resume=task.resume, on_step=report)
+    except _Stopped:
+        if os.getppid() != _parent:  # nobody left to report to, and the pool would wait for work forever
+            os._exit(1)  # (train_run has closed its CSV on the way out)
+        raise
     finally:
         _messages.put((task.name, None, None))  # after its last row: this run sends nothing more
 
