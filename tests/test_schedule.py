@@ -352,15 +352,8 @@ def test_a_checkpoint_before_the_switch_resumes_to_the_same_switch_step(feed):
     target = None
     if feed == "loss":  # a pilot that never switches gives the loss trace; aim for the loss near step 12
         model, data, schedule, opt = fresh(target_loss=1e-9)
-        losses = []
         with pytest.warns(UserWarning, match="never called"):  # the pilot never feeds its schedule
-            for x, y in data:
-                with schedule.autocast("cpu"):
-                    loss = torch.nn.functional.mse_loss(model(x), y)
-                opt.zero_grad()
-                opt.backward(loss)
-                opt.step()
-                losses.append(float(loss.detach()))
+            losses = train_unfed(model, data, schedule, opt)
         target = min(losses[:13]) / 1.05 * (1 + 1e-6)
 
     model, data, schedule, opt = fresh(target)
@@ -462,16 +455,24 @@ def test_advance_ignores_minus_inf():
     assert advance(config, ScheduleState(), None, float("-inf")) == ScheduleState(1, None)
 
 
-def never_told(steps):
-    model, data = regression(steps=steps)
-    schedule = PrecisionSchedule("fast|step|0.5", total_steps=steps)
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), schedule=schedule)
+def train_unfed(model, data, schedule, opt):
+    """A plain loop under the schedule's autocast that never feeds the schedule; returns the losses."""
+    losses = []
     for x, y in data:
         with schedule.autocast("cpu"):
             loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         opt.backward(loss)
         opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def never_told(steps):
+    model, data = regression(steps=steps)
+    schedule = PrecisionSchedule("fast|step|0.5", total_steps=steps)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), schedule=schedule)
+    train_unfed(model, data, schedule, opt)
     return schedule
 
 
