@@ -165,3 +165,44 @@ def test_torch_private_names_are_views_of_the_real_state():
     scaler.unscale_(sgd)
     assert scaler._per_optimizer_states[id(sgd)]["stage"] is OptState.UNSCALED
     assert set(scaler._found_inf_per_device(sgd)) == {torch.device("cpu")}
+
+
+def _step_with_a_scale_corrupted_in_memory(front_end: str, fused: bool, clip: bool, bad: float):
+    """One AdamW step after the scale tensor itself was overwritten (no door saw it); returns (weights
+    before, weights after, optimizer state tensors, the step's found_inf)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(torch.randn(5, 4)).square().sum()
+    if front_end == "GradScaler":
+        scaler = GradScaler(init_scale=1024.0)
+        scaler.scale(loss).backward()
+        scaler._owner.scale.fill_(bad)
+        if clip:
+            scaler.unscale_(adamw)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        found = scaler.step(adamw).found_inf
+        scaler.update()
+    else:
+        opt = LossScaleOptimizer(adamw, policy=DynamicScale(init_scale=1024.0), clip_grad_norm=1.0 if clip else None)
+        opt.backward(loss)
+        opt._owner.scale.fill_(bad)
+        found = opt.step().found_inf
+    state = [t for s in adamw.state.values() for t in s.values() if t.is_floating_point()]
+    return before, [p.detach() for p in model.parameters()], state, found
+
+
+@pytest.mark.parametrize("bad", [math.nan, 0.0, -1.0, math.inf, 1e-40])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("front_end", ["GradScaler", "LossScaleOptimizer"])
+def test_a_scale_corrupted_in_memory_skips_the_step(front_end, fused, clip, bad):
+    """The last line behind the doors: whichever stage divides or multiplies by the scale (the fused kernel
+    by the scale itself, an unscale pass by its inverse) treats a scale with no finite positive inverse as an
+    overflow, so the weights are not moved and no state turns non-finite. GradScaler's fused path, which
+    hands the scale to the kernel unchecked, wrote NaN into the weights (NaN, 0) or took a reversed step (-1)."""
+    before, after, state, found = _step_with_a_scale_corrupted_in_memory(front_end, fused, clip, bad)
+    assert bool(found)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.isfinite(t).all() for t in state)

@@ -50,7 +50,7 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
     underflow = _underflow(groups, options.underflow_stride) if active else None
     if layers is None:
         amax, norm_sq, detected = _measure(opt, groups, found, active, checking)
-        inv = stages.inverse_(scale, found) if active else torch.ones_like(scale)
+        inv = _inverse(opt, scale, found, active, norm_sq is not None)
     else:  # per-layer scales: each unit unscaled by scale * 2**e[unit] and checked in one pass
         layer_obs, amax, norm_sq = _measure_layers(opt, layers, found, scale)
         inv, detected, layer_scales = torch.ones_like(scale), True, layers.layer_scales(scale)
@@ -58,7 +58,7 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
     if norm_sq is not None:
         grad_norm = norm_sq.sqrt() * inv
         clip = global_clip_coefficient(grad_norm, options.clip_grad_norm)
-    coef = inv if clip is None else inv * clip
+    coef = inv if clip is None else inv * clip  # None: only the fused kernel unscales (by the scale)
     _unscale(opt, groups, found, coef, active and layers is None, checking and not detected, clip is not None)
     found = stages.agree_(found, options.process_group)
     overflow = found > 0
@@ -81,6 +81,18 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
                       next_scale=owner.scale, grad_norm=grad_norm, step=run.boundaries - 1, precision=precision,
                       switched=opt._consume_switch(precision), underflow=underflow, loss=loss,
                       layer_scales=None if layers is None else layer_scales)
+
+
+def _inverse(opt: Any, scale: torch.Tensor, found: torch.Tensor, active: bool, clipping: bool
+             ) -> torch.Tensor | None:
+    """1/scale, guarded, where gradients or their norm are multiplied by it (explicit unscaling, clipping);
+    None where only a fused kernel divides by the scale, which is then guarded alone (3 ops, not 9)."""
+    if not active:
+        return torch.ones_like(scale)
+    if opt._explicit_unscale or clipping:
+        return stages.inverse_(scale, found)
+    stages.guard_divisor_(scale, found)
+    return None
 
 
 def _measure_layers(opt: Any, layers: Any, found: torch.Tensor, scale: torch.Tensor
@@ -146,7 +158,7 @@ def _norm_squared(opt: Any, groups: stages.Groups) -> torch.Tensor:
     return global_norm_squared(raw, options.process_group, options.sharded_grads, opt._device)
 
 
-def _unscale(opt: Any, groups: stages.Groups, found: torch.Tensor, coef: torch.Tensor, active: bool,
+def _unscale(opt: Any, groups: stages.Groups, found: torch.Tensor, coef: torch.Tensor | None, active: bool,
              check_here: bool, clipping: bool) -> None:
     """Explicit unscaling (host/masked skip, or a stage that needs written gradients): one read+write pass
     that multiplies by ``coef`` (1/scale x clip) and, where nothing checked yet, checks too."""

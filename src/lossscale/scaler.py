@@ -226,6 +226,9 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         else:
             grad_scale = None  # unscale_() already divided the gradients
         found_inf = self._found_inf_total([record], "GradScaler.step(optimizer)")
+        if grad_scale is not None:  # the kernel divides by it: a corrupted scale is an overflow (0/1 kept)
+            found_inf = stages.guard_divisor_(grad_scale, found_inf).clamp_(max=1.0)
+            record["found_inf_per_device"] = {found_inf.device: found_inf}
         value = stages.fused_step_(optimizer, grad_scale, found_inf, *args, **kwargs)
         record["stage"] = OptState.STEPPED
         overflow = found_inf > 0

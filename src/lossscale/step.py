@@ -6,6 +6,7 @@ One optimizer step of loss scaling is::
     grouped_gradients the tensors to check and unscale in place, by device  no pass
     measure_          overflow (+ amax) in one read pass, read-only         1 read
     inverse_          1/scale, guarded: a non-finite inverse is an overflow   0-d ops
+    guard_divisor_    the same guard where a fused kernel divides by the scale  0-d ops
     unscale_and_check_  (overflow.py) fused multiply + inf/NaN check          1 read + 1 write
     agree_            found_inf (and amax) reduced over ranks               1 all-reduce each
     clip coefficient  (clip.py) min(1, max_norm / (norm + eps))             0-d ops
@@ -37,6 +38,7 @@ __all__ = [
     "grouped_gradients",
     "measure_",
     "inverse_",
+    "guard_divisor_",
     "agree_",
     "agree_amax_",
     "fused_step_",
@@ -150,6 +152,18 @@ def inverse_(scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
     ok = inv.clamp(min=_TINY, max=_FMAX) == inv  # False for NaN, inf, 0 and negatives: 2 ops, not 4
     found_inf.add_(ok.logical_not().to(found_inf.device))
     return torch.where(ok, inv, one(inv.device))
+
+
+_MIN_DIVISOR = 1.0 / _FMAX  # the smallest divisor whose inverse is finite
+
+
+def guard_divisor_(divisor: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+    """Add 1 to ``found_inf`` where ``divisor`` (what a fused kernel divides the gradients by: the scale, or
+    scale / clip) is not finite and positive with a finite inverse, so that the kernel, which skips on
+    found_inf, never divides by NaN, 0, a negative or inf. The same range as :func:`inverse_`'s, for the path
+    that never forms the inverse. 3 0-d ops, no host read."""
+    bad = divisor.clamp(min=_MIN_DIVISOR, max=_FMAX) != divisor  # True for NaN too
+    return found_inf.add_(bad.to(found_inf.device))
 
 
 def agree_(found_inf: torch.Tensor, process_group: Any = None) -> torch.Tensor:
