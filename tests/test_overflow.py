@@ -89,3 +89,40 @@ def test_attribution_names_only_the_overflowing_parameters():
     # after unscaling by 2**10 the saturated value is 65504 / 1024: still attributed
     model[0].bias.grad.mul_(2.0**-10)
     assert overflowing(((n, p.grad) for n, p in named), "saturation", unscaled_by=2.0**10) == ["0.bias", "1.weight"]
+
+
+def _straddling():
+    """Tensors on both sides of the size where the check switches from torch's fused check (small ones,
+    together) to a sum per tensor (16,384 elements and up)."""
+    torch.manual_seed(1)
+    return [torch.randn(n) for n in (5, 16383, 16384, 40000)]
+
+
+@pytest.mark.parametrize("flag_dtype", [torch.float32, torch.float64, torch.bool])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_both_read_paths_catch_every_non_finite_and_write_nothing(flag_dtype, bad):
+    base = _straddling()
+    clean = torch.zeros((), dtype=flag_dtype)
+    check_([g.clone() for g in base], clean, "inf_nan")
+    assert not bool(clean)
+    for t in range(len(base)):
+        for i in (0, base[t].numel() // 2, base[t].numel() - 1):
+            gs = [g.clone() for g in base]
+            gs[t].view(-1)[i] = bad
+            before = [g.clone() for g in gs]
+            f = torch.zeros((), dtype=flag_dtype)
+            check_(gs, f, "inf_nan")
+            assert bool(f), (t, i)
+            assert all(torch.equal(a, b) or (a.isnan() == b.isnan()).all() for a, b in zip(gs, before))
+
+
+def test_a_raised_flag_stays_raised_and_opposite_infinities_are_caught():
+    gs = _straddling()
+    gs[3][0], gs[3][1] = float("inf"), float("-inf")  # their sum is NaN, not a finite cancellation
+    f = torch.full((), 3.0)
+    check_(gs, f, "inf_nan")
+    assert float(f) > 0
+    big = [torch.full((20000,), 1e30)]  # large but finite: its float32 sum (2e34) is finite, no overflow
+    f = torch.zeros(())
+    check_(big, f, "inf_nan")
+    assert float(f) == 0

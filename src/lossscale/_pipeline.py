@@ -61,7 +61,7 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
     coef = inv if clip is None else inv * clip  # None: only the fused kernel unscales (by the scale)
     _unscale(opt, groups, found, coef, active and layers is None, checking and not detected, clip is not None)
     found = stages.agree_(found, options.process_group)
-    overflow = found > 0
+    overflow = found.bool()  # agree_ made it 0.0 or 1.0
     stepped = ~overflow
     _transform_unscaled(opt, groups)
     _apply(opt, found, overflow, stepped, _fused_divisor(opt, scale, active, clip))

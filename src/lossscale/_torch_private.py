@@ -124,8 +124,10 @@ class TorchPrivateAttributes:
         return {device: flag.clamp_(max=1.0) for device, flag in found.items()}  # a 0/1 flag, as torch's kernel
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        """A read-only check of ``optimizer``'s gradients, recorded for it (found_inf per device).
-        One read pass (``aminmax`` for saturation or amax); no write, no host read."""
+        """A read-only check of ``optimizer``'s gradients, recorded for it (found_inf per device), for a fused
+        optimizer that then divides them by the scale: a scale it must not divide by counts as an overflow
+        (:func:`~lossscale.step.guard_divisor_`). One read pass (``aminmax`` for saturation or amax); no
+        write, no host read."""
         record = self._per_optimizer_states[id(optimizer)]
         groups = stages.grouped_gradients(optimizer, "GradScaler.step(optimizer)", required=False)
         found: dict[torch.device, torch.Tensor] = {}
@@ -136,6 +138,8 @@ class TorchPrivateAttributes:
                                    amax=self._owner.policy.observes_amax)
             if amax is not None:
                 self._amax_seen.append(amax)
+        if found:
+            stages.guard_divisor_(self._owner.scale, next(iter(found.values())))
         record["found_inf_per_device"] = self._agreed(found)
         return record["found_inf_per_device"]
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from lossscale._validate import _require_real, check_choice, check_factor_above_one, check_int_in_range, check_scale
-from lossscale.policy import _SATURATE, FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, FloorError, Policy, _as_flag, _f32
+from lossscale.policy import _SATURATE, FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, FloorError, Policy, _as_flag, _check_flag, _f32
 from lossscale.state import ScaleState
 
 __all__ = ["DynamicScale"]
@@ -143,10 +144,13 @@ class DynamicScale(Policy):
 
     def update(self, state: ScaleState, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> ScaleState:
         """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
-        bad = _as_flag(found_inf, state.scale.device)
         if self._torch_rule:
-            plain = found_inf.dtype == torch.float32 and found_inf.device == state.scale.device and found_inf.dim() == 0
-            return self._update_torch_rule(state, bad, found_inf if plain else bad.float())
+            _check_flag(found_inf)
+            if found_inf.dtype == torch.float32 and found_inf.dim() == 0 and found_inf.device == state.scale.device:
+                return self._update_torch_rule(state, found_inf.bool(), found_inf)  # the flag as it came: 1 op
+            bad = _as_flag(found_inf, state.scale.device)
+            return self._update_torch_rule(state, bad, bad.float())
+        bad = _as_flag(found_inf, state.scale.device)
         clean = ~bad
         scale, tracker, left = state.scale, state.growth_tracker, state.hysteresis_left
         full = torch.full_like(left, self.hysteresis)
@@ -187,9 +191,10 @@ class DynamicScale(Policy):
         ).to(torch.int32)
         return ScaleState(new_scale, new_tracker.to(torch.int32), new_left.to(torch.int32), floor_hits)
 
-    @property
+    @functools.cached_property
     def _torch_rule(self) -> bool:
-        """Whether the rule is torch's plus a floor, so torch's fused kernel can run it."""
+        """Whether the rule is torch's plus a floor, so torch's fused kernel can run it (decided once: the
+        policy is frozen)."""
         return (self.hysteresis == 1 and self.refill_after_backoff and self.growth_delay == 0
                 and self.arithmetic == "float64"
                 and self.backoff_divisor is None and self.growth_guard == "result" and self.at_floor == "skip"

@@ -82,13 +82,18 @@ def check_policy(call: str, policy: Any) -> None:
                         f"preset, or your own subclass of Policy); got {type(policy).__name__}.")
 
 
-def _as_flag(found_inf: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """found_inf (bool, or a float/int count as torch's scaler keeps it) as a 0-d bool on ``device``."""
+def _check_flag(found_inf: Any) -> None:
+    """A TypeError unless found_inf is a tensor (bool, or a float/int count as torch's scaler keeps it)."""
     if not isinstance(found_inf, torch.Tensor):
         raise TypeError(
             f"update(state, found_inf): found_inf must be a tensor (bool or a count of overflows); "
             f"got {type(found_inf).__name__}"
         )
+
+
+def _as_flag(found_inf: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """found_inf (bool, or a float/int count as torch's scaler keeps it) as a 0-d bool on ``device``."""
+    _check_flag(found_inf)
     flag = found_inf.to(device=device, non_blocking=True)
     return flag if flag.dtype == torch.bool else flag != 0
 
@@ -122,8 +127,8 @@ class FixedScale(Policy):
         )
 
     def update(self, state: ScaleState, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> ScaleState:
-        """The same state: a fixed scale ignores overflow."""
-        _as_flag(found_inf, state.scale.device)
+        """The same state: a fixed scale ignores overflow (found_inf's type is still checked). No op."""
+        _check_flag(found_inf)
         return state
 
 

@@ -178,10 +178,10 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             raise stages.NoGradientsError(f"{call}: No inf checks were recorded for this optimizer: no gradient "
                                           f"was unscaled or checked since the last update(). Call backward on the "
                                           f"scaled loss, then step(optimizer), before update().")
-        total = values[0].clone()
+        total = values[0]
         for v in values[1:]:
-            total += v
-        return total.clamp_(max=1.0)
+            total = total + v
+        return total.clamp(max=1.0)  # a new tensor (the records keep theirs): one op for one device
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
         """Unscale (unless done), then apply ``optimizer.step(*args, **kwargs)`` only if nothing overflowed.
@@ -205,7 +205,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             return self._fused_step(optimizer, record, *args, **kwargs)
         if record["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        overflow = self._found_inf_total([record], "GradScaler.step(optimizer)") > 0
+        overflow = self._found_inf_total([record], "GradScaler.step(optimizer)").bool()  # 0.0 or 1.0
         value = stages.host_step(optimizer, overflow, *args, **kwargs)  # the one host read, as in torch
         record["stage"] = OptState.STEPPED
         return ScalerStep(stepped=~overflow, found_inf=overflow, value=value)
@@ -221,17 +221,15 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
                 (), dtype=torch.bool, device=self._owner.device)
             return ScalerStep(stepped=~overflow, found_inf=overflow, value=value)
         if record["stage"] is OptState.READY:
-            self._check_inf_per_device(optimizer)
-            grad_scale = self._owner.scale * getattr(optimizer, "grad_scale", 1)
+            self._check_inf_per_device(optimizer)  # guards the scale the kernel divides by, too
+            extra = getattr(optimizer, "grad_scale", None)
+            grad_scale = self._owner.scale if extra is None else self._owner.scale * extra
         else:
             grad_scale = None  # unscale_() already divided the gradients
         found_inf = self._found_inf_total([record], "GradScaler.step(optimizer)")
-        if grad_scale is not None:  # the kernel divides by it: a corrupted scale is an overflow (0/1 kept)
-            found_inf = stages.guard_divisor_(grad_scale, found_inf).clamp_(max=1.0)
-            record["found_inf_per_device"] = {found_inf.device: found_inf}
         value = stages.fused_step_(optimizer, grad_scale, found_inf, *args, **kwargs)
         record["stage"] = OptState.STEPPED
-        overflow = found_inf > 0
+        overflow = found_inf.bool()  # found_inf is 0.0 or 1.0
         return ScalerStep(stepped=~overflow, found_inf=overflow, value=value)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:

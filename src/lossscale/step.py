@@ -149,9 +149,9 @@ def inverse_(scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
     inverse is 1, so the pipeline never multiplies a gradient by a non-finite inverse. 0-d ops, no host read.
     (Every door validates the scale; this guard is the last line, for a scale corrupted in memory.)"""
     inv = scale.double().reciprocal().float()
-    ok = inv.clamp(min=_TINY, max=_FMAX) == inv  # False for NaN, inf, 0 and negatives: 2 ops, not 4
-    found_inf.add_(ok.logical_not().to(found_inf.device))
-    return torch.where(ok, inv, one(inv.device))
+    bad = inv.clamp(min=_TINY, max=_FMAX) != inv  # True for NaN, inf, 0 and negatives: 2 ops, not 4
+    found_inf.add_(bad if bad.device == found_inf.device else bad.to(found_inf.device))
+    return torch.where(bad, one(inv.device), inv)
 
 
 _MIN_DIVISOR = 1.0 / _FMAX  # the smallest divisor whose inverse is finite
@@ -163,7 +163,7 @@ def guard_divisor_(divisor: torch.Tensor, found_inf: torch.Tensor) -> torch.Tens
     found_inf, never divides by NaN, 0, a negative or inf. The same range as :func:`inverse_`'s, for the path
     that never forms the inverse. 3 0-d ops, no host read."""
     bad = divisor.clamp(min=_MIN_DIVISOR, max=_FMAX) != divisor  # True for NaN too
-    return found_inf.add_(bad.to(found_inf.device))
+    return found_inf.add_(bad if bad.device == found_inf.device else bad.to(found_inf.device))
 
 
 def agree_(found_inf: torch.Tensor, process_group: Any = None) -> torch.Tensor:
