@@ -133,9 +133,10 @@ def _non_finite_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None
     non-finite when an input value is, and for finite values only past 3.4e38 in total, a mean magnitude
     of 3.4e38 / numel such as 1.7e31 over 20M values: the one case torch's check would pass), and for all
     smaller ones together one ``torch._amp_foreach_non_finite_check_and_unscale_`` by 1.0 (one C++ call,
-    about 10x faster over many tiny tensors than ``sum`` or ``_foreach_norm`` per tensor), which writes each value back unchanged (``x * 1.0 == x`` bit for bit, NaN stays NaN) and sets
-    found_inf to 1.0 on a hit; large tensors are never written. Fixed cost: 1 op for the small ones, 4 +
-    one per tensor for the large ones (``s - s`` is 0 for a finite sum, NaN otherwise)."""
+    about 10x faster over many tiny tensors than ``sum`` or ``_foreach_norm`` per tensor), which writes
+    each value back unchanged (``x * 1.0 == x`` bit for bit, NaN stays NaN) and sets found_inf to 1.0 on
+    a hit; large tensors are never written. Fixed cost: 1 op for the small ones, 4 + one per tensor for
+    the large ones (``s - s`` is 0 for a finite sum, NaN otherwise)."""
     small, large = [], []
     for g in grads:
         (small if g.numel() < _SUM_MIN_NUMEL else large).append(g)
