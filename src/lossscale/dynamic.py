@@ -9,8 +9,8 @@ from typing import Literal
 import torch
 
 from lossscale._validate import _require_real, check_choice, check_factor_above_one, check_int_in_range, check_scale
-from lossscale.policy import (_SATURATE, FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, FloorError, Policy, _as_flag, _check_flag,
-                              _f32)
+from lossscale.policy import (_SATURATE, FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, FloorError, Policy, _as_flag,
+                              _check_flag, _f32)
 from lossscale.state import ScaleState
 
 __all__ = ["DynamicScale"]
