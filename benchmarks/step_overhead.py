@@ -91,8 +91,26 @@ def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> d
             s.update()
         return run
 
-    return {"bare": bare_opt.step, "torch": pipeline(scaler, torch_opt), "LSO": lso.step,
-            "GS": pipeline(ours_gs, gs_opt), "_skip_mode": lso.skip_mode}
+    fns = {"bare": bare_opt.step, "torch": pipeline(scaler, torch_opt), "LSO": lso.step,
+           "GS": pipeline(ours_gs, gs_opt), "_skip_mode": lso.skip_mode}
+    if getattr(bare_opt, "_step_supports_amp_scaling", False):
+        fns["kernel"] = _kernel_unscaling(make(params))
+    return fns
+
+
+def _kernel_unscaling(opt: torch.optim.Optimizer):
+    """The bare fused step handed ``grad_scale`` (1.0) and ``found_inf`` (0): what the kernel's own
+    unscaling costs (it divides every gradient and stores it back), a cost no scaler that unscales in
+    the kernel can avoid."""
+    one, zero = torch.ones(()), torch.zeros(())
+
+    def run() -> None:
+        opt.grad_scale, opt.found_inf = one, zero
+        try:
+            opt.step()
+        finally:
+            del opt.grad_scale, opt.found_inf
+    return run
 
 
 def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int) -> dict:
@@ -119,6 +137,9 @@ def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int) -> 
         row[f"{name} ops"] = counts[name].calls - counts["bare"].calls
         row[f"{name} ms"] = t[name] * 1e3
         row[f"{name} floors"] = (t[name] - t["bare"]) / floor
+    kernel = t.get("kernel")
+    row["kernel unscale floors"] = (kernel - t["bare"]) / floor if kernel is not None else "-"
+    row["LSO floors net"] = (t["LSO"] - kernel) / floor if kernel is not None else "-"
     over_torch = t["torch"] - t["bare"]
     for name in ("LSO", "GS"):
         row[f"{name} total"] = t[name] / t["torch"]
@@ -127,7 +148,8 @@ def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int) -> 
 
 
 COLUMNS = ["params", "layout", "optimizer", "clip", "floor ms", "bare ms", "torch passes", "torch ops", "torch ms",
-           "torch floors", "LSO passes", "LSO ops", "LSO ms", "LSO total", "LSO overhead", "LSO floors", "GS passes",
+           "torch floors", "kernel unscale floors", "LSO passes", "LSO ops", "LSO ms", "LSO total", "LSO overhead",
+           "LSO floors", "LSO floors net", "GS passes",
            "GS ops", "GS ms", "GS total", "GS overhead", "GS floors"]
 
 
@@ -174,7 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
     md = (f"Times in ms, {STAT}s over {2 if args.tiny else args.rounds} alternating rounds. "
           "*total* = time / torch's; *overhead* = (time - bare) / "
           "(torch - bare); *floors* = (time - bare) / floor, where the floor is the faster of one per-tensor "
-          "sum and one `_foreach_norm` over the gradients. Passes beyond the bare step, counted by a dispatch "
+          "sum and one `_foreach_norm` over the gradients. *kernel unscale floors* (fused optimizers): the bare "
+          "step handed `grad_scale` = 1, less the bare step, in floors: torch's fused CPU kernel divides every "
+          "gradient and stores it back, a write no scaler that unscales in the kernel avoids; *LSO floors net* "
+          "= LSO's floors less that. Passes beyond the bare step, counted by a dispatch "
           "mode: R = one read of every gradient, W = one write; *ops* = aten calls beyond the bare step (the "
           "fixed cost per step). LSO = LossScaleOptimizer, GS = "
           "lossscale.GradScaler.\n\n" + table(rows, COLUMNS))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from _dist_workers import CKPT_INJECT, DDP_SKIPPED, FSDP_INJECT_STEP, SCALER_INJECT, RankPool
 from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 from lossscale import distributed as ld
-from lossscale.clip import clip_per_tensor_, global_norm_squared
+from lossscale.clip import clip_per_tensor_, global_norm_squared, squared_norms
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
 
@@ -246,3 +246,20 @@ def test_clip_per_tensor_keeps_the_order_over_mixed_dtypes():
     grads = [torch.full((4,), 3.0), torch.full((2,), 0.1, dtype=torch.float64), torch.full((9,), 1.0)]
     clip_per_tensor_(grads, 1.0)
     assert [float(g.norm()) for g in grads] == pytest.approx([1.0, 0.1 * math.sqrt(2), 1.0])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_squared_norms_by_dot_or_foreach_norm_agree_with_float64(threads):
+    """Both read paths of the clip norm (BLAS dot for large contiguous float32 gradients with several
+    threads or on AVX-512; one ``_foreach_norm`` otherwise) give each tensor's squared norm, in order."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(70000, generator=gen), torch.randn(9, generator=gen), torch.randn(300, 400, generator=gen).t(),
+             torch.randn(66000, generator=gen) * 1e3, torch.randn(5, generator=gen)]
+    expected = [float(g.double().square().sum()) for g in grads]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = squared_norms(grads).tolist()
+    finally:
+        torch.set_num_threads(old)
+    assert got == pytest.approx(expected, rel=2e-6)
