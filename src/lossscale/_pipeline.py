@@ -151,10 +151,9 @@ def _norm_squared(opt: Any, groups: stages.Groups) -> torch.Tensor:
     gradients (no DTensor, no sparse, not declared sharded) are read straight from ``groups``; anything
     else takes :func:`~lossscale.clip.global_norm_squared`'s shard-aware path. No host read."""
     options = opt.options
-    raw = [p.grad for g in opt.inner.param_groups for p in g["params"] if p.grad is not None]
-    if options.sharded_grads is not True and all(type(g) is torch.Tensor and g.layout is torch.strided
-                                                   for g in raw):
+    if options.sharded_grads is not True and getattr(groups, "plain", False):
         return grouped_norm_squared(groups, opt._device)
+    raw = [p.grad for g in opt.inner.param_groups for p in g["params"] if p.grad is not None]
     return global_norm_squared(raw, options.process_group, options.sharded_grads, opt._device)
 
 

@@ -24,7 +24,9 @@ __all__ = ["squared_norms", "global_norm_squared", "grouped_norm_squared", "glob
 EPS = 1e-6
 
 
-# Below this many elements a tensor's norm is cheaper in one foreach call than in its own dot call.
+# Below this many elements a tensor's norm is cheaper in one foreach call than in its own dot call: a dot
+# costs a Python call (and a view for a matrix, ~1.5 us), which 1,000 tensors of 20K elements do not repay
+# (2-core AVX2 EPYC, 2 threads: dot with views 9.9-11.3 ms, foreach 7.7 ms); 300 of 64K do (4.3 vs 5.9 ms).
 _DOT_MIN_NUMEL = 1 << 16
 
 
@@ -56,25 +58,34 @@ def squared_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     ``torch._foreach_norm`` call (a Python call per tiny tensor would cost more than it reads); the norms
     are squared in one op.
     """
-    locals_ = [_dist.local_shard(g) for g in grads]
+    return _local_squared_norms([_dist.local_shard(g) for g in grads])
+
+
+def _local_squared_norms(locals_: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`squared_norms` of tensors that are already local and dense."""
     if not locals_:
         return torch.zeros(0)
     if not _dot_is_faster():
         return _stacked_squares(torch._foreach_norm(locals_, 2.0))
-    dots, rest = [], []
-    for i, g in enumerate(locals_):
-        if g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous() and g.numel() >= _DOT_MIN_NUMEL:
-            flat = g.view(-1)
-            dots.append((i, torch.dot(flat, flat)))
-        else:
-            rest.append(i)
-    if not rest:
-        return torch.stack([d for _, d in dots])
+    at = [i for i, g in enumerate(locals_) if g.numel() >= _DOT_MIN_NUMEL and g.dtype == torch.float32
+          and g.is_contiguous() and g.device.type == "cpu"]  # size first: the cheapest test, the usual "no"
+    if not at:
+        return _stacked_squares(torch._foreach_norm(locals_, 2.0))
+    dots = torch.stack([_self_dot(locals_[i]) for i in at])
+    if len(at) == len(locals_):
+        return dots
+    chosen = set(at)
+    rest = [i for i in range(len(locals_)) if i not in chosen]
     out = torch.empty(len(locals_), dtype=torch.float32, device=locals_[0].device)
-    if dots:
-        out[[i for i, _ in dots]] = torch.stack([d for _, d in dots])
+    out[at] = dots
     out[rest] = _stacked_squares(torch._foreach_norm([locals_[i] for i in rest], 2.0))
     return out
+
+
+def _self_dot(g: torch.Tensor) -> torch.Tensor:
+    """``g . g`` by BLAS (a view only for a tensor of more than one dimension)."""
+    flat = g if g.dim() == 1 else g.view(-1)
+    return torch.dot(flat, flat)
 
 
 def _stacked_squares(norms: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -88,7 +99,7 @@ def grouped_norm_squared(groups: dict[Any, list[torch.Tensor]], device: torch.de
     total = torch.zeros((), dtype=torch.float32, device=device)
     for group in groups.values():
         if group:
-            total += squared_norms(group).sum().to(device, non_blocking=True)
+            total += _local_squared_norms(group).sum().to(device, non_blocking=True)
     return total
 
 

@@ -47,7 +47,12 @@ __all__ = [
     "overflowing_names",
 ]
 
-Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
+class Groups(dict):
+    """(device, dtype) -> the gradients to check and unscale in place, as :func:`grouped_gradients` found
+    them; ``plain``: every one is its parameter's own dense ``torch.Tensor`` gradient (no DTensor shard, no
+    sparse values), so a norm may read the groups as they are."""
+
+    plain: bool = True
 
 
 class NoGradientsError(RuntimeError, AssertionError):
@@ -99,7 +104,7 @@ def grouped_gradients(optimizer: torch.optim.Optimizer, call: str, *, allow_fp16
         NoGradientsError: no parameter of ``optimizer`` has a gradient (when ``required``).
         ValueError: a float16 gradient where ``allow_fp16`` is False (unscaling it would underflow).
     """
-    groups: Groups = {}
+    groups = Groups()
     for group in optimizer.param_groups:
         for p in group["params"]:
             grad = p.grad
@@ -110,6 +115,7 @@ def grouped_gradients(optimizer: torch.optim.Optimizer, call: str, *, allow_fp16
                                  f"underflow; keep float32 master parameters (autocast does) and scale the loss.")
             if not (type(grad) is torch.Tensor and grad.layout is torch.strided):
                 grad = _writable(p)
+                groups.plain = False
             bucket = groups.get((grad.device, grad.dtype))
             if bucket is None:
                 groups[(grad.device, grad.dtype)] = [grad]
