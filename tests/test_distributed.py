@@ -254,7 +254,8 @@ def test_squared_norms_by_dot_or_foreach_norm_agree_with_float64(threads):
     threads or on AVX-512; one ``_foreach_norm`` otherwise) give each tensor's squared norm, in order."""
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(70000, generator=gen), torch.randn(9, generator=gen), torch.randn(300, 400, generator=gen).t(),
-             torch.randn(66000, generator=gen) * 1e3, torch.randn(5, generator=gen), torch.randn(300, 250, generator=gen)]
+             torch.randn(66000, generator=gen) * 1e3, torch.randn(5, generator=gen),
+             torch.randn(300, 250, generator=gen)]
     expected = [float(g.double().square().sum()) for g in grads]
     old = torch.get_num_threads()
     torch.set_num_threads(threads)

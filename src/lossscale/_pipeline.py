@@ -11,8 +11,9 @@ host/masked, global-norm clipping      1 read (norm = check) + 1 read+write (uns
 
 "1 read" for the check: gradients under 16K elements are checked together in one fused C++ call that
 writes them back unchanged (``x * 1.0``), cheaper than a Python call per tiny tensor; the norm is one
-``_foreach_norm`` call (``dot`` per large tensor on AVX-512 CPUs or with several torch threads). The fused kernel writes the unscaled
-gradients back when given ``grad_scale`` (torch's kernel; about 0.35 of a read pass on an AVX2 core).
+``_foreach_norm`` call (``dot`` per large tensor on AVX-512 CPUs or with several torch threads). The fused
+kernel writes the unscaled gradients back when given ``grad_scale`` (torch's kernel; 0.1-0.7 of a read pass
+on a 2-core AVX2 EPYC, benchmarks/RESULTS.md "kernel unscale floors").
 
 Saturation mode adds one read (``aminmax``) before unscaling; so does a policy that observes amax
 when clipping (without clipping its ``aminmax`` read is the check). No host read except the host skip.
