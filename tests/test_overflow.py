@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lossscale import HostReadCounter
-from lossscale.overflow import check_, overflowing, saturation_threshold, unscale_and_check_
+from lossscale.overflow import check_, overflowing, saturation_threshold, sum_min_numel, unscale_and_check_
 
 
 def grads(dtype=torch.float32):
@@ -93,9 +93,10 @@ def test_attribution_names_only_the_overflowing_parameters():
 
 def _straddling():
     """Tensors on both sides of the size where the check switches from torch's fused check (small ones,
-    together) to a sum per tensor (16,384 elements and up)."""
+    together) to a sum per tensor (``sum_min_numel()`` elements and up, which follows the thread count)."""
     torch.manual_seed(1)
-    return [torch.randn(n) for n in (5, 16383, 16384, 40000)]
+    least = sum_min_numel()
+    return [torch.randn(n) for n in (5, least - 1, least, least + 7000)]
 
 
 @pytest.mark.parametrize("flag_dtype", [torch.float32, torch.float64, torch.bool])

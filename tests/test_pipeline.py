@@ -220,3 +220,21 @@ def test_a_non_finite_loss_reaches_policies_that_observe_it(front_end):
     before = [one_step(2.0) for _ in range(3)][-1]
     assert one_step(float("nan")) == before
     assert torch.allclose(w.detach(), torch.full((4,), 0.4))  # three applied steps, the NaN one skipped
+
+
+def test_takes_grad_scaler_is_decided_per_step_function():
+    """Cached per function: a class whose step takes grad_scaler=, one whose step does not, and an instance
+    whose step was replaced by a wrapper of its own all get their own answer, however often asked."""
+
+    class Takes(torch.optim.SGD):
+        def step(self, closure=None, grad_scaler=None):
+            return super().step(closure)
+
+    w = torch.nn.Parameter(torch.ones(2))
+    takes, plain = Takes([w], lr=0.1), torch.optim.SGD([w], lr=0.1)
+    wrapped = torch.optim.SGD([w], lr=0.1)
+    wrapped.step = lambda closure=None, grad_scaler=None: None
+    for _ in range(2):
+        assert stages.takes_grad_scaler(takes) is True
+        assert stages.takes_grad_scaler(plain) is False
+        assert stages.takes_grad_scaler(wrapped) is True

@@ -9,8 +9,9 @@ host/masked, no clipping               1 read+write (unscale and check fused)
 host/masked, global-norm clipping      1 read (norm = check) + 1 read+write (unscale x clip)
 =====================================  ======================================================
 
-"1 read" for the check: gradients under 16K elements are checked together in one fused C++ call that
-writes them back unchanged (``x * 1.0``), cheaper than a Python call per tiny tensor; the norm is one
+"1 read" for the check: gradients under 128K elements (32K with one torch thread) are checked together in
+one fused C++ call that writes them back unchanged (``x * 1.0``), faster there than a Python call per
+tensor (:func:`lossscale.overflow.sum_min_numel`); the norm is one
 ``_foreach_norm`` call (``dot`` per large tensor on AVX-512 CPUs or with several torch threads). The fused
 kernel writes the unscaled gradients back when given ``grad_scale`` (torch's kernel; 0.1-0.7 of a read pass
 on a 2-core AVX2 EPYC, benchmarks/RESULTS.md "kernel unscale floors").
