@@ -206,3 +206,44 @@ def test_a_scale_corrupted_in_memory_skips_the_step(front_end, fused, clip, bad)
     assert bool(found)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert all(torch.isfinite(t).all() for t in state)
+
+
+class _GreedyFused(torch.optim.Optimizer):
+    """A third-party SGD that unscales and skips in its step (``_step_supports_amp_scaling``) and then writes
+    into the ``grad_scale`` it was handed, as code outside our control may."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        scale, found = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if found is not None and float(found) == 1.0:
+            return None
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_(p.grad / (1.0 if scale is None else scale), alpha=group["lr"])
+        if scale is not None:
+            scale.mul_(1024.0)
+        return None
+
+
+@pytest.mark.parametrize("front_end", ["GradScaler", "LossScaleOptimizer"])
+def test_an_optimizer_never_holds_the_owners_scale(front_end):
+    """The kernel's divisor is a tensor of its own: an optimizer that writes into it cannot move the scale."""
+    w = torch.nn.Parameter(torch.ones(3))
+    inner = _GreedyFused([w], lr=0.1)
+    if front_end == "GradScaler":
+        scaler = GradScaler(init_scale=256.0, growth_interval=1000)
+        scaler.scale(w.sum()).backward()
+        scaler.step(inner)
+        scaler.update()
+        assert scaler.get_scale() == 256.0
+    else:
+        opt = LossScaleOptimizer(inner, policy=DynamicScale(init_scale=256.0, growth_interval=1000))
+        opt.backward(w.sum())
+        opt.step()
+        assert float(opt.scale) == 256.0
+    assert torch.allclose(w.detach(), torch.full((3,), 0.9))

@@ -193,11 +193,12 @@ def _transform_unscaled(opt: Any, groups: stages.Groups) -> None:
 
 
 def _fused_divisor(opt: Any, scale: torch.Tensor, active: bool, clip: torch.Tensor | None) -> torch.Tensor | None:
-    """What the fused kernel divides the gradients by: scale / clip (None when there is nothing to divide)."""
+    """What the fused kernel divides the gradients by: scale / clip (None when there is nothing to divide),
+    always a tensor of its own (as torch hands it), so no optimizer ever holds the owner's scale."""
     if opt._explicit_unscale or not (active or clip is not None):
         return None
     if clip is None:
-        return scale
+        return scale.clone()
     return (scale if active else torch.ones_like(scale)) / clip
 
 

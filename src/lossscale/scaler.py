@@ -222,8 +222,8 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             return ScalerStep(stepped=~overflow, found_inf=overflow, value=value)
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)  # guards the scale the kernel divides by, too
-            extra = getattr(optimizer, "grad_scale", None)
-            grad_scale = self._owner.scale if extra is None else self._owner.scale * extra
+            # a tensor of the kernel's own, as torch hands it: the optimizer never holds the owner's scale
+            grad_scale = self._owner.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = None  # unscale_() already divided the gradients
         found_inf = self._found_inf_total([record], "GradScaler.step(optimizer)")
