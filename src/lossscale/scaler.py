@@ -227,9 +227,9 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         else:
             grad_scale = None  # unscale_() already divided the gradients
         found_inf = self._found_inf_total([record], "GradScaler.step(optimizer)")
+        overflow = found_inf.bool()  # 0.0 or 1.0; read before the optimizer, which gets found_inf itself
         value = stages.fused_step_(optimizer, grad_scale, found_inf, *args, **kwargs)
         record["stage"] = OptState.STEPPED
-        overflow = found_inf.bool()  # found_inf is 0.0 or 1.0
         return ScalerStep(stepped=~overflow, found_inf=overflow, value=value)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
