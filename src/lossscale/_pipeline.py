@@ -11,8 +11,8 @@ host/masked, global-norm clipping      1 read (norm = check) + 1 read+write (uns
 
 "1 read" for the check: gradients under 128K elements (32K with one torch thread) are checked together in
 one fused C++ call that writes them back unchanged (``x * 1.0``), faster there than a Python call per
-tensor (:func:`lossscale.overflow.sum_min_numel`); the norm is one
-``_foreach_norm`` call (``dot`` per large tensor on AVX-512 CPUs or with several torch threads). The fused
+tensor (:func:`lossscale.overflow.sum_min_numel`); the norm is one ``_foreach_norm`` call (``dot`` per
+large tensor on AVX-512 CPUs or with several torch threads). The fused
 kernel writes the unscaled gradients back when given ``grad_scale`` (torch's kernel; 0.1-0.7 of a read pass
 on a 2-core AVX2 EPYC, benchmarks/RESULTS.md "kernel unscale floors").
 
@@ -88,7 +88,7 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
 def _inverse(opt: Any, scale: torch.Tensor, found: torch.Tensor, active: bool, clipping: bool
              ) -> torch.Tensor | None:
     """1/scale, guarded, where gradients or their norm are multiplied by it (explicit unscaling, clipping);
-    None where only a fused kernel divides by the scale, which is then guarded alone (3 ops, not 9)."""
+    None where only a fused kernel divides by the scale, which is then guarded alone (3 ops, not 7)."""
     if not active:
         return torch.ones_like(scale)
     if opt._explicit_unscale or clipping:
