@@ -104,10 +104,8 @@ def grouped_norm_squared(groups: dict[Any, list[torch.Tensor]], device: torch.de
 
 
 def _sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for group in group_by_device_and_dtype(_dist.local_shard(g) for g in grads).values():
-        total += squared_norms(group).sum().to(device, non_blocking=True)
-    return total
+    """Squared L2 norm of the local parts of ``grads`` (a sparse gradient's values), as 0-d float32."""
+    return grouped_norm_squared(group_by_device_and_dtype(_dist.local_shard(g) for g in grads), device)
 
 
 def _split(grads: Sequence[torch.Tensor], sharded: bool | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
