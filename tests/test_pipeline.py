@@ -238,3 +238,47 @@ def test_takes_grad_scaler_is_decided_per_step_function():
         assert stages.takes_grad_scaler(takes) is True
         assert stages.takes_grad_scaler(plain) is False
         assert stages.takes_grad_scaler(wrapped) is True
+
+
+def test_grouped_gradients_keep_each_groups_order_and_skip_missing_gradients():
+    dtypes = [torch.float32, torch.float64, None, torch.float32, torch.bfloat16, torch.float32]
+    params = [torch.nn.Parameter(torch.zeros(2, dtype=d or torch.float32)) for d in dtypes]
+    for i, (p, d) in enumerate(zip(params, dtypes)):
+        p.grad = None if d is None else torch.full_like(p, float(i))
+    groups = stages.grouped_gradients(torch.optim.SGD(params, lr=1.0), "test")
+    seen = {dtype: [int(g[0]) for g in grads] for (_, dtype), grads in groups.items()}
+    assert seen == {torch.float32: [0, 3, 5], torch.float64: [1], torch.bfloat16: [4]}
+    assert groups.plain and all(g.data_ptr() == params[int(g[0])].grad.data_ptr() for v in groups.values() for g in v)
+
+
+def test_grouped_gradients_take_a_sparse_gradients_values_and_say_so():
+    dense, sparse = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))
+    dense.grad = torch.ones(3)
+    sparse.grad = torch.sparse_coo_tensor([[1, 3]], [5.0, 6.0], (4,), check_invariants=True)
+    groups = stages.grouped_gradients(torch.optim.SGD([dense, sparse], lr=1.0), "test")
+    (grads,) = groups.values()
+    assert not groups.plain and [g.tolist() for g in grads] == [[1.0, 1.0, 1.0], [5.0, 6.0]]
+
+
+def test_grouped_gradients_refuse_float16_where_asked_and_raise_without_gradients():
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    p.grad = torch.ones(2, dtype=torch.float16)
+    assert stages.grouped_gradients(torch.optim.SGD([p], lr=1.0), "test")  # allowed by default
+    with pytest.raises(ValueError, match="float16 gradients"):
+        stages.grouped_gradients(torch.optim.SGD([p], lr=1.0), "test", allow_fp16=False)
+    p.grad = None
+    with pytest.raises(stages.NoGradientsError):
+        stages.grouped_gradients(torch.optim.SGD([p], lr=1.0), "test")
+    assert stages.grouped_gradients(torch.optim.SGD([p], lr=1.0), "test", required=False) == {}
+
+
+def test_inverse_is_torchs_double_rounded_reciprocal_bit_for_bit():
+    torch.manual_seed(0)
+    bits = torch.randint(0x00800000, 0x7F7FFFFF, (4096,), dtype=torch.int32)  # normal positive float32
+    scales = torch.cat([bits.view(torch.float32), 2.0 ** torch.arange(-126, 128, dtype=torch.float32)])
+    for scale in scales:
+        expected = scale.double().reciprocal().float()
+        found = torch.zeros(())
+        got = stages.inverse_(scale, found)
+        if 0 < float(expected) < float("inf"):
+            assert got.view(torch.int32) == expected.view(torch.int32) and float(found) == 0.0, float(scale)

@@ -322,3 +322,29 @@ def test_disabled_scaler_is_identity():
 
 def test_public_surface():
     assert set(lossscale.__all__) >= {"GradScaler", "DynamicScale", "FixedScale"}
+
+
+def test_step_flags_are_bool_tensors_formed_from_the_count_of_overflows():
+    for count, overflowed in [(0.0, False), (1.0, True), (2.0, True)]:
+        decision = lossscale.ScalerStep(overflow=torch.tensor(count))
+        assert decision.found_inf.dtype == torch.bool and decision.stepped.dtype == torch.bool
+        assert bool(decision.found_inf) is overflowed and bool(decision.stepped) is not overflowed
+    flag = lossscale.ScalerStep(overflow=torch.tensor(True))
+    assert bool(flag.found_inf) and not bool(flag.stepped)
+
+
+@pytest.mark.parametrize("start", [0.0, 1.0, 2.0])
+@pytest.mark.parametrize("poison", [None, "inf", "nan"])
+def test_private_unscale_grads_returns_what_torchs_returns(start, poison):
+    results = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=4.0), GradScaler("cpu", init_scale=4.0)):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale(model(torch.ones(2, 8)).sum()).backward()
+        if poison:
+            model[2].bias.grad[1] = float(poison)
+        found = scaler._unscale_grads_(opt, torch.tensor(0.25), torch.tensor(start), False)
+        results.append(({str(d): float(f) for d, f in found.items()}, [p.grad.clone() for p in model.parameters()]))
+    (torch_found, torch_grads), (our_found, our_grads) = results
+    assert our_found == torch_found
+    assert all(torch.equal(a, b) for a, b in zip(torch_grads, our_grads) if torch.isfinite(a).all())

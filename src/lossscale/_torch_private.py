@@ -109,8 +109,9 @@ class TorchPrivateAttributes:
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
         """Unscale ``optimizer``'s gradients by ``inv_scale`` in place; return found_inf per device (each a
-        copy of ``found_inf`` plus this check). One read+write pass (saturation: one read more); for a
-        policy that observes amax, one more read (recorded for ``update()``). No host read."""
+        copy of ``found_inf``, set to 1.0 where this check overflowed: a 0/1 flag from a 0/1 start). One
+        read+write pass (saturation: one read more); for a policy that observes amax, one more read (recorded
+        for ``update()``). No host read."""
         groups = stages.grouped_gradients(optimizer, "GradScaler.unscale_(optimizer)", allow_fp16=allow_fp16,
                                           required=False)
         found: dict[torch.device, torch.Tensor] = {}
@@ -121,7 +122,9 @@ class TorchPrivateAttributes:
                 self._amax_seen.append(check_with_amax_(group, found[device], self.overflow_mode, self._threshold))
             inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
             unscale_and_check_(group, found[device], inv, self.overflow_mode, self._threshold)
-        return {device: flag.clamp_(max=1.0) for device, flag in found.items()}  # a 0/1 flag, as torch's kernel
+        if self.overflow_mode == "inf_nan" and not self._owner.policy.observes_amax:
+            return found  # torch's kernel sets 1.0 (never adds): found_inf's copy, or 1.0, as torch returns
+        return {device: flag.clamp_(max=1.0) for device, flag in found.items()}  # our read-only checks add: 0/1
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """A read-only check of ``optimizer``'s gradients, recorded for it (found_inf per device), for a fused

@@ -1,4 +1,5 @@
-"""StepResult: what one call of ``LossScaleOptimizer.step()`` decided, as a frozen record."""
+"""What one step decided, as frozen records: ``LossScaleOptimizer.step()``'s StepResult and
+``GradScaler.step()``'s ScalerStep."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from lossscale._host import read_scalars
 
-__all__ = ["StepResult"]
+__all__ = ["ScalerStep", "StepResult"]
 
 
 @dataclass(frozen=True)
@@ -59,3 +60,28 @@ class StepResult:
         if isinstance(self.loss, torch.Tensor) and self.loss.numel() == 1:
             values["loss"] = self.loss.detach()
         return read_scalars(values)
+
+
+@dataclass(frozen=True)
+class ScalerStep:
+    """What ``GradScaler.step`` decided.
+
+    Attributes:
+        found_inf: 0-d bool tensor, True where the gradients overflowed.
+        stepped: 0-d bool tensor, True where the optimizer's update was applied (``~found_inf``).
+        value: What ``optimizer.step()`` returned (None when it was skipped without calling it).
+
+    Both flags are formed from ``overflow`` (the step's count of overflows, or a bool) when read: one 0-d op
+    each then, none in the step. Reading their values is a host read.
+    """
+
+    overflow: torch.Tensor
+    value: Any = None
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        return self.overflow if self.overflow.dtype == torch.bool else self.overflow > 0
+
+    @property
+    def stepped(self) -> torch.Tensor:
+        return self.overflow == 0 if self.overflow.dtype != torch.bool else ~self.overflow

@@ -12,7 +12,6 @@ from outside is validated (:func:`~lossscale.scale_value.checked_scale`).
 from __future__ import annotations
 
 from collections import abc
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -25,24 +24,10 @@ from lossscale._scaler_state import ScalerCheckpoint, policy_from_args
 from lossscale._torch_private import TorchPrivateAttributes
 from lossscale.overflow import OverflowMode, check_mode, saturation_threshold
 from lossscale.policy import Policy
+from lossscale.result import ScalerStep
 from lossscale.state import LossScale
 
 __all__ = ["GradScaler", "ScalerStep"]
-
-@dataclass(frozen=True)
-class ScalerStep:
-    """What ``GradScaler.step`` decided.
-
-    Attributes:
-        stepped: 0-d bool tensor, True where the optimizer's update was applied (reading it is a host read).
-        found_inf: 0-d bool tensor, True where the gradients overflowed.
-        value: What ``optimizer.step()`` returned (None when it was skipped without calling it).
-    """
-
-    stepped: torch.Tensor
-    found_inf: torch.Tensor
-    value: Any = None
-
 
 class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
     """Dynamic loss scaling with ``torch.amp.GradScaler``'s calls, on a sync-free policy.
@@ -170,8 +155,10 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             total += t.to(device, non_blocking=True)
         return {device: stages.agree_(total, self.process_group)}
 
-    def _found_inf_total(self, records: Iterable[dict], call: str) -> torch.Tensor:
-        """The 0/1 flag of every recorded check together (fused optimizers skip only where it is 1.0)."""
+    def _found_inf_sum(self, records: Iterable[dict], call: str) -> torch.Tensor:
+        """Every recorded check's found_inf, summed on the scale's device: a count, > 0 where anything
+        overflowed (what policies and ``bool()`` take). For one device, the record's own tensor: no op; read
+        it, never write it."""
         device = self._owner.device
         values = [t.to(device, non_blocking=True) for r in records for t in r["found_inf_per_device"].values()]
         if not values:
@@ -181,7 +168,12 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         total = values[0]
         for v in values[1:]:
             total = total + v
-        return total.clamp(max=1.0)  # a new tensor (the records keep theirs): one op for one device
+        return total
+
+    def _found_inf_total(self, records: Iterable[dict], call: str) -> torch.Tensor:
+        """The 0/1 flag of every recorded check together, a tensor of its own (fused optimizers skip only where
+        it is 1.0, and may keep what they are handed): one op for one device."""
+        return self._found_inf_sum(records, call).clamp(max=1.0)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
         """Unscale (unless done), then apply ``optimizer.step(*args, **kwargs)`` only if nothing overflowed.
@@ -190,8 +182,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         others cost one host read of found_inf, as in torch. Returns a :class:`ScalerStep`.
         """
         if not self._enabled:
-            true = torch.ones((), dtype=torch.bool)
-            return ScalerStep(stepped=true, found_inf=~true, value=optimizer.step(*args, **kwargs))
+            return ScalerStep(overflow=torch.zeros((), dtype=torch.bool), value=optimizer.step(*args, **kwargs))
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled: "
                                "GradScaler.step(optimizer, closure=...) cannot scale the closure's loss.")
@@ -205,10 +196,10 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             return self._fused_step(optimizer, record, *args, **kwargs)
         if record["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        overflow = self._found_inf_total([record], "GradScaler.step(optimizer)").bool()  # 0.0 or 1.0
+        overflow = self._found_inf_sum([record], "GradScaler.step(optimizer)")  # a count: > 0 overflowed
         value = stages.host_step(optimizer, overflow, *args, **kwargs)  # the one host read, as in torch
         record["stage"] = OptState.STEPPED
-        return ScalerStep(stepped=~overflow, found_inf=overflow, value=value)
+        return ScalerStep(overflow=overflow, value=value)
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, record: dict, *args: Any, **kwargs: Any) -> ScalerStep:
         """The optimizer unscales and skips in its kernel: a read-only check first unless unscale_() ran."""
@@ -219,7 +210,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             found = list(record["found_inf_per_device"].values())
             overflow = (sum(f.to(self._owner.device) for f in found) > 0) if found else torch.zeros(
                 (), dtype=torch.bool, device=self._owner.device)
-            return ScalerStep(stepped=~overflow, found_inf=overflow, value=value)
+            return ScalerStep(overflow=overflow, value=value)
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)  # guards the scale the kernel divides by, too
             # a tensor of the kernel's own, as torch hands it: the optimizer never holds the owner's scale
@@ -230,7 +221,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         overflow = found_inf.bool()  # 0.0 or 1.0; read before the optimizer, which gets found_inf itself
         value = stages.fused_step_(optimizer, grad_scale, found_inf, *args, **kwargs)
         record["stage"] = OptState.STEPPED
-        return ScalerStep(stepped=~overflow, found_inf=overflow, value=value)
+        return ScalerStep(overflow=overflow, value=value)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Advance the policy with this iteration's overflow, or set ``new_scale`` (validated; one host read
@@ -245,7 +236,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             if not seen:
                 raise RuntimeError("update() was called without unscale_() or step() since the last update(); call "
                                    "scaler.step(optimizer) (which unscales) before update().")
-            found_inf = self._found_inf_total(seen, "GradScaler.update()")
+            found_inf = self._found_inf_sum(seen, "GradScaler.update()")  # a count, as policies take it
             amax = None
             if owner.policy.observes_amax:
                 maxima = [a.to(owner.device) for a in self._amax_seen]
