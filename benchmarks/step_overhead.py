@@ -153,6 +153,16 @@ COLUMNS = ["params", "layout", "optimizer", "clip", "floor ms", "bare ms", "torc
            "GS ops", "GS ms", "GS total", "GS overhead", "GS floors"]
 
 
+MORE_ROUNDS_BELOW = 20 * 10**6
+MAX_ROUND_FACTOR = 10
+
+
+def rounds_for(total: int, rounds: int) -> int:
+    """Rounds for a row of ``total`` parameters: ``rounds`` from 20M up; below, as many more as keep the
+    timed work per row about equal (at most 10x), so a 1M row's median is not noisier than a 20M row's."""
+    return rounds * max(1, min(MAX_ROUND_FACTOR, MORE_ROUNDS_BELOW // max(total, 1)))
+
+
 def plan(args: argparse.Namespace) -> list[tuple[int, str, str, bool]]:
     """(total, layout, optimizer, clip) per row: every optimizer at every size in the first layout, then
     fused AdamW in the other layouts at ``--layout-size``."""
@@ -189,11 +199,13 @@ def main(argv: list[str] | None = None) -> dict:
     STAT = args.stat
     rows = []
     for total, layout, opt_name, clip in plan(args):
-        row = measure(total, layout, opt_name, clip, 2 if args.tiny else args.rounds)
+        row = measure(total, layout, opt_name, clip, 2 if args.tiny else rounds_for(total, args.rounds))
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               file=sys.stderr, flush=True)
-    md = (f"Times in ms, {STAT}s over {2 if args.tiny else args.rounds} alternating rounds. "
+    md = (f"Times in ms, {STAT}s over {2 if args.tiny else args.rounds} alternating rounds ({MORE_ROUNDS_BELOW // 10**6}M "
+          f"parameters and more; smaller rows get proportionally more, up to {MAX_ROUND_FACTOR}x: 1M rows take a "
+          "few ms a step and their fixed cost is what they measure). "
           "*total* = time / torch's; *overhead* = (time - bare) / "
           "(torch - bare); *floors* = (time - bare) / floor, where the floor is the faster of one per-tensor "
           "sum and one `_foreach_norm` over the gradients. *kernel unscale floors* (fused optimizers): the bare "

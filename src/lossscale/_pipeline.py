@@ -66,7 +66,7 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
     overflow = found.bool()  # agree_ made it 0.0 or 1.0
     stepped = ~overflow
     _transform_unscaled(opt, groups)
-    _apply(opt, found, overflow, stepped, _fused_divisor(opt, scale, active, clip))
+    clean_on_host = _apply(opt, found, overflow, stepped, _fused_divisor(opt, scale, active, clip))
 
     run.boundaries += 1
     if run.schedule is not None:  # the schedule warns once when it is never fed
@@ -75,7 +75,10 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
         options.ema.update(stepped, run.boundaries)
     if active:
         try:  # with per-layer scales, an overflow a unit's own factor caused lowers that unit alone
-            owner.update(found if layers is None else layers.update(*layer_obs, scale), amax, run.loss_finite)
+            if layers is None:
+                owner.update(found, amax, run.loss_finite, clean_on_host=clean_on_host)
+            else:
+                owner.update(layers.update(*layer_obs, scale), amax, run.loss_finite)
         except FloorError as err:
             raise FloorError(f"LossScaleOptimizer step {run.boundaries}: {err}") from None
     run.loss_finite = None
@@ -203,21 +206,24 @@ def _fused_divisor(opt: Any, scale: torch.Tensor, active: bool, clip: torch.Tens
 
 
 def _apply(opt: Any, found: torch.Tensor, overflow: torch.Tensor, stepped: torch.Tensor,
-           fused_divisor: torch.Tensor | None) -> None:
-    """The inner step, skipped where found_inf: in the fused kernel, on the host, or masked."""
+           fused_divisor: torch.Tensor | None) -> bool:
+    """The inner step, skipped where found_inf: in the fused kernel, on the host, or masked. Returns True
+    where the host read found_inf and it was 0 (host skip, a clean step), for the policy's update."""
     mode = opt.skip_mode
     if mode == "masked" and not opt._masked.ready(opt.inner):
         mode = "host"  # the first step creates the optimizer's state: decide it on the host once
     if mode == "host":
-        if not bool(overflow):
-            _decay(opt, None)
-            opt.inner.step()
-        return
+        if bool(overflow):
+            return False
+        _decay(opt, None)
+        opt.inner.step()
+        return True
     _decay(opt, stepped)
     if mode == "masked":
         opt._masked.step(opt.inner, overflow)
     else:
         stages.fused_step_(opt.inner, fused_divisor, found)
+    return False
 
 
 def _decay(opt: Any, stepped: torch.Tensor | None) -> None:

@@ -201,6 +201,21 @@ class DynamicScale(Policy):
                 and self.backoff_divisor is None and self.growth_guard == "result" and self.at_floor == "skip"
                 and self.max_scale == FLOAT32_MAX and self.growth_interval < 2**31 - 1)
 
+    def update_known_clean(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
+        """:meth:`update` for a step its caller has read on the host as clean (found_inf == 0, e.g. the host
+        read that decided to apply the step). torch's rule with the floor then takes four 0-d ops instead of
+        nine: on a clean step the floor rule cannot act (floor_hits returns to 0; growth never lowers the
+        scale), so only torch's kernel runs, on copies. Any other rule: :meth:`update` itself."""
+        if not self._torch_rule:
+            return self.update(state, found_inf)
+        _check_flag(found_inf)
+        if not (found_inf.dtype == torch.float32 and found_inf.dim() == 0 and found_inf.device == state.scale.device):
+            found_inf = torch.zeros_like(state.scale)
+        scale, tracker = state.scale.clone(), state.growth_tracker.clone()
+        torch._amp_update_scale_(scale, tracker, found_inf, self.growth_factor, self.backoff_factor,
+                                 self.growth_interval)
+        return ScaleState(scale, tracker, state.hysteresis_left, torch.zeros_like(state.floor_hits))
+
     def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor, found: torch.Tensor) -> ScaleState:
         """The same rule in eight ops: torch's ``_amp_update_scale_`` on copies, then the floor.
 

@@ -197,8 +197,9 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         if record["stage"] is OptState.READY:
             self.unscale_(optimizer)
         overflow = self._found_inf_sum([record], "GradScaler.step(optimizer)")  # a count: > 0 overflowed
-        value = stages.host_step(optimizer, overflow, *args, **kwargs)  # the one host read, as in torch
+        applied, value = stages.host_step(optimizer, overflow, *args, **kwargs)  # the one host read, as torch
         record["stage"] = OptState.STEPPED
+        record["clean_on_host"] = applied  # the policy's update may skip what only an overflow needs
         return ScalerStep(overflow=overflow, value=value)
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, record: dict, *args: Any, **kwargs: Any) -> ScalerStep:
@@ -242,7 +243,8 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
                 maxima = [a.to(owner.device) for a in self._amax_seen]
                 amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=owner.device)
                 stages.agree_amax_(amax, self.process_group)
-            owner.update(found_inf, amax, self._loss_finite)
+            clean = all(r.get("clean_on_host", False) for r in seen)
+            owner.update(found_inf, amax, self._loss_finite, clean_on_host=clean)
         self._loss_finite = None
         self._reset_records()
 

@@ -201,12 +201,17 @@ class LossScale:
         self._state = dataclasses.replace(self._state, scale=scale.detach().reshape(()).to(self._state.scale))
 
     def update(self, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
-               loss_finite: torch.Tensor | None = None) -> None:
+               loss_finite: torch.Tensor | None = None, *, clean_on_host: bool = False) -> None:
         """Advance the rule by one step (pure tensor ops), then apply the policy's floor rule. ``loss_finite``
-        reaches policies that observe it (``observes_loss_finite``).
+        reaches policies that observe it (``observes_loss_finite``). ``clean_on_host``: the caller has read
+        found_inf on the host and it was 0 (a front end whose step decision was that read); a policy with
+        ``update_known_clean`` (DynamicScale) then skips the ops that only an overflow needs.
 
         Cost: no host read, unless the policy raises at its floor (``at_floor="raise"``: one read)."""
-        if self._policy.observes_loss_finite:
+        known_clean = getattr(self._policy, "update_known_clean", None) if clean_on_host else None
+        if known_clean is not None:
+            self._state = known_clean(self._state, found_inf)
+        elif self._policy.observes_loss_finite:
             self._state = self._policy.update(self._state, found_inf, amax=amax, loss_finite=loss_finite)
         else:
             self._state = self._policy.update(self._state, found_inf, amax=amax)

@@ -227,11 +227,13 @@ def fused_step_(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | Non
         del optimizer.found_inf
 
 
-def host_step(optimizer: torch.optim.Optimizer, overflow: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    """``optimizer.step(*args, **kwargs)`` unless ``overflow``: one host read, as torch's scaler."""
+def host_step(optimizer: torch.optim.Optimizer, overflow: torch.Tensor, *args: Any, **kwargs: Any
+              ) -> tuple[bool, Any]:
+    """``optimizer.step(*args, **kwargs)`` unless ``overflow``: one host read, as torch's scaler. Returns
+    whether the step was applied (the read, for the policy's update) and what the optimizer returned."""
     if bool(overflow):
-        return None
-    return optimizer.step(*args, **kwargs)
+        return False, None
+    return True, optimizer.step(*args, **kwargs)
 
 
 _TAKES_GRAD_SCALER: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
