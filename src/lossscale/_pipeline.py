@@ -13,7 +13,7 @@ host/masked, global-norm clipping      1 read (norm = check) + 1 read+write (uns
 one fused C++ call that writes them back unchanged (``x * 1.0``), faster there than a Python call per
 tensor (:func:`lossscale.overflow.sum_min_numel`); the norm is one ``_foreach_norm`` call (``dot`` per
 large tensor on AVX-512 CPUs or with several torch threads). The fused
-kernel writes the unscaled gradients back when given ``grad_scale`` (torch's kernel; 0.1-0.7 of a read pass
+kernel writes the unscaled gradients back when given ``grad_scale`` (torch's kernel; 0.03-1.0 of a read pass
 on a 2-core AVX2 EPYC, benchmarks/RESULTS.md "kernel unscale floors").
 
 Saturation mode adds one read (``aminmax``) before unscaling; so does a policy that observes amax
