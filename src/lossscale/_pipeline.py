@@ -45,14 +45,15 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
     run.window = None
     checking = active or options.check_when_unscaled
     groups = stages.grouped_gradients(opt.inner, "LossScaleOptimizer.step()")
-    found = torch.zeros((), dtype=torch.float32, device=opt._device)
     scale = owner.scale
+    found, bad = stages.guarded_found(scale, opt._device) if active else (
+        torch.zeros((), dtype=torch.float32, device=opt._device), None)
 
     layers = run.layers if active else None
     underflow = _underflow(groups, options.underflow_stride) if active else None
     if layers is None:
         amax, norm_sq, detected = _measure(opt, groups, found, active, checking)
-        inv = _inverse(opt, scale, found, active, norm_sq is not None)
+        inv = _inverse(opt, scale, bad, active, norm_sq is not None)
     else:  # per-layer scales: each unit unscaled by scale * 2**e[unit] and checked in one pass
         layer_obs, amax, norm_sq = _measure_layers(opt, layers, found, scale)
         inv, detected, layer_scales = torch.ones_like(scale), True, layers.layer_scales(scale)
@@ -61,8 +62,8 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
         grad_norm = norm_sq.sqrt() * inv
         clip = global_clip_coefficient(grad_norm, options.clip_grad_norm)
     coef = inv if clip is None else inv * clip  # None: only the fused kernel unscales (by the scale)
-    _unscale(opt, groups, found, coef, active and layers is None, checking and not detected, clip is not None)
-    found = stages.agree_(found, options.process_group)
+    flag = _unscale(opt, groups, found, coef, active and layers is None, checking and not detected, clip is not None)
+    found = stages.agree_(found, options.process_group, is_flag=flag)
     overflow = found.bool()  # agree_ made it 0.0 or 1.0
     stepped = ~overflow
     _transform_unscaled(opt, groups)
@@ -88,15 +89,15 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
                       layer_scales=None if layers is None else layer_scales)
 
 
-def _inverse(opt: Any, scale: torch.Tensor, found: torch.Tensor, active: bool, clipping: bool
+def _inverse(opt: Any, scale: torch.Tensor, bad: torch.Tensor | None, active: bool, clipping: bool
              ) -> torch.Tensor | None:
-    """1/scale, guarded, where gradients or their norm are multiplied by it (explicit unscaling, clipping);
-    None where only a fused kernel divides by the scale, which is then guarded alone (3 ops, not 5)."""
+    """1/scale (1 where the guard refused the scale) where gradients or their norm are multiplied by it
+    (explicit unscaling, clipping); None where only a fused kernel divides by the scale (found_inf was born
+    with the guard's verdict, so the kernel skips a refused scale)."""
     if not active:
         return torch.ones_like(scale)
     if opt._explicit_unscale or clipping:
-        return stages.inverse_(scale, found)
-    stages.guard_divisor_(scale, found)
+        return stages.inverse_(scale, bad)
     return None
 
 
@@ -163,12 +164,14 @@ def _norm_squared(opt: Any, groups: stages.Groups) -> torch.Tensor:
 
 
 def _unscale(opt: Any, groups: stages.Groups, found: torch.Tensor, coef: torch.Tensor | None, active: bool,
-             check_here: bool, clipping: bool) -> None:
+             check_here: bool, clipping: bool) -> bool:
     """Explicit unscaling (host/masked skip, or a stage that needs written gradients): one read+write pass
-    that multiplies by ``coef`` (1/scale x clip) and, where nothing checked yet, checks too."""
+    that multiplies by ``coef`` (1/scale x clip) and, where nothing checked yet, checks too. Returns True
+    where found_inf is then a 0/1 flag already: born 0/1 from the guard, then set (never added to) by
+    torch's fused unscale-and-check kernel, the only check of the step."""
     opt._run.unscaled_by = None
     if not opt._explicit_unscale:
-        return
+        return False
     for grads in groups.values():
         device_coef = coef.to(grads[0].device)
         if check_here:
@@ -179,6 +182,7 @@ def _unscale(opt: Any, groups: stages.Groups, found: torch.Tensor, coef: torch.T
         elif active or clipping:
             torch._foreach_mul_(grads, device_coef)
     opt._run.unscaled_by = opt._owner.scale if active else None
+    return check_here and active
 
 
 def _transform_unscaled(opt: Any, groups: stages.Groups) -> None:

@@ -129,20 +129,19 @@ class TorchPrivateAttributes:
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """A read-only check of ``optimizer``'s gradients, recorded for it (found_inf per device), for a fused
         optimizer that then divides them by the scale: a scale it must not divide by counts as an overflow
-        (:func:`~lossscale.step.guard_divisor_`). One read pass (``aminmax`` for saturation or amax); no
-        write, no host read."""
+        (:func:`~lossscale.step.guarded_found`, in the first device's flag). One read pass (``aminmax`` for
+        saturation or amax); no write, no host read."""
         record = self._per_optimizer_states[id(optimizer)]
         groups = stages.grouped_gradients(optimizer, "GradScaler.step(optimizer)", required=False)
         found: dict[torch.device, torch.Tensor] = {}
         for (device, dtype), group in groups.items():
-            if device not in found:
-                found[device] = torch.zeros((), dtype=torch.float32, device=device)
+            if device not in found:  # the first flag is born with the scale's verdict
+                found[device] = torch.zeros((), dtype=torch.float32, device=device) if found else \
+                    stages.guarded_found(self._owner.scale, device)[0]
             amax = stages.measure_({(device, dtype): group}, found[device], self.overflow_mode, self._threshold,
                                    amax=self._owner.policy.observes_amax)
             if amax is not None:
                 self._amax_seen.append(amax)
-        if found:
-            stages.guard_divisor_(self._owner.scale, next(iter(found.values())))
         record["found_inf_per_device"] = self._agreed(found)
         return record["found_inf_per_device"]
 

@@ -42,16 +42,18 @@ def active(process_group: Any = None) -> bool:
     return dist.get_world_size(process_group) > 1
 
 
-def reduce_found_inf(found_inf: torch.Tensor, process_group: Any = None) -> torch.Tensor:
+def reduce_found_inf(found_inf: torch.Tensor, process_group: Any = None, *, is_flag: bool = False) -> torch.Tensor:
     """Turn ``found_inf`` (0-d float32, a count of overflows) into the group's 0/1 flag, in place; no host read.
 
     Rule: ``found_inf = max over ranks of min(found_inf, 1)``: 1.0 on every rank as soon as one rank
     overflowed, else 0.0. Exactly 0 or 1 because fused optimizers (``AdamW(fused=True)``) skip only
     where ``found_inf == 1.0``: a count of 2 would apply a step with inf/NaN gradients.
     Cost: one all-reduce of one float under torch.distributed (a collective: every rank of the group
-    must call it); outside it, one 0-d clamp.
+    must call it); outside it, one 0-d clamp. ``is_flag``: the caller knows found_inf is 0 or 1 already (set,
+    never added to, by torch's fused check): no clamp.
     """
-    found_inf.clamp_(max=1.0)
+    if not is_flag:
+        found_inf.clamp_(max=1.0)
     if active(process_group):
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
     return found_inf

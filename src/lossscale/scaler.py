@@ -139,8 +139,8 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() was called after step() for this optimizer; step() already unscaled the "
                                "gradients, so call unscale_() before step(), then update().")
-        found_inf = torch.zeros((), dtype=torch.float32, device=owner.device)
-        inv_scale = stages.inverse_(owner.scale, found_inf)
+        found_inf, refused = stages.guarded_found(owner.scale)
+        inv_scale = stages.inverse_(owner.scale, refused)
         found = self._unscale_grads_(optimizer, inv_scale, found_inf, False)  # starts from the guard's verdict
         record["found_inf_per_device"] = self._agreed(found)
         record["stage"] = OptState.UNSCALED

@@ -196,8 +196,8 @@ class LossScale:
     def follow(self, scale: torch.Tensor) -> None:
         """Take the scale from a tensor the caller keeps as the live scale (MindSpore's ``loss_scale``
         Parameter), before an update. No host read, so not validated here: the cell's caller set that
-        tensor through a validated door, and the pipeline's inverse guard (:func:`lossscale.step.inverse_`)
-        turns a non-finite inverse into an overflow, never into a gradient."""
+        tensor through a validated door, and the pipeline's guard (:func:`lossscale.step.guarded_found`)
+        turns a corrupted scale into an overflow, never into a gradient."""
         self._state = dataclasses.replace(self._state, scale=scale.detach().reshape(()).to(self._state.scale))
 
     def update(self, found_inf: torch.Tensor, amax: torch.Tensor | None = None,

@@ -4,9 +4,9 @@ One optimizer step of loss scaling is::
 
     scale_loss        loss * scale (/ accumulation)                         no pass, no host read
     grouped_gradients the tensors to check and unscale in place, by device  no pass
+    guarded_found     found_inf, born 1 where the scale is corrupted        0-d ops
     measure_          overflow (+ amax) in one read pass, read-only         1 read
-    inverse_          1/scale, guarded: a non-finite inverse is an overflow   0-d ops
-    guard_divisor_    the same guard where a fused kernel divides by the scale  0-d ops
+    inverse_          1/scale (1 where the guard refused the scale)         0-d ops
     unscale_and_check_  (overflow.py) fused multiply + inf/NaN check          1 read + 1 write
     agree_            found_inf (and amax) reduced over ranks               1 all-reduce each
     clip coefficient  (clip.py) min(1, max_norm / (norm + eps))             0-d ops
@@ -38,8 +38,8 @@ __all__ = [
     "scale_loss",
     "grouped_gradients",
     "measure_",
+    "guarded_found",
     "inverse_",
-    "guard_divisor_",
     "agree_",
     "agree_amax_",
     "fused_step_",
@@ -171,40 +171,38 @@ def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, thresh
     return torch.stack(maxima).max() if maxima else torch.zeros((), device=found_inf.device)
 
 
-_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # the smallest positive float32
 _FMAX = float(torch.finfo(torch.float32).max)
+_GUARD_MIN = 2.0**-127  # the smallest scale the guard passes: its float32 inverse, 2**127, is finite
 
 
-def inverse_(scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
-    """``1 / scale`` rounded once to float32; where it is not finite and positive, ``found_inf`` gets 1 and the
-    inverse is 1, so the pipeline never multiplies a gradient by a non-finite inverse. 5 0-d ops, no host read.
-    (Every door validates the scale; this guard is the last line, for a scale corrupted in memory.)
+def guarded_found(scale: torch.Tensor, device: torch.device | str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's found_inf, born with the scale's verdict: 0-d float32 on ``device`` (default the scale's),
+    1 where ``scale`` is not a number in [2**-127, FMAX] (NaN, inf, 0, a negative: a scale corrupted in
+    memory; every door validates it, down to 2**-126), else 0; and that verdict as a 0-d bool for
+    :func:`inverse_`. Every scaled step's flag starts here, so a fused kernel handed such a scale skips
+    instead of dividing by it, and no gradient is multiplied by its inverse. 3 0-d ops, no host read."""
+    bad = scale.clamp(min=_GUARD_MIN, max=_FMAX) != scale  # True for NaN too
+    return bad.to(device=scale.device if device is None else device, dtype=torch.float32), bad
+
+
+def inverse_(scale: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` rounded once to float32, and 1 where ``bad`` (:func:`guarded_found`'s verdict, already
+    an overflow), so the pipeline never multiplies a gradient by the inverse of a scale it refused: every
+    scale it passes has a finite, positive inverse. 2 0-d ops, no host read.
 
     The float32 reciprocal is IEEE division, correctly rounded: the same bits as torch's
     ``scale.double().reciprocal().float()`` (rounding twice is harmless for a quotient when the wider format
     has at least 2p+2 bits: 53 >= 50), in one op instead of three."""
     inv = scale.reciprocal() if scale.dtype == torch.float32 else scale.double().reciprocal().float()
-    bad = inv.clamp(min=_TINY, max=_FMAX) != inv  # True for NaN, inf, 0 and negatives: 2 ops, not 4
-    found_inf.add_(bad if bad.device == found_inf.device else bad.to(found_inf.device))
-    return torch.where(bad, one(inv.device), inv)
+    return torch.where(bad if bad.device == inv.device else bad.to(inv.device), one(inv.device), inv)
 
 
-_MIN_DIVISOR = 1.0 / _FMAX  # the smallest divisor whose inverse is finite
-
-
-def guard_divisor_(divisor: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
-    """Add 1 to ``found_inf`` where ``divisor`` (what a fused kernel divides the gradients by: the scale, or
-    scale / clip) is not finite and positive with a finite inverse, so that the kernel, which skips on
-    found_inf, never divides by NaN, 0, a negative or inf. The same range as :func:`inverse_`'s, for the path
-    that never forms the inverse. 3 0-d ops, no host read."""
-    bad = divisor.clamp(min=_MIN_DIVISOR, max=_FMAX) != divisor  # True for NaN too
-    return found_inf.add_(bad if bad.device == found_inf.device else bad.to(found_inf.device))
-
-
-def agree_(found_inf: torch.Tensor, process_group: Any = None) -> torch.Tensor:
+def agree_(found_inf: torch.Tensor, process_group: Any = None, *, is_flag: bool = False) -> torch.Tensor:
     """found_inf as the group's 0/1 flag (see :func:`lossscale.distributed.reduce_found_inf`). One all-reduce
-    under torch.distributed, else a 0-d clamp; no host read."""
-    return _dist.reduce_found_inf(found_inf, process_group)
+    under torch.distributed, else a 0-d clamp (none when the caller knows it is a 0/1 flag already:
+    ``is_flag``); no host read."""
+    return _dist.reduce_found_inf(found_inf, process_group, is_flag=is_flag)
 
 
 def agree_amax_(amax: torch.Tensor, process_group: Any = None) -> torch.Tensor:
