@@ -135,9 +135,10 @@ class TorchPrivateAttributes:
         groups = stages.grouped_gradients(optimizer, "GradScaler.step(optimizer)", required=False)
         found: dict[torch.device, torch.Tensor] = {}
         for (device, dtype), group in groups.items():
-            if device not in found:  # the first flag is born with the scale's verdict
-                found[device] = torch.zeros((), dtype=torch.float32, device=device) if found else \
-                    stages.guarded_found(self._owner.scale, device)[0]
+            if not found:  # the first flag is born with the scale's verdict
+                found[device] = stages.guarded_found(self._owner.scale, device)[0]
+            elif device not in found:
+                found[device] = torch.zeros((), dtype=torch.float32, device=device)
             amax = stages.measure_({(device, dtype): group}, found[device], self.overflow_mode, self._threshold,
                                    amax=self._owner.policy.observes_amax)
             if amax is not None:

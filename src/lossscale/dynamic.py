@@ -147,7 +147,7 @@ class DynamicScale(Policy):
         """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
         if self._torch_rule:
             _check_flag(found_inf)
-            if found_inf.dtype == torch.float32 and found_inf.dim() == 0 and found_inf.device == state.scale.device:
+            if _is_kernel_flag(found_inf, state):
                 return self._update_torch_rule(state, found_inf.bool(), found_inf)  # the flag as it came: 1 op
             bad = _as_flag(found_inf, state.scale.device)
             return self._update_torch_rule(state, bad, bad.float())
@@ -209,12 +209,16 @@ class DynamicScale(Policy):
         if not self._torch_rule:
             return self.update(state, found_inf)
         _check_flag(found_inf)
-        if not (found_inf.dtype == torch.float32 and found_inf.dim() == 0 and found_inf.device == state.scale.device):
-            found_inf = torch.zeros_like(state.scale)
-        scale, tracker = state.scale.clone(), state.growth_tracker.clone()
-        torch._amp_update_scale_(scale, tracker, found_inf, self.growth_factor, self.backoff_factor,
-                                 self.growth_interval)
+        scale, tracker = self._torch_kernel(state, found_inf if _is_kernel_flag(found_inf, state)
+                                            else torch.zeros_like(state.scale))
         return ScaleState(scale, tracker, state.hysteresis_left, torch.zeros_like(state.floor_hits))
+
+    def _torch_kernel(self, state: ScaleState, found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's ``_amp_update_scale_`` on copies of the scale and the tracker (3 ops); ``found`` is the
+        float32 flag it takes."""
+        scale, tracker = state.scale.clone(), state.growth_tracker.clone()
+        torch._amp_update_scale_(scale, tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval)
+        return scale, tracker
 
     def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor, found: torch.Tensor) -> ScaleState:
         """The same rule in eight ops: torch's ``_amp_update_scale_`` on copies, then the floor.
@@ -222,8 +226,7 @@ class DynamicScale(Policy):
         ``found`` is the float32 flag torch's kernel takes (``found_inf`` itself when it is one). floor_hits:
         ``(hits + at_floor) * bad``, saturated: +1 on an overflow at the floor, kept on one above it, 0 when
         clean (the general rule's three cases, in three ops instead of six)."""
-        scale, tracker = state.scale.clone(), state.growth_tracker.clone()
-        torch._amp_update_scale_(scale, tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval)
+        scale, tracker = self._torch_kernel(state, found)
         floor_hits = (state.floor_hits + (state.scale <= self.min_scale)).mul_(bad).clamp_max_(_SATURATE)
         return ScaleState(scale.clamp_min_(self.min_scale), tracker, state.hysteresis_left, floor_hits)
 
@@ -251,3 +254,7 @@ class DynamicScale(Policy):
             )
 
 
+def _is_kernel_flag(found_inf: torch.Tensor, state: ScaleState) -> bool:
+    """Whether ``found_inf`` is the flag torch's update kernel takes as it is: 0-d float32 on the scale's
+    device."""
+    return found_inf.dtype == torch.float32 and found_inf.dim() == 0 and found_inf.device == state.scale.device
