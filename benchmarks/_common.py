@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -41,24 +42,48 @@ def machine() -> dict:
     }
 
 
-def alternate(contenders: dict[str, Callable[[], None]], rounds: int, setup: Callable[[str], None] | None = None,
-              sync: Callable[[], None] = lambda: None, stat: str = "median") -> dict[str, float]:
-    """Seconds per call of each contender, run in turn in every round (same process, same tensors): the
-    median over rounds, or with ``stat="min"`` the fastest round (robust on a machine shared with other
-    work, where slow rounds measure the neighbours)."""
-    times: dict[str, list[float]] = {name: [] for name in contenders}
+def alternate_samples(contenders: dict[str, Callable[[], None]], rounds: int,
+                      setup: Callable[[str], None] | None = None,
+                      sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Seconds of every call, per contender: each round runs every contender once (same process, same
+    tensors), starting one place later each round, so no contender always follows the same neighbour; the
+    first round warms up and is dropped. ``samples[name][r]`` of two contenders come from the same round."""
+    names = list(contenders)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds + 1):
-        for name, fn in contenders.items():
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
             if setup is not None:
                 setup(name)
             sync()
             start = time.perf_counter()
-            fn()
+            contenders[name]()
             sync()
-            if r:  # the first round warms up
+            if r:
                 times[name].append(time.perf_counter() - start)
+    return times
+
+
+def alternate(contenders: dict[str, Callable[[], None]], rounds: int, setup: Callable[[str], None] | None = None,
+              sync: Callable[[], None] = lambda: None, stat: str = "median") -> dict[str, float]:
+    """Seconds per call of each contender (:func:`alternate_samples`): the median over rounds, or with
+    ``stat="min"`` the fastest round (robust on a machine shared with other work, where slow rounds measure
+    the neighbours)."""
     pick = min if stat == "min" else statistics.median
-    return {name: pick(ts) for name, ts in times.items()}
+    return {name: pick(ts) for name, ts in alternate_samples(contenders, rounds, setup, sync).items()}
+
+
+def paired_ratio(times: dict[str, list[float]], name: str, reference: str) -> tuple[float, float, float]:
+    """(median, low, high) of ``name``'s time over ``reference``'s, round by round: each ratio compares two
+    calls made moments apart, so a machine whose speed drifts over the run (a shared VM: up to 2x within the
+    hour) moves both alike. (low, high) is a distribution-free 95% confidence interval for the median ratio:
+    the order statistics at ranks n/2 -+ 0.98 sqrt(n) (the sign test's normal approximation; at least 25
+    rounds for the interval to mean much)."""
+    ratios = sorted(a / b for a, b in zip(times[name], times[reference]))
+    n, spread = len(ratios), 0.98 * math.sqrt(len(ratios))
+    low = max(0, math.floor(n / 2 - spread) - 1)  # 0-based ranks of the sign test's interval
+    high = min(n - 1, math.ceil(n / 2 + spread))
+    return statistics.median(ratios), ratios[low], ratios[high]
 
 
 def grad_restorer(params: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable[[str], None]:

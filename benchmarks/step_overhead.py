@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternate, emit, grad_restorer, machine, table  # noqa: E402
+from _common import alternate_samples, emit, grad_restorer, machine, paired_ratio, table  # noqa: E402
 from _passes import count_passes, passes_text  # noqa: E402
 
 from lossscale import FixedScale, GradScaler, LossScaleOptimizer  # noqa: E402
@@ -122,8 +123,11 @@ def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int) -> 
     fns = contenders(params, opt_name, clip)
     skip_mode = fns.pop("_skip_mode")
     fns.update(_floors([p.grad for p in params]))
-    t = alternate(fns, rounds, setup=restore, stat=STAT)
+    samples = alternate_samples(fns, rounds, setup=restore)
+    pick = min if STAT == "min" else statistics.median
+    t = {name: pick(times) for name, times in samples.items()}
     floor = min(t["floor sum"], t["floor norm"])
+    floors = _round_floors(samples)
     n = sum(p.numel() for p in params)
     counts = {}
     for name in ("bare", "torch", "LSO", "GS"):
@@ -136,21 +140,35 @@ def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int) -> 
         row[f"{name} passes"] = passes_text(counts[name], n, counts["bare"])
         row[f"{name} ops"] = counts[name].calls - counts["bare"].calls
         row[f"{name} ms"] = t[name] * 1e3
-        row[f"{name} floors"] = (t[name] - t["bare"]) / floor
-    kernel = t.get("kernel")
-    row["kernel unscale floors"] = (kernel - t["bare"]) / floor if kernel is not None else "-"
-    row["LSO floors net"] = (t["LSO"] - kernel) / floor if kernel is not None else "-"
+        row[f"{name} floors"] = floors(lambda r: samples[name][r] - samples["bare"][r])
+    kernel = samples.get("kernel")
+    row["kernel unscale floors"] = floors(lambda r: kernel[r] - samples["bare"][r]) if kernel else "-"
+    row["LSO floors net"] = floors(lambda r: samples["LSO"][r] - kernel[r]) if kernel else "-"
     over_torch = t["torch"] - t["bare"]
     for name in ("LSO", "GS"):
-        row[f"{name} total"] = t[name] / t["torch"]
+        ratio, low, high = paired_ratio(samples, name, "torch")
+        row[f"{name} total"] = ratio
+        row[f"{name} total 95% CI"] = f"{low:.3f}-{high:.3f}"
         row[f"{name} overhead"] = (t[name] - t["bare"]) / over_torch if over_torch > 0 else float("nan")
     return row
 
 
+def _round_floors(samples: dict[str, list[float]]):
+    """A function of ``extra(r)`` (seconds in round r): the median over rounds of ``extra(r)`` / that round's
+    floor (the faster of its two read passes), each time against a floor measured moments apart."""
+    rounds = range(len(samples["bare"]))
+    floor = [min(samples["floor sum"][r], samples["floor norm"][r]) for r in rounds]
+
+    def in_floors(extra) -> float:
+        return statistics.median(extra(r) / floor[r] for r in rounds)
+    return in_floors
+
+
 COLUMNS = ["params", "layout", "optimizer", "clip", "floor ms", "bare ms", "torch passes", "torch ops", "torch ms",
-           "torch floors", "kernel unscale floors", "LSO passes", "LSO ops", "LSO ms", "LSO total", "LSO overhead",
+           "torch floors", "kernel unscale floors", "LSO passes", "LSO ops", "LSO ms", "LSO total", "LSO total 95% CI",
+           "LSO overhead",
            "LSO floors", "LSO floors net", "GS passes",
-           "GS ops", "GS ms", "GS total", "GS overhead", "GS floors"]
+           "GS ops", "GS ms", "GS total", "GS total 95% CI", "GS overhead", "GS floors"]
 
 
 MORE_ROUNDS_BELOW = 20 * 10**6
@@ -206,9 +224,13 @@ def main(argv: list[str] | None = None) -> dict:
     md = (f"Times in ms, {STAT}s over {2 if args.tiny else args.rounds} alternating rounds ({MORE_ROUNDS_BELOW // 10**6}M "
           f"parameters and more; smaller rows get proportionally more, up to {MAX_ROUND_FACTOR}x: 1M rows take a "
           "few ms a step and their fixed cost is what they measure). "
-          "*total* = time / torch's; *overhead* = (time - bare) / "
-          "(torch - bare); *floors* = (time - bare) / floor, where the floor is the faster of one per-tensor "
-          "sum and one `_foreach_norm` over the gradients. *kernel unscale floors* (fused optimizers): the bare "
+          "Contenders run in turn in every round, starting one place later each round. *total* = the median "
+          "over rounds of time / torch's time in the same round (calls moments apart, so the VM's drift moves "
+          "both alike), with its 95% confidence interval (sign test): a row is above torch's where the whole "
+          "interval is above 1; *overhead* = (time - bare) / "
+          "(torch - bare); *floors* = (time - bare) / floor, per round and "
+          "then the median, where the floor is the faster of one per-tensor sum and one `_foreach_norm` over the "
+          "gradients in that round; *floor ms* its median. *kernel unscale floors* (fused optimizers): the bare "
           "step handed `grad_scale` = 1, less the bare step, in floors: torch's fused CPU kernel divides every "
           "gradient and stores it back, a write no scaler that unscales in the kernel avoids; *LSO floors net* "
           "= LSO's floors less that. Passes beyond the bare step, counted by a dispatch "

@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from lossscale import EMA, DynamicScale, FixedScale, FloorError, HostReadCounter, LossScaleOptimizer, StepResult
+from lossscale import (EMA, DynamicScale, FixedScale, FloorError, HostReadCounter, LossScaleOptimizer, PredictiveScale,
+                       StepResult)
 
 INJECT = {2, 5, 6, 11, 17}
 
@@ -277,6 +278,36 @@ def test_saturation_mode_skips_saturated_scaled_gradients():
         opt.backward(loss_fn(model, *data[0]))
         model[2].bias.grad[1] = 65504.0
         assert bool(opt.step().found_inf) is skipped
+
+
+@pytest.mark.parametrize("observes_amax", [False, True])
+def test_every_check_of_a_step_that_overflows_twice_hands_the_fused_kernel_exactly_one(observes_amax):
+    # saturation (aminmax), the clip norm and an amax-observing policy each check the same step; were any of
+    # them to add to found_inf instead of setting it, the kernel would get 2.0 and apply the step (it skips
+    # only where found_inf == 1.0), writing NaN into the weights and Adam's moments
+    model, data = model_and_data()
+    policy = PredictiveScale() if observes_amax else FixedScale(2.0**4)
+    opt = LossScaleOptimizer(FUSED_ADAMW(model.parameters()), policy=policy, overflow_mode="saturation",
+                             clip_grad_norm=1.0)
+    for batch, bad in [(0, None), (1, float("nan")), (2, float("inf"))]:
+        opt.zero_grad()
+        opt.backward(loss_fn(model, *data[batch]))
+        before = [p.detach().clone() for p in model.parameters()]
+        if bad is not None:
+            model[2].bias.grad[0] = bad
+            model[0].weight.grad[0, 0] = bad
+        handed = []
+        kernel_step = opt.inner.step
+        opt.inner.step = lambda *a, **k: (handed.append(float(opt.inner.found_inf)), kernel_step(*a, **k))[1]
+        r = opt.step()
+        opt.inner.step = kernel_step
+        assert handed == [0.0 if bad is None else 1.0]
+        assert bool(r.found_inf) is (bad is not None)
+        if bad is not None:
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        states = [t for st in opt.inner.state.values() for t in st.values() if torch.is_tensor(t)]
+        assert all(torch.isfinite(t).all() for t in states) and all(torch.isfinite(p).all()
+                                                                     for p in model.parameters())
 
 
 def test_step_result_is_frozen_and_readable():

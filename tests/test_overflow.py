@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lossscale import HostReadCounter
-from lossscale.overflow import check_, overflowing, saturation_threshold, sum_min_numel, unscale_and_check_
+from lossscale.overflow import (check_, check_with_amax_, overflowing, saturation_threshold, sum_min_numel,
+                                unscale_and_check_)
 
 
 def grads(dtype=torch.float32):
@@ -115,6 +116,22 @@ def test_both_read_paths_catch_every_non_finite_and_write_nothing(flag_dtype, ba
             check_(gs, f, "inf_nan")
             assert bool(f), (t, i)
             assert all(torch.equal(a, b) or (a.isnan() == b.isnan()).all() for a, b in zip(gs, before))
+
+
+@pytest.mark.parametrize("mode", ["inf_nan", "saturation"])
+@pytest.mark.parametrize("check", [check_, check_with_amax_], ids=["check_", "check_with_amax_"])
+def test_every_check_sets_the_flag_to_one_and_never_adds(check, mode):
+    # a step's flag is born 0 or 1 (the scale guard) and is handed to fused kernels as it is: they skip only
+    # where it is exactly 1.0, so a check that added to a raised flag would let the step through
+    for start in (0.0, 1.0):
+        gs = _straddling()
+        gs[0][0], gs[3][-1] = float("nan"), float("inf")  # both read paths hit
+        f = torch.full((), start)
+        check(gs, f, mode)
+        assert float(f) == 1.0, start
+        f = torch.full((), start)
+        check(_straddling(), f, mode)
+        assert float(f) == start
 
 
 def test_a_raised_flag_stays_raised_and_opposite_infinities_are_caught():

@@ -46,14 +46,14 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
     checking = active or options.check_when_unscaled
     groups = stages.grouped_gradients(opt.inner, "LossScaleOptimizer.step()")
     scale = owner.scale
-    found, bad = stages.guarded_found(scale, opt._device) if active else (
-        torch.zeros((), dtype=torch.float32, device=opt._device), None)
+    found = stages.guarded_found(scale, opt._device) if active else torch.zeros(
+        (), dtype=torch.float32, device=opt._device)
 
     layers = run.layers if active else None
     underflow = _underflow(groups, options.underflow_stride) if active else None
     if layers is None:
+        inv = _inverse(opt, scale, found, active)  # before any check sets found: the guard's verdict alone
         amax, norm_sq, detected = _measure(opt, groups, found, active, checking)
-        inv = _inverse(opt, scale, bad, active, norm_sq is not None)
     else:  # per-layer scales: each unit unscaled by scale * 2**e[unit] and checked in one pass
         layer_obs, amax, norm_sq = _measure_layers(opt, layers, found, scale)
         inv, detected, layer_scales = torch.ones_like(scale), True, layers.layer_scales(scale)
@@ -62,9 +62,9 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
         grad_norm = norm_sq.sqrt() * inv
         clip = global_clip_coefficient(grad_norm, options.clip_grad_norm)
     coef = inv if clip is None else inv * clip  # None: only the fused kernel unscales (by the scale)
-    flag = _unscale(opt, groups, found, coef, active and layers is None, checking and not detected, clip is not None)
-    found = stages.agree_(found, options.process_group, is_flag=flag)
-    overflow = found.bool()  # agree_ made it 0.0 or 1.0
+    _unscale(opt, groups, found, coef, active and layers is None, checking and not detected, clip is not None)
+    found = stages.agree_(found, options.process_group, is_flag=True)  # born 0/1, only ever set to 1
+    overflow = found.bool()
     stepped = ~overflow
     _transform_unscaled(opt, groups)
     clean_on_host = _apply(opt, found, overflow, stepped, _fused_divisor(opt, scale, active, clip))
@@ -89,15 +89,14 @@ def run_boundary(opt: Any, loss: Any) -> StepResult:
                       layer_scales=None if layers is None else layer_scales)
 
 
-def _inverse(opt: Any, scale: torch.Tensor, bad: torch.Tensor | None, active: bool, clipping: bool
-             ) -> torch.Tensor | None:
-    """1/scale (1 where the guard refused the scale) where gradients or their norm are multiplied by it
-    (explicit unscaling, clipping); None where only a fused kernel divides by the scale (found_inf was born
-    with the guard's verdict, so the kernel skips a refused scale)."""
+def _inverse(opt: Any, scale: torch.Tensor, found: torch.Tensor, active: bool) -> torch.Tensor | None:
+    """1/scale (1 where the guard refused the scale: ``found`` as the guard made it) where gradients or
+    their norm are multiplied by it (explicit unscaling, clipping); None where only a fused kernel divides by
+    the scale (found_inf was born with the guard's verdict, so the kernel skips a refused scale)."""
     if not active:
         return torch.ones_like(scale)
-    if opt._explicit_unscale or clipping:
-        return stages.inverse_(scale, bad)
+    if opt._explicit_unscale or opt.options.clip_grad_norm is not None:
+        return stages.inverse_(scale, found)
     return None
 
 
@@ -109,12 +108,12 @@ def _measure_layers(opt: Any, layers: Any, found: torch.Tensor, scale: torch.Ten
     found_u, amax_u = layers.unscale_(scale)
     observed = stages.agree_amax_(torch.stack([found_u.float(), amax_u.float()]), options.process_group)
     found_u, amax_u = observed[0] > 0, observed[1]
-    found.add_(found_u.any().to(found.dtype).to(found.device))
+    found.logical_or_(found_u.any().to(found.device))
     norm_sq = None
     if options.clip_grad_norm is not None:
         raw = [p.grad for g in opt.inner.param_groups for p in g["params"] if p.grad is not None]
         norm_sq = global_norm_squared(raw, options.process_group, options.sharded_grads, opt._device)
-        found.add_(~(norm_sq < math.inf))  # inf or NaN (never negative): 2 ops; isfinite is 5
+        found.logical_or_(~(norm_sq < math.inf))  # inf or NaN (never negative): 2 ops; isfinite is 5
     return (found_u, amax_u), amax_u.max().to(scale.device), norm_sq
 
 
@@ -144,7 +143,7 @@ def _measure(opt: Any, groups: stages.Groups, found: torch.Tensor, active: bool,
     if options.clip_grad_norm is not None:
         norm_sq = _norm_squared(opt, groups)
         if checking:
-            found.add_(~(norm_sq < math.inf))  # inf or NaN (never negative): 2 ops; isfinite is 5
+            found.logical_or_(~(norm_sq < math.inf))  # inf or NaN (never negative): 2 ops; isfinite is 5
     detected = norm_sq is not None or (options.overflow_mode == "saturation" and active) or observes
     if checking and not detected and not opt._explicit_unscale:
         stages.measure_(groups, found, "inf_nan", options.threshold, amax=False)
@@ -164,14 +163,13 @@ def _norm_squared(opt: Any, groups: stages.Groups) -> torch.Tensor:
 
 
 def _unscale(opt: Any, groups: stages.Groups, found: torch.Tensor, coef: torch.Tensor | None, active: bool,
-             check_here: bool, clipping: bool) -> bool:
+             check_here: bool, clipping: bool) -> None:
     """Explicit unscaling (host/masked skip, or a stage that needs written gradients): one read+write pass
-    that multiplies by ``coef`` (1/scale x clip) and, where nothing checked yet, checks too. Returns True
-    where found_inf is then a 0/1 flag already: born 0/1 from the guard, then set (never added to) by
-    torch's fused unscale-and-check kernel, the only check of the step."""
+    that multiplies by ``coef`` (1/scale x clip) and, where nothing checked yet, checks too (setting
+    found_inf to 1.0 on an overflow, as every check does)."""
     opt._run.unscaled_by = None
     if not opt._explicit_unscale:
-        return False
+        return
     for grads in groups.values():
         device_coef = coef.to(grads[0].device)
         if check_here:
@@ -182,7 +180,6 @@ def _unscale(opt: Any, groups: stages.Groups, found: torch.Tensor, coef: torch.T
         elif active or clipping:
             torch._foreach_mul_(grads, device_coef)
     opt._run.unscaled_by = opt._owner.scale if active else None
-    return check_here and active
 
 
 def _transform_unscaled(opt: Any, groups: stages.Groups) -> None:

@@ -122,9 +122,7 @@ class TorchPrivateAttributes:
                 self._amax_seen.append(check_with_amax_(group, found[device], self.overflow_mode, self._threshold))
             inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
             unscale_and_check_(group, found[device], inv, self.overflow_mode, self._threshold)
-        if self.overflow_mode == "inf_nan" and not self._owner.policy.observes_amax:
-            return found  # torch's kernel sets 1.0 (never adds): found_inf's copy, or 1.0, as torch returns
-        return {device: flag.clamp_(max=1.0) for device, flag in found.items()}  # our read-only checks add: 0/1
+        return found  # torch's kernel and our checks set 1.0, never add: found_inf's copy, or 1.0, as torch's
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """A read-only check of ``optimizer``'s gradients, recorded for it (found_inf per device), for a fused
@@ -136,7 +134,7 @@ class TorchPrivateAttributes:
         found: dict[torch.device, torch.Tensor] = {}
         for (device, dtype), group in groups.items():
             if not found:  # the first flag is born with the scale's verdict
-                found[device] = stages.guarded_found(self._owner.scale, device)[0]
+                found[device] = stages.guarded_found(self._owner.scale, device)
             elif device not in found:
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
             amax = stages.measure_({(device, dtype): group}, found[device], self.overflow_mode, self._threshold,

@@ -6,8 +6,9 @@ clamped to +-65504 instead of becoming inf, a *scaled* gradient whose magnitude 
 format's largest finite value (``torch.finfo(dtype).max``) counts as an overflow too, as does any
 non-finite value. Saturation is judged on the scaled gradients, before unscaling.
 
-Every function here accumulates into a caller-owned ``found_inf`` (a 0-d float32 tensor on the
-gradients' device, > 0 means overflow) and never reads it on the host. Attribution (which
+Every function here sets a caller-owned ``found_inf`` (a 0-d float32 tensor on the gradients' device) to
+1.0 on an overflow and never lowers it, so a flag that starts at 0 or 1 stays a 0/1 flag (what fused
+optimizers take: they skip only where it is exactly 1.0); none reads it on the host. Attribution (which
 parameters overflowed) is separate and computed only when asked.
 """
 
@@ -106,7 +107,7 @@ def check_with_amax_(
         bad = _outside(lo, hi, threshold)
     else:
         bad = ~(torch.isfinite(lo).all() & torch.isfinite(hi).all())
-    found_inf.add_(bad.to(found_inf.dtype))
+    found_inf.logical_or_(bad)
     return torch.maximum(hi.max(), -lo.min())
 
 
@@ -131,7 +132,7 @@ def one(device: torch.device) -> torch.Tensor:
 
 
 def _non_finite_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Make ``found_inf`` (0-d float32 on the gradients' device) > 0 where some value is inf or NaN.
+    """Make ``found_inf`` (0-d float32 on the gradients' device) 1.0 where some value is inf or NaN.
 
     One read pass: a float32 ``sum`` per tensor of at least :func:`sum_min_numel` elements (read-only;
     non-finite when an input value is, and for finite values only past 3.4e38 in total, a mean magnitude
@@ -148,7 +149,7 @@ def _non_finite_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None
         torch._amp_foreach_non_finite_check_and_unscale_(small, found_inf, one(found_inf.device))
     if large:
         sums = torch.stack([g.sum(dtype=torch.float32) for g in large])
-        found_inf.add_((sums - sums).ne_(0).any())
+        found_inf.logical_or_((sums - sums).ne_(0).any())
 
 
 def check_(
@@ -157,8 +158,8 @@ def check_(
     mode: OverflowMode = "inf_nan",
     threshold: float = 65504.0,
 ) -> torch.Tensor:
-    """Make ``found_inf`` > 0 if ``grads`` (one device and dtype) overflowed: it gets 1 added, or is set to
-    1.0 where torch's fused check finds the overflow; it never goes back to 0. Read-only, one pass.
+    """Set ``found_inf`` to 1.0 if ``grads`` (one device and dtype) overflowed; it never goes back to 0.
+    Read-only, one pass.
 
     Cost: one read of every gradient; no write, no host read.
     """
@@ -174,7 +175,7 @@ def check_(
         _non_finite_(grads, flag)
     if flag.device != found_inf.device or flag.dtype not in (torch.bool, found_inf.dtype):
         flag = flag.to(device=found_inf.device, dtype=found_inf.dtype)
-    return found_inf.add_(flag)
+    return found_inf.logical_or_(flag)
 
 
 def unscale_and_check_(

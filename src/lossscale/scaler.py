@@ -139,8 +139,8 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() was called after step() for this optimizer; step() already unscaled the "
                                "gradients, so call unscale_() before step(), then update().")
-        found_inf, refused = stages.guarded_found(owner.scale)
-        inv_scale = stages.inverse_(owner.scale, refused)
+        found_inf = stages.guarded_found(owner.scale)
+        inv_scale = stages.inverse_(owner.scale, found_inf)
         found = self._unscale_grads_(optimizer, inv_scale, found_inf, False)  # starts from the guard's verdict
         record["found_inf_per_device"] = self._agreed(found)
         record["stage"] = OptState.UNSCALED
@@ -219,10 +219,9 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         else:
             grad_scale = None  # unscale_() already divided the gradients
         found_inf = self._found_inf_total([record], "GradScaler.step(optimizer)")
-        overflow = found_inf.bool()  # 0.0 or 1.0; read before the optimizer, which gets found_inf itself
         value = stages.fused_step_(optimizer, grad_scale, found_inf, *args, **kwargs)
         record["stage"] = OptState.STEPPED
-        return ScalerStep(overflow=overflow, value=value)
+        return ScalerStep(overflow=found_inf, value=value)  # the kernel reads found_inf, never writes it
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Advance the policy with this iteration's overflow, or set ``new_scale`` (validated; one host read

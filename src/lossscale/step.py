@@ -175,27 +175,29 @@ _FMAX = float(torch.finfo(torch.float32).max)
 _GUARD_MIN = 2.0**-127  # the smallest scale the guard passes: its float32 inverse, 2**127, is finite
 
 
-def guarded_found(scale: torch.Tensor, device: torch.device | str | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def guarded_found(scale: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """A step's found_inf, born with the scale's verdict: 0-d float32 on ``device`` (default the scale's),
     1 where ``scale`` is not a number in [2**-127, FMAX] (NaN, inf, 0, a negative: a scale corrupted in
-    memory; every door validates it, down to 2**-126), else 0; and that verdict as a 0-d bool for
-    :func:`inverse_`. Every scaled step's flag starts here, so a fused kernel handed such a scale skips
-    instead of dividing by it, and no gradient is multiplied by its inverse. 3 0-d ops, no host read."""
-    bad = scale.clamp(min=_GUARD_MIN, max=_FMAX) != scale  # True for NaN too
-    return bad.to(device=scale.device if device is None else device, dtype=torch.float32), bad
+    memory; every door validates it, down to 2**-126), else 0. Every scaled step's flag starts here, so a
+    fused kernel handed such a scale skips instead of dividing by it, and :func:`inverse_`, which reads
+    the verdict, never forms the inverse of such a scale. 2 0-d ops (the clamp's copy compared in place
+    with the scale: NaN differs from itself), no host read."""
+    found = scale.clamp(min=_GUARD_MIN, max=_FMAX).ne_(scale)
+    if found.dtype != torch.float32 or (device is not None and found.device != torch.device(device)):
+        found = found.to(device=found.device if device is None else device, dtype=torch.float32)
+    return found
 
 
-def inverse_(scale: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    """``1 / scale`` rounded once to float32, and 1 where ``bad`` (:func:`guarded_found`'s verdict, already
-    an overflow), so the pipeline never multiplies a gradient by the inverse of a scale it refused: every
-    scale it passes has a finite, positive inverse. 2 0-d ops, no host read.
+def inverse_(scale: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` rounded once to float32, and 1 where :func:`guarded_found` refused the scale (``found``
+    is its flag, read before any check sets it), so the pipeline never multiplies a gradient by the inverse
+    of a scale it refused: every scale it passes has a finite, positive inverse. 3 0-d ops, no host read.
 
     The float32 reciprocal is IEEE division, correctly rounded: the same bits as torch's
     ``scale.double().reciprocal().float()`` (rounding twice is harmless for a quotient when the wider format
     has at least 2p+2 bits: 53 >= 50), in one op instead of three."""
     inv = scale.reciprocal() if scale.dtype == torch.float32 else scale.double().reciprocal().float()
-    return torch.where(bad if bad.device == inv.device else bad.to(inv.device), one(inv.device), inv)
+    return torch.where(found.to(device=inv.device, dtype=torch.bool), one(inv.device), inv)
 
 
 def agree_(found_inf: torch.Tensor, process_group: Any = None, *, is_flag: bool = False) -> torch.Tensor:
