@@ -96,7 +96,24 @@ def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> d
            "GS": pipeline(ours_gs, gs_opt), "_skip_mode": lso.skip_mode}
     if getattr(bare_opt, "_step_supports_amp_scaling", False):
         fns["kernel"] = _kernel_unscaling(make(params))
+    else:
+        fns.update(_pipelines_alone(params, make, clip, pipeline))
     return fns
+
+
+def _pipelines_alone(params: list[torch.nn.Parameter], make, clip: bool, pipeline) -> dict:
+    """torch's scaler and LossScaleOptimizer around an optimizer whose ``step()`` does nothing: the scaler's
+    own passes and ops, timed without the optimizer step beside them (whose jitter, at 100M with foreach
+    Adam about a floor per call here, would swamp a difference of two whole steps). Non-fused optimizers
+    only: a fused kernel unscales inside the step."""
+    def idle(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        opt.step = lambda *args, **kwargs: None
+        return opt
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10**9)
+    scaler.scale(torch.ones(()))
+    lso = LossScaleOptimizer(idle(make(params)), policy=FixedScale(SCALE), clip_grad_norm=1.0 if clip else None)
+    return {"torch alone": pipeline(scaler, idle(make(params))), "LSO alone": lso.step}
 
 
 def _kernel_unscaling(opt: torch.optim.Optimizer):
@@ -141,6 +158,9 @@ def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int) -> 
         row[f"{name} ops"] = counts[name].calls - counts["bare"].calls
         row[f"{name} ms"] = t[name] * 1e3
         row[f"{name} floors"] = floors(lambda r: samples[name][r] - samples["bare"][r])
+    for name in ("torch", "LSO"):
+        row[f"{name} alone floors"] = floors(lambda r: samples[f"{name} alone"][r]) if f"{name} alone" in samples \
+            else "-"
     kernel = samples.get("kernel")
     row["kernel unscale floors"] = floors(lambda r: kernel[r] - samples["bare"][r]) if kernel else "-"
     row["LSO floors net"] = floors(lambda r: samples["LSO"][r] - kernel[r]) if kernel else "-"
@@ -166,7 +186,7 @@ def _round_floors(samples: dict[str, list[float]]):
 
 COLUMNS = ["params", "layout", "optimizer", "clip", "floor ms", "bare ms", "torch passes", "torch ops", "torch ms",
            "torch floors", "kernel unscale floors", "LSO passes", "LSO ops", "LSO ms", "LSO total", "LSO total 95% CI",
-           "LSO overhead",
+           "LSO overhead", "torch alone floors", "LSO alone floors",
            "LSO floors", "LSO floors net", "GS passes",
            "GS ops", "GS ms", "GS total", "GS total 95% CI", "GS overhead", "GS floors"]
 
@@ -233,7 +253,10 @@ def main(argv: list[str] | None = None) -> dict:
           "gradients in that round; *floor ms* its median. *kernel unscale floors* (fused optimizers): the bare "
           "step handed `grad_scale` = 1, less the bare step, in floors: torch's fused CPU kernel divides every "
           "gradient and stores it back, a write no scaler that unscales in the kernel avoids; *LSO floors net* "
-          "= LSO's floors less that. Passes beyond the bare step, counted by a dispatch "
+          "= LSO's floors less that. *alone floors* (non-fused optimizers): the scaler's pipeline around an "
+          "optimizer whose step does nothing, in floors: its own passes and ops, without the optimizer step's "
+          "jitter (which at 100M with foreach Adam is about a floor per call). Passes beyond the bare step, "
+          "counted by a dispatch "
           "mode: R = one read of every gradient, W = one write; *ops* = aten calls beyond the bare step (the "
           "fixed cost per step). LSO = LossScaleOptimizer, GS = "
           "lossscale.GradScaler.\n\n" + table(rows, COLUMNS))
