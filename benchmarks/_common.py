@@ -69,8 +69,13 @@ def alternate(contenders: dict[str, Callable[[], None]], rounds: int, setup: Cal
     """Seconds per call of each contender (:func:`alternate_samples`): the median over rounds, or with
     ``stat="min"`` the fastest round (robust on a machine shared with other work, where slow rounds measure
     the neighbours)."""
+    return summarize(alternate_samples(contenders, rounds, setup, sync), stat)
+
+
+def summarize(samples: dict[str, list[float]], stat: str = "median") -> dict[str, float]:
+    """Each contender's median over rounds, or its fastest round with ``stat="min"``."""
     pick = min if stat == "min" else statistics.median
-    return {name: pick(ts) for name, ts in alternate_samples(contenders, rounds, setup, sync).items()}
+    return {name: pick(times) for name, times in samples.items()}
 
 
 def paired_ratio(times: dict[str, list[float]], name: str, reference: str) -> tuple[float, float, float]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternate_samples, emit, grad_restorer, machine, paired_ratio, table  # noqa: E402
+from _common import alternate_samples, emit, grad_restorer, machine, paired_ratio, summarize, table  # noqa: E402
 from _passes import count_passes, passes_text  # noqa: E402
 
 from lossscale import FixedScale, GradScaler, LossScaleOptimizer  # noqa: E402
@@ -73,14 +73,18 @@ def _floors(grads: list[torch.Tensor]) -> dict:
     }
 
 
+def _ready(scaler_type):
+    """A CPU scaler of ``scaler_type`` at SCALE that never grows, its scale tensor made as a backward would."""
+    scaler = scaler_type("cpu", init_scale=SCALE, growth_interval=10**9)
+    scaler.scale(torch.ones(()))
+    return scaler
+
+
 def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> dict:
     """The timed callables (each with its own optimizer over the shared parameters)."""
     make = OPTIMIZERS[opt_name]
     bare_opt, torch_opt, gs_opt = make(params), make(params), make(params)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10**9)
-    scaler.scale(torch.ones(()))  # initialise its scale tensor, as the backward pass would
-    ours_gs = GradScaler("cpu", init_scale=SCALE, growth_interval=10**9)
-    ours_gs.scale(torch.ones(()))
+    scaler, ours_gs = _ready(torch.amp.GradScaler), _ready(GradScaler)
     lso = LossScaleOptimizer(make(params), policy=FixedScale(SCALE), clip_grad_norm=1.0 if clip else None)
 
     def pipeline(s, opt):
@@ -110,8 +114,7 @@ def _pipelines_alone(params: list[torch.nn.Parameter], make, clip: bool, pipelin
         opt.step = lambda *args, **kwargs: None
         return opt
 
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10**9)
-    scaler.scale(torch.ones(()))
+    scaler = _ready(torch.amp.GradScaler)
     lso = LossScaleOptimizer(idle(make(params)), policy=FixedScale(SCALE), clip_grad_norm=1.0 if clip else None)
     return {"torch alone": pipeline(scaler, idle(make(params))), "LSO alone": lso.step}
 
@@ -141,8 +144,7 @@ def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int) -> 
     skip_mode = fns.pop("_skip_mode")
     fns.update(_floors([p.grad for p in params]))
     samples = alternate_samples(fns, rounds, setup=restore)
-    pick = min if STAT == "min" else statistics.median
-    t = {name: pick(times) for name, times in samples.items()}
+    t = summarize(samples, STAT)
     floor = min(t["floor sum"], t["floor norm"])
     floors = _round_floors(samples)
     n = sum(p.numel() for p in params)
