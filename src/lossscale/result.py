@@ -71,8 +71,8 @@ class ScalerStep:
         stepped: 0-d bool tensor, True where the optimizer's update was applied (``~found_inf``).
         value: What ``optimizer.step()`` returned (None when it was skipped without calling it).
 
-    Both flags are formed from ``overflow`` (the step's count of overflows, its 0/1 flag, or a bool) when read: one 0-d op
-    each then, none in the step. Reading their values is a host read.
+    Both flags are formed from ``overflow`` (the step's count of overflows, its 0/1 flag, or a bool) when
+    read: one 0-d op each then, none in the step. Reading their values is a host read.
     """
 
     overflow: torch.Tensor
