@@ -12,7 +12,8 @@ host/masked, global-norm clipping      1 read (norm = check) + 1 read+write (uns
 "1 read" for the check: gradients under 128K elements (32K with one torch thread) are checked together in
 one fused C++ call that writes them back unchanged (``x * 1.0``), faster there than a Python call per
 tensor (:func:`lossscale.overflow.sum_min_numel`); the norm is one ``_foreach_norm`` call (``dot`` per
-large tensor on AVX-512 CPUs or with several torch threads). The fused
+large tensor on AVX-512 CPUs or with several torch threads). Over many small CPU tensors (8M elements under
+ATen's grain) the check, the norm and the unscale run on two threads (:mod:`lossscale._two_threads`). The fused
 kernel writes the unscaled gradients back when given ``grad_scale`` (torch's kernel; 0.03-1.0 of a read pass
 on a 2-core AVX2 EPYC, benchmarks/RESULTS.md "kernel unscale floors").
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lossscale import _two_threads
 from lossscale import step as stages
 from lossscale.clip import global_clip_coefficient, global_norm_squared, grouped_norm_squared
 from lossscale.overflow import check_, unscale_and_check_
@@ -178,7 +180,7 @@ def _unscale(opt: Any, groups: stages.Groups, found: torch.Tensor, coef: torch.T
             else:
                 check_(grads, found, "inf_nan")
         elif active or clipping:
-            torch._foreach_mul_(grads, device_coef)
+            _two_threads.foreach_mul_(grads, device_coef)
     opt._run.unscaled_by = opt._owner.scale if active else None
 
 

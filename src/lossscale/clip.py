@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from lossscale import _two_threads
 from lossscale import distributed as _dist
 from lossscale.overflow import group_by_device_and_dtype
 
@@ -55,8 +56,9 @@ def squared_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
     One read of every gradient, no write, no host read. Where BLAS is faster (:func:`_dot_is_faster`),
     large contiguous float32 gradients use ``torch.dot``; everything else goes through one
-    ``torch._foreach_norm`` call (a Python call per tiny tensor would cost more than it reads); the norms
-    are squared in one op.
+    ``torch._foreach_norm`` call (a Python call per tiny tensor would cost more than it reads), split over
+    two threads where many small CPU tensors would leave a core idle (:mod:`lossscale._two_threads`); the
+    norms are squared in one op.
     """
     return _local_squared_norms([_dist.local_shard(g) for g in grads])
 
@@ -66,11 +68,11 @@ def _local_squared_norms(locals_: Sequence[torch.Tensor]) -> torch.Tensor:
     if not locals_:
         return torch.zeros(0)
     if not _dot_is_faster():
-        return _stacked_squares(torch._foreach_norm(locals_, 2.0))
+        return _stacked_squares(_two_threads.foreach_norm(locals_))
     at = [i for i, g in enumerate(locals_) if g.numel() >= _DOT_MIN_NUMEL and g.dtype == torch.float32
           and g.is_contiguous() and g.device.type == "cpu"]  # size first: the cheapest test, the usual "no"
     if not at:
-        return _stacked_squares(torch._foreach_norm(locals_, 2.0))
+        return _stacked_squares(_two_threads.foreach_norm(locals_))
     dots = torch.stack([_self_dot(locals_[i]) for i in at])
     if len(at) == len(locals_):
         return dots
@@ -78,7 +80,7 @@ def _local_squared_norms(locals_: Sequence[torch.Tensor]) -> torch.Tensor:
     rest = [i for i in range(len(locals_)) if i not in chosen]
     out = torch.empty(len(locals_), dtype=torch.float32, device=locals_[0].device)
     out[at] = dots
-    out[rest] = _stacked_squares(torch._foreach_norm([locals_[i] for i in rest], 2.0))
+    out[rest] = _stacked_squares(_two_threads.foreach_norm([locals_[i] for i in rest]))
     return out
 
 

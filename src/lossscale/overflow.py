@@ -19,6 +19,7 @@ from typing import Iterable, Literal, Sequence
 
 import torch
 
+from lossscale import _two_threads
 from lossscale._validate import ArgumentTypeError, check_choice
 
 __all__ = [
@@ -138,7 +139,8 @@ def _non_finite_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None
     non-finite when an input value is, and for finite values only past 3.4e38 in total, a mean magnitude
     of 3.4e38 / numel such as 1.7e31 over 20M values: the one case torch's check would pass), and for all
     smaller ones together one ``torch._amp_foreach_non_finite_check_and_unscale_`` by 1.0 (one C++ call,
-    about 10x faster over many tiny tensors than ``sum`` or ``_foreach_norm`` per tensor), which writes
+    about 10x faster over many tiny tensors than ``sum`` or ``_foreach_norm`` per tensor; on two threads
+    where many small tensors would leave a core idle, :mod:`lossscale._two_threads`), which writes
     each value back unchanged (``x * 1.0 == x`` bit for bit, NaN stays NaN) and sets found_inf to 1.0 on
     a hit; large tensors are never written. Fixed cost: 1 op for the small ones, 4 + one per tensor for
     the large ones (``s - s`` is 0 for a finite sum, NaN otherwise)."""
@@ -146,7 +148,7 @@ def _non_finite_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None
     for g in grads:
         (small if g.numel() < least else large).append(g)
     if small:
-        torch._amp_foreach_non_finite_check_and_unscale_(small, found_inf, one(found_inf.device))
+        _two_threads.check_and_unscale_(small, found_inf, one(found_inf.device))
     if large:
         sums = torch.stack([g.sum(dtype=torch.float32) for g in large])
         found_inf.logical_or_((sums - sums).ne_(0).any())
@@ -188,14 +190,15 @@ def unscale_and_check_(
     """Multiply ``grads`` in place by ``inv_scale`` and record overflow in ``found_inf``.
 
     ``grads`` share one device and dtype. inf_nan: one fused read+write pass
-    (``torch._amp_foreach_non_finite_check_and_unscale_``). saturation: one read pass on the scaled
+    (``torch._amp_foreach_non_finite_check_and_unscale_``, on two threads over many small CPU tensors:
+    :mod:`lossscale._two_threads`). saturation: one read pass on the scaled
     values first, then the same fused pass. No host read.
     """
     if not grads:
         return found_inf
     if mode == "saturation":
         check_(grads, found_inf, "saturation", threshold)
-    torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inv_scale)
+    _two_threads.check_and_unscale_(grads, found_inf, inv_scale)
     return found_inf
 
 
