@@ -98,15 +98,27 @@ def _pick(tensors: Sequence[torch.Tensor], index: list[int]) -> list[torch.Tenso
     return [tensors[i] for i in index]
 
 
+def _on_both(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], split: tuple[list[int], list[int]],
+             worker_args: tuple = (), own_args: tuple = ()) -> tuple[Any, Any]:
+    """(the caller's result, the worker's): ``fn`` over the kept tensors here and the handed ones on the
+    worker at once. The worker is waited for even when the caller's call raises, so no kernel still writes
+    the tensors after this returns."""
+    kept, handed = split
+    pending = _submit(fn, _pick(tensors, handed), *worker_args)
+    try:
+        mine = fn(_pick(tensors, kept), *own_args)
+    finally:
+        theirs = pending.result()
+    return mine, theirs
+
+
 def foreach_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
     """``torch._foreach_norm(tensors, ord)``, the same 0-d norms in the same order; one read pass."""
     split = halves(tensors)
     if split is None:
         return list(torch._foreach_norm(list(tensors), ord))
     kept, handed = split
-    pending = _submit(torch._foreach_norm, _pick(tensors, handed), ord)
-    mine = torch._foreach_norm(_pick(tensors, kept), ord)
-    theirs = pending.result()
+    mine, theirs = _on_both(torch._foreach_norm, tensors, split, (ord,), (ord,))
     out: list[Any] = [None] * len(tensors)
     for i, norm in zip(kept, mine):
         out[i] = norm
@@ -124,11 +136,9 @@ def check_and_unscale_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor,
     if split is None:
         torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found_inf, inv_scale)
         return
-    kept, handed = split
     flag = torch.zeros_like(found_inf)
-    pending = _submit(torch._amp_foreach_non_finite_check_and_unscale_, _pick(tensors, handed), flag, inv_scale)
-    torch._amp_foreach_non_finite_check_and_unscale_(_pick(tensors, kept), found_inf, inv_scale)
-    pending.result()
+    _on_both(torch._amp_foreach_non_finite_check_and_unscale_, tensors, split, (flag, inv_scale),
+             (found_inf, inv_scale))
     found_inf.masked_fill_(flag.bool(), 1.0)
 
 
@@ -138,7 +148,4 @@ def foreach_mul_(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
     if split is None:
         torch._foreach_mul_(list(tensors), factor)
         return
-    kept, handed = split
-    pending = _submit(torch._foreach_mul_, _pick(tensors, handed), factor)
-    torch._foreach_mul_(_pick(tensors, kept), factor)
-    pending.result()
+    _on_both(torch._foreach_mul_, tensors, split, (factor,), (factor,))
