@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -115,6 +115,15 @@ def state_from_dict(template: Any, values: dict[str, Any], door: str = "load_sta
     return dataclasses.replace(template, **fields)
 
 
+class NextState(NamedTuple):
+    """A state computed one step on from ``base`` (see :meth:`LossScale.next_state`), and the inputs that
+    made it."""
+
+    base: Any
+    state: Any
+    inputs: tuple
+
+
 class LossScale:
     """The one owner of a policy's state: scale, counters and window position.
 
@@ -202,19 +211,39 @@ class LossScale:
 
     def update(self, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
                loss_finite: torch.Tensor | None = None, *, clean_on_host: bool = False) -> None:
-        """Advance the rule by one step (pure tensor ops), then apply the policy's floor rule. ``loss_finite``
-        reaches policies that observe it (``observes_loss_finite``). ``clean_on_host``: the caller has read
-        found_inf on the host and it was 0 (a front end whose step decision was that read); a policy with
-        ``update_known_clean`` (DynamicScale) then skips the ops that only an overflow needs.
+        """Advance the rule by one step (pure tensor ops), then apply the policy's floor rule:
+        :meth:`commit` of :meth:`next_state`.
 
         Cost: no host read, unless the policy raises at its floor (``at_floor="raise"``: one read)."""
+        self.commit(self.next_state(found_inf, amax, loss_finite, clean_on_host=clean_on_host))
+
+    def next_state(self, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
+                   loss_finite: torch.Tensor | None = None, *, clean_on_host: bool = False) -> NextState:
+        """The state one step on, computed now and not installed (policies are pure: the current state is
+        untouched); :meth:`commit` installs it. ``loss_finite`` reaches policies that observe it
+        (``observes_loss_finite``). ``clean_on_host``: the caller has read found_inf on the host and it was
+        0 (a front end whose step decision was that read); a policy with ``update_known_clean``
+        (DynamicScale) then skips the ops that only an overflow needs. No host read."""
+        inputs = (found_inf, amax, loss_finite, clean_on_host)
+        return NextState(self._state, self._advanced(self._state, *inputs), inputs)
+
+    def _advanced(self, state: Any, found_inf: torch.Tensor, amax: torch.Tensor | None,
+                  loss_finite: torch.Tensor | None, clean_on_host: bool) -> Any:
         known_clean = getattr(self._policy, "update_known_clean", None) if clean_on_host else None
         if known_clean is not None:
-            self._state = known_clean(self._state, found_inf)
-        elif self._policy.observes_loss_finite:
-            self._state = self._policy.update(self._state, found_inf, amax=amax, loss_finite=loss_finite)
+            return known_clean(state, found_inf)
+        if self._policy.observes_loss_finite:
+            return self._policy.update(state, found_inf, amax=amax, loss_finite=loss_finite)
+        return self._policy.update(state, found_inf, amax=amax)
+
+    def commit(self, next_state: NextState) -> None:
+        """Install what :meth:`next_state` computed (computed again from the same inputs if the state was
+        set in between), then the policy's floor rule (``check_floor``: may raise FloorError; one host
+        read where ``at_floor="raise"``)."""
+        if next_state.base is self._state:
+            self._state = next_state.state
         else:
-            self._state = self._policy.update(self._state, found_inf, amax=amax)
+            self._state = self._advanced(self._state, *next_state.inputs)
         self._policy.check_floor(self._state)
 
     def state_dict(self) -> dict[str, Any]:

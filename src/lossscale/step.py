@@ -13,6 +13,8 @@ One optimizer step of loss scaling is::
     apply             fused_step_ (flags in the kernel, no host read),
                       host_step (one host read), or MaskedSkip (_masked.py, no host read)
     advance           LossScale.update: the policy's rule + its floor rule   0-d ops
+                      (next_state + commit: LossScaleOptimizer computes it before apply,
+                      while its 0-d tensors are in cache, and installs it after)
     attribute         overflowing_names: which parameters overflowed       1 read + 1 host read, on demand
 
 Each function states its passes over the gradients and its host reads. ``GradScaler`` and
