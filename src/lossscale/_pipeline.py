@@ -215,7 +215,7 @@ def _skip_decision(opt: Any, overflow: torch.Tensor) -> tuple[str, bool | None]:
     mode = opt.skip_mode
     if mode == "masked" and not opt._masked.ready(opt.inner):
         mode = "host"  # the first step creates the optimizer's state: decide it on the host once
-    return mode, (not bool(overflow)) if mode == "host" else None
+    return mode, stages.applies_on_host(overflow) if mode == "host" else None
 
 
 def _advance(opt: Any, pending: Any, layers: Any, layer_obs: Any, amax: torch.Tensor | None,

@@ -55,6 +55,7 @@ class TorchPrivateAttributes:
     def _reset_records(self) -> None:
         self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(_fresh_record)
         self._amax_seen: list[torch.Tensor] = []  # this iteration's gradient maxima (policies that observe them)
+        self._prepared = None  # the policy's next state, computed by step() (GradScaler._prepare_update)
 
     @property
     def _scale(self) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 import torch
 from torch.amp.grad_scaler import OptState
 
+from lossscale import _prepared_update
 from lossscale import distributed as _dist
 from lossscale import step as stages
 from lossscale._validate import ArgumentTypeError
@@ -53,6 +54,8 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         saturation_dtype: The low-precision format whose max defines saturation (default float16).
         process_group: Where found_inf is reduced when torch.distributed is initialized (default: world).
     """
+
+    _one_optimizer = True  # whether the last update() saw one optimizer (_prepared_update); set per instance
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
@@ -165,15 +168,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             raise stages.NoGradientsError(f"{call}: No inf checks were recorded for this optimizer: no gradient "
                                           f"was unscaled or checked since the last update(). Call backward on the "
                                           f"scaled loss, then step(optimizer), before update().")
-        total = values[0]
-        for v in values[1:]:
-            total = total + v
-        return total
-
-    def _found_inf_total(self, records: Iterable[dict], call: str) -> torch.Tensor:
-        """The 0/1 flag of every recorded check together, a tensor of its own (fused optimizers skip only where
-        it is 1.0, and may keep what they are handed): one op for one device."""
-        return self._found_inf_sum(records, call).clamp(max=1.0)
+        return sum(values[1:], values[0])  # values[0] itself for one device
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
         """Unscale (unless done), then apply ``optimizer.step(*args, **kwargs)`` only if nothing overflowed.
@@ -197,7 +192,9 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         if record["stage"] is OptState.READY:
             self.unscale_(optimizer)
         overflow = self._found_inf_sum([record], "GradScaler.step(optimizer)")  # a count: > 0 overflowed
-        applied, value = stages.host_step(optimizer, overflow, *args, **kwargs)  # the one host read, as torch
+        applied = stages.applies_on_host(overflow)  # the one host read, as torch
+        self._prepare_update(record, overflow, applied)
+        value = optimizer.step(*args, **kwargs) if applied else None
         record["stage"] = OptState.STEPPED
         record["clean_on_host"] = applied  # the policy's update may skip what only an overflow needs
         return ScalerStep(overflow=overflow, value=value)
@@ -218,14 +215,18 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             grad_scale = self._owner.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = None  # unscale_() already divided the gradients
-        found_inf = self._found_inf_total([record], "GradScaler.step(optimizer)")
+        count = self._found_inf_sum([record], "GradScaler.step(optimizer)")
+        found_inf = count.clamp(max=1.0)  # a 0/1 flag of the kernel's own (it may keep what it is handed)
+        self._prepare_update(record, count, False)
         value = stages.fused_step_(optimizer, grad_scale, found_inf, *args, **kwargs)
         record["stage"] = OptState.STEPPED
         return ScalerStep(overflow=found_inf, value=value)  # the kernel reads found_inf, never writes it
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Advance the policy with this iteration's overflow, or set ``new_scale`` (validated; one host read
-        for a tensor). No host read otherwise, unless the policy raises at its floor (``at_floor="raise"``)."""
+        for a tensor). No host read otherwise, unless the policy raises at its floor (``at_floor="raise"``).
+        With one optimizer, installs the next state ``step()`` computed before the optimizer ran
+        (:mod:`lossscale._prepared_update`)."""
         if not self._enabled:
             return
         owner = self._require_state("update()")
@@ -236,16 +237,31 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             if not seen:
                 raise RuntimeError("update() was called without unscale_() or step() since the last update(); call "
                                    "scaler.step(optimizer) (which unscales) before update().")
-            found_inf = self._found_inf_sum(seen, "GradScaler.update()")  # a count, as policies take it
-            amax = None
-            if owner.policy.observes_amax:
-                maxima = [a.to(owner.device) for a in self._amax_seen]
-                amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=owner.device)
-                stages.agree_amax_(amax, self.process_group)
-            clean = all(r.get("clean_on_host", False) for r in seen)
-            owner.update(found_inf, amax, self._loss_finite, clean_on_host=clean)
+            self._one_optimizer = len(seen) == 1
+            prepared = _prepared_update.prepared_for(self._prepared, seen, self._loss_finite)
+            if prepared is not None:
+                owner.commit(prepared)
+            else:
+                self._advance(owner, seen)
         self._loss_finite = None
         self._reset_records()
+
+    def _advance(self, owner: LossScale, seen: list[dict]) -> None:
+        """The policy's update from the records unscaled or stepped this iteration (+ amax, loss finiteness)."""
+        found_inf = self._found_inf_sum(seen, "GradScaler.update()")  # a count, as policies take it
+        amax = None
+        if owner.policy.observes_amax:
+            maxima = [a.to(owner.device) for a in self._amax_seen]
+            amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=owner.device)
+            stages.agree_amax_(amax, self.process_group)
+        clean = all(r.get("clean_on_host", False) for r in seen)
+        owner.update(found_inf, amax, self._loss_finite, clean_on_host=clean)
+
+    def _prepare_update(self, record: dict, count: torch.Tensor, clean_on_host: bool) -> None:
+        """Compute the policy's next state now, before the optimizer runs, where update() can install it."""
+        self._prepared = _prepared_update.prepare(self._owner, self._per_optimizer_states, record, count,
+                                                  self._loss_finite, clean_on_host=clean_on_host,
+                                                  one_optimizer=self._one_optimizer, ready=OptState.READY)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a host read); 1.0 when disabled."""
@@ -280,7 +296,4 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         state = self.__dict__.copy()
         state["_replicas"] = {}
         state["process_group"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        return state  # restored by default (the instance's __dict__ updated with it)

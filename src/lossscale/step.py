@@ -11,7 +11,7 @@ One optimizer step of loss scaling is::
     agree_            found_inf (and amax) reduced over ranks               1 all-reduce each
     clip coefficient  (clip.py) min(1, max_norm / (norm + eps))             0-d ops
     apply             fused_step_ (flags in the kernel, no host read),
-                      host_step (one host read), or MaskedSkip (_masked.py, no host read)
+                      applies_on_host (one host read), or MaskedSkip (_masked.py, no host read)
     advance           LossScale.update: the policy's rule + its floor rule   0-d ops
                       (next_state + commit: LossScaleOptimizer computes it before apply,
                       while its 0-d tensors are in cache, and installs it after)
@@ -45,7 +45,7 @@ __all__ = [
     "agree_",
     "agree_amax_",
     "fused_step_",
-    "host_step",
+    "applies_on_host",
     "takes_grad_scaler",
     "overflowing_names",
 ]
@@ -229,13 +229,11 @@ def fused_step_(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | Non
         del optimizer.found_inf
 
 
-def host_step(optimizer: torch.optim.Optimizer, overflow: torch.Tensor, *args: Any, **kwargs: Any
-              ) -> tuple[bool, Any]:
-    """``optimizer.step(*args, **kwargs)`` unless ``overflow``: one host read, as torch's scaler. Returns
-    whether the step was applied (the read, for the policy's update) and what the optimizer returned."""
-    if bool(overflow):
-        return False, None
-    return True, optimizer.step(*args, **kwargs)
+def applies_on_host(overflow: torch.Tensor) -> bool:
+    """Whether a step skipped on the host applies: ``overflow`` (a flag or a count) read on the host, the one
+    host read, as torch's scaler makes. The caller runs ``optimizer.step()`` where True; what it read also
+    tells the policy's update that the step was clean (``LossScale.next_state(clean_on_host=)``)."""
+    return not bool(overflow)
 
 
 _TAKES_GRAD_SCALER: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
