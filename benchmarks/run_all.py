@@ -27,7 +27,7 @@ BENCHMARKS = [
     ("overflow_check", "Overflow-check throughput against the one-pass floors", []),
     ("host_reads", "Host reads per step", []),
     ("masked_memory", "Masked skip: peak extra memory and time", []),
-    ("end_to_end", "End to end: the demo model's training step", []),
+    ("end_to_end", "End to end: the demo model's training step", ["--threads", "1", "--rounds", "41"]),
     ("predictive", "Predictive scale against torch's defaults", []),
     ("layerwise", "Per-layer loss scales: hook and unscale overhead", []),
 ]
