@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> dict:
         return CharTransformer(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.context)
 
     setups = {}
-    for name, dtype, policy in [("fp32", None, FixedScale(1.0)), ("fp16 LossScaleOptimizer", torch.float16, DynamicScale()),
+    for name, dtype, policy in [("fp32", None, FixedScale(1.0)),
+                                ("fp16 LossScaleOptimizer", torch.float16, DynamicScale()),
                                 ("bf16", torch.bfloat16, FixedScale(1.0))]:
         model = build()
         opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), policy=policy)
