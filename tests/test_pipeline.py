@@ -18,6 +18,8 @@ from lossscale import DynamicScale, FixedScale, GradScaler, LossScale, LossScale
 from lossscale import step as stages
 from lossscale.compat import ascend, mindspore
 
+from _noting_policy import NotingScale
+
 
 def _model() -> torch.nn.Linear:
     torch.manual_seed(0)
@@ -346,37 +348,23 @@ def test_inverse_is_torchs_double_rounded_reciprocal_bit_for_bit():
         assert got.view(torch.int32) == expected.view(torch.int32) and float(found) == 0.0, float(scale)
 
 
-class _Recording(DynamicScale):
-    """torch's rule, noting each time the policy computes a state in ``EVENTS``."""
-
-    EVENTS: list = []
-
-    def update(self, state, found_inf, amax=None):
-        self.EVENTS.append("policy")
-        return super().update(state, found_inf, amax)
-
-    def update_known_clean(self, state, found_inf):
-        self.EVENTS.append("policy")
-        return super().update_known_clean(state, found_inf)
-
-
 def _recorded_step_optimizer(skip_mode: str):
     model = _model()
     inner = (torch.optim.AdamW(model.parameters(), lr=0.1, fused=True) if skip_mode == "fused"
              else torch.optim.SGD(model.parameters(), lr=0.1))
-    _Recording.EVENTS = []
-    opt = LossScaleOptimizer(inner, policy=_Recording(init_scale=8.0, growth_interval=1), skip_mode=skip_mode)
+    NotingScale.EVENTS = []
+    opt = LossScaleOptimizer(inner, policy=NotingScale(init_scale=8.0, growth_interval=1), skip_mode=skip_mode)
     return model, inner, opt
 
 
 @pytest.mark.parametrize("skip_mode", ["fused", "host"])
 def test_the_policy_computes_before_the_inner_step_and_its_state_is_installed_after(skip_mode):
     model, inner, opt = _recorded_step_optimizer(skip_mode)
-    inner.register_step_pre_hook(lambda o, a, k: _Recording.EVENTS.append(("step", float(opt.loss_scale.scale))))
+    inner.register_step_pre_hook(lambda o, a, k: NotingScale.EVENTS.append(("step", float(opt.loss_scale.scale))))
     _backward(opt, model)
     result = opt.step()
     # computed first (while its 0-d tensors are in cache), the step still sees the old scale installed
-    assert _Recording.EVENTS == ["policy", ("step", 8.0)]
+    assert NotingScale.EVENTS == ["policy", ("step", 8.0)]
     assert float(opt.loss_scale.scale) == 16.0 == float(result.next_scale) and float(result.scale) == 8.0
 
 

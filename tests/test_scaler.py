@@ -9,6 +9,8 @@ import torch
 import lossscale
 from lossscale import DynamicScale, GradScaler, HostReadCounter
 
+from _noting_policy import NotingScale
+
 INJECT = {3: "inf", 4: "nan", 9: "inf", 10: "inf", 11: "inf", 17: "nan"}
 
 
@@ -350,41 +352,27 @@ def test_private_unscale_grads_returns_what_torchs_returns(start, poison):
     assert all(torch.equal(a, b) for a, b in zip(torch_grads, our_grads) if torch.isfinite(a).all())
 
 
-class _Noting(DynamicScale):
-    """torch's rule, noting in ``EVENTS`` each time the policy computes a state."""
-
-    EVENTS: list = []
-
-    def update(self, state, found_inf, amax=None):
-        self.EVENTS.append("policy")
-        return super().update(state, found_inf, amax)
-
-    def update_known_clean(self, state, found_inf):
-        self.EVENTS.append("policy")
-        return super().update_known_clean(state, found_inf)
-
-
 def _noted_iteration(scaler, optimizers, poisoned=()):
     """One iteration over ``optimizers`` (each over a model of its own); ``poisoned``: indices whose gradients
     hold an inf. Returns the events of steps and policy updates."""
-    _Noting.EVENTS = []
+    NotingScale.EVENTS = []
     for i, (model, opt) in enumerate(optimizers):
         scaler.scale(model(torch.ones(2, 8)).sum()).backward()
         if i in poisoned:
             next(model.parameters()).grad[0, 0] = float("inf")
-        opt.register_step_pre_hook(lambda *_: _Noting.EVENTS.append("step"))
+        opt.register_step_pre_hook(lambda *_: NotingScale.EVENTS.append("step"))
         scaler.step(opt)
         opt.zero_grad()
         opt._optimizer_step_pre_hooks.clear()
-    _Noting.EVENTS.append("update")
+    NotingScale.EVENTS.append("update")
     scaler.update()
-    return list(_Noting.EVENTS)
+    return list(NotingScale.EVENTS)
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "fused_adamw"])
 def test_with_one_optimizer_the_policy_computes_before_the_step_and_update_installs_it(opt_name):
     model = make_model()
-    scaler = GradScaler("cpu", policy=_Noting(init_scale=8.0, growth_interval=1))
+    scaler = GradScaler("cpu", policy=NotingScale(init_scale=8.0, growth_interval=1))
     events = _noted_iteration(scaler, [(model, OPTIMIZERS[opt_name](model.parameters()))])
     assert events == ["policy", "step", "update"]  # computed before the optimizer ran, nothing in update()
     assert scaler.get_scale() == 16.0  # and installed there (growth_interval=1: a clean step grows)
@@ -398,7 +386,7 @@ def test_with_one_optimizer_the_policy_computes_before_the_step_and_update_insta
 @pytest.mark.parametrize("opt_name", ["sgd", "fused_adamw"])
 def test_with_two_optimizers_update_sums_both_checks_and_stops_preparing(opt_name, poisoned):
     pairs = [(m, OPTIMIZERS[opt_name](m.parameters())) for m in (make_model(0), make_model(1))]
-    scaler = GradScaler("cpu", policy=_Noting(init_scale=8.0, growth_interval=1))
+    scaler = GradScaler("cpu", policy=NotingScale(init_scale=8.0, growth_interval=1))
     first = _noted_iteration(scaler, pairs, poisoned={poisoned})  # an overflow in one optimizer only
     assert scaler.get_scale() == 4.0  # backed off: update() saw both, not one optimizer's verdict
     assert first[-1] == "policy" and first.index("update") < len(first) - 1
