@@ -393,3 +393,13 @@ def test_a_scale_set_during_the_inner_step_is_what_the_policy_advances(skip_mode
     reference.update(torch.zeros(()))  # the order of effects before the policy moved: set, then advance
     assert opt.loss_scale.state_dict() == reference.state_dict()
     assert float(opt.loss_scale.scale) == 4.0
+
+
+@pytest.mark.parametrize("skip_mode", ["fused", "host"])
+def test_a_rule_set_during_the_inner_step_is_the_rule_the_policy_advances_by(skip_mode):
+    model, inner, opt = _recorded_step_optimizer(skip_mode)
+    inner.register_step_pre_hook(lambda *_: opt.loss_scale.set_policy(DynamicScale(init_scale=8.0, growth_factor=4.0,
+                                                                                    growth_interval=1)))
+    _backward(opt, model)
+    opt.step()
+    assert float(opt.loss_scale.scale) == 32.0  # set, then advance: the new rule's growth, not the old one's 16

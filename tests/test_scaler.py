@@ -392,3 +392,60 @@ def test_with_two_optimizers_update_sums_both_checks_and_stops_preparing(opt_nam
     assert first[-1] == "policy" and first.index("update") < len(first) - 1
     second = _noted_iteration(scaler, pairs)  # the last update saw two optimizers: no preparing now
     assert second == ["step", "step", "update", "policy"] and scaler.get_scale() == 8.0
+
+
+def _torch_keys(saved, **changes):
+    return {**{k: v for k, v in saved.items() if k != "policy_state"}, **changes}
+
+
+SETTERS_BETWEEN_STEP_AND_UPDATE = {  # each changes the rule or the state at every iteration i
+    "set_growth_factor": lambda s, i: s.set_growth_factor(2.0 + i),
+    "set_backoff_factor": lambda s, i: s.set_backoff_factor(1 / (2.0 + i)),
+    "set_growth_interval": lambda s, i: s.set_growth_interval(2 - i % 2),
+    "load_state_dict": lambda s, i: s.load_state_dict(_torch_keys(s.state_dict(), scale=64.0 * 2**i,
+                                                                  _growth_tracker=i % 2)),
+    "_scale": lambda s, i: setattr(s, "_scale", torch.tensor(32.0 * 2**i)),
+}
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "fused_adamw"])
+@pytest.mark.parametrize("setter", sorted(SETTERS_BETWEEN_STEP_AND_UPDATE))
+def test_a_setter_between_step_and_update_applies_to_that_update_as_in_torch(setter, opt_name):
+    """update() uses the rule and the state as they are when it runs (torch's order), though step() already
+    computed the next state before the optimizer ran: a stale one is never installed."""
+    trajectories = []
+    for scaler_type in (torch.amp.GradScaler, GradScaler):
+        model = make_model()
+        opt = OPTIMIZERS[opt_name](model.parameters())
+        scaler = scaler_type("cpu", init_scale=1024.0, growth_interval=1)
+        scales = []
+        for i in range(5):
+            scaler.scale(model(torch.ones(2, 8)).sum()).backward()
+            if i in (1, 3):
+                next(model.parameters()).grad[0, 0] = float("inf")
+            scaler.step(opt)
+            SETTERS_BETWEEN_STEP_AND_UPDATE[setter](scaler, i)
+            scaler.update()
+            opt.zero_grad()
+            scales.append((scaler.get_scale(), scaler._growth_tracker.item()))
+        trajectories.append((scales, [p.detach().clone() for p in model.parameters()]))
+    (torch_scales, torch_params), (our_scales, our_params) = trajectories
+    assert our_scales == torch_scales
+    assert all(torch.equal(a, b) for a, b in zip(torch_params, our_params))
+
+
+@pytest.mark.parametrize(("key", "field", "value"), [("scale", "scale", 64.0), ("_growth_tracker", "growth_tracker", 3)])
+def test_a_state_dict_whose_two_copies_of_the_scale_disagree_is_refused_naming_both(key, field, value):
+    """state_dict() writes the scale and the growth tracker twice (torch's keys, policy_state); an edit of one
+    copy is never silently dropped for the other: torch's keys alone load, two that disagree raise."""
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))
+    edited = {**scaler.state_dict(), key: value}
+    with pytest.raises(ValueError, match=rf"state_dict\['{key}'\] = {value}.*\['policy_state'\]\['{field}'\].*disagree"):
+        scaler.load_state_dict(edited)
+    assert scaler.get_scale() == 1024.0 and int(scaler._growth_tracker) == 0  # nothing changed
+    scaler.load_state_dict(_torch_keys(edited))  # torch's keys alone: the edit applies, as in torch
+    twin = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    twin.scale(torch.ones(()))
+    twin.load_state_dict(_torch_keys(edited))
+    assert scaler.get_scale() == twin.get_scale() and int(scaler._growth_tracker) == int(twin._growth_tracker)

@@ -9,6 +9,7 @@ anything.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from lossscale.dynamic import DynamicScale
@@ -30,6 +31,32 @@ def policy_from_args(policy: Policy | None, torch_args: dict[str, Any]) -> Polic
                          f"either policy= or torch's scale arguments, not both; got both.")
     check_policy("GradScaler", policy)
     return policy
+
+
+_TORCH_COPIES = {"scale": "scale", "_growth_tracker": "growth_tracker"}  # torch's key -> policy_state's field
+
+
+def _check_copies_agree(state_dict: dict[str, Any], door: str) -> None:
+    """Our ``state_dict()`` writes the scale and the growth tracker twice (torch's keys, and the whole record
+    in ``policy_state``); a dict whose two copies differ was edited in one place, and loading either would
+    silently drop the other edit: raise, naming both."""
+    record = state_dict["policy_state"]
+    if not isinstance(record, dict):
+        return  # the record's own validation names it
+    for key, field in _TORCH_COPIES.items():
+        if key in state_dict and field in record and _differ(state_dict[key], record[field]):
+            raise StateDictError(
+                f"{door}: state_dict[{key!r}] = {state_dict[key]!r} and state_dict['policy_state'][{field!r}] = "
+                f"{record[field]!r} disagree (state_dict() writes both); set both to the value you mean, or "
+                f"remove 'policy_state' to load torch's keys alone.")
+
+
+def _differ(torch_value: Any, recorded: Any) -> bool:
+    """Whether torch's copy differs from the record's (a record value that is not a finite number is left to
+    the record's validation, which names it)."""
+    if not isinstance(recorded, (int, float)) or isinstance(recorded, bool) or not math.isfinite(recorded):
+        return False
+    return not isinstance(torch_value, (int, float)) or float(torch_value) != float(recorded)
 
 
 class ScalerCheckpoint:
@@ -101,6 +128,7 @@ class ScalerCheckpoint:
         policy = self._policy_from(state_dict, door)
         if "policy_state" in state_dict:  # ours: the whole record
             values = state_dict["policy_state"]
+            _check_copies_agree(state_dict, door)
         else:  # torch's format
             if "scale" not in state_dict:
                 raise StateDictError(f"{door}: the state dict has neither 'policy_state' nor torch's 'scale'; got "

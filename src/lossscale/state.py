@@ -116,10 +116,11 @@ def state_from_dict(template: Any, values: dict[str, Any], door: str = "load_sta
 
 
 class NextState(NamedTuple):
-    """A state computed one step on from ``base`` (see :meth:`LossScale.next_state`), and the inputs that
-    made it."""
+    """A state computed one step on from ``base`` under ``policy`` (see :meth:`LossScale.next_state`), and the
+    inputs that made it."""
 
     base: Any
+    policy: Any
     state: Any
     inputs: tuple
 
@@ -225,7 +226,7 @@ class LossScale:
         0 (a front end whose step decision was that read); a policy with ``update_known_clean``
         (DynamicScale) then skips the ops that only an overflow needs. No host read."""
         inputs = (found_inf, amax, loss_finite, clean_on_host)
-        return NextState(self._state, self._advanced(self._state, *inputs), inputs)
+        return NextState(self._state, self._policy, self._advanced(self._state, *inputs), inputs)
 
     def _advanced(self, state: Any, found_inf: torch.Tensor, amax: torch.Tensor | None,
                   loss_finite: torch.Tensor | None, clean_on_host: bool) -> Any:
@@ -237,10 +238,11 @@ class LossScale:
         return self._policy.update(state, found_inf, amax=amax)
 
     def commit(self, next_state: NextState) -> None:
-        """Install what :meth:`next_state` computed (computed again from the same inputs if the state was
-        set in between), then the policy's floor rule (``check_floor``: may raise FloorError; one host
-        read where ``at_floor="raise"``)."""
-        if next_state.base is self._state:
+        """Install what :meth:`next_state` computed (computed again from the same inputs if the state or the
+        rule was set in between: a ``set_growth_factor`` between torch's ``step`` and ``update`` applies to
+        that update, as in torch), then the policy's floor rule (``check_floor``: may raise FloorError; one
+        host read where ``at_floor="raise"``)."""
+        if next_state.base is self._state and next_state.policy is self._policy:
             self._state = next_state.state
         else:
             self._state = self._advanced(self._state, *next_state.inputs)
