@@ -403,3 +403,15 @@ def test_a_rule_set_during_the_inner_step_is_the_rule_the_policy_advances_by(ski
     _backward(opt, model)
     opt.step()
     assert float(opt.loss_scale.scale) == 32.0  # set, then advance: the new rule's growth, not the old one's 16
+
+
+@pytest.mark.parametrize("skip_mode", ["fused", "host"])
+def test_a_scale_written_in_place_during_the_inner_step_is_what_the_policy_advances(skip_mode):
+    model, inner, opt = _recorded_step_optimizer(skip_mode)
+
+    def write_in_place(*_):
+        opt.loss_scale.scale.fill_(2.0)
+    inner.register_step_pre_hook(write_in_place)
+    _backward(opt, model)
+    opt.step()
+    assert float(opt.loss_scale.scale) == 4.0  # written, then advanced (growth_interval=1), not the old 8 -> 16

@@ -405,6 +405,8 @@ SETTERS_BETWEEN_STEP_AND_UPDATE = {  # each changes the rule or the state at eve
     "load_state_dict": lambda s, i: s.load_state_dict(_torch_keys(s.state_dict(), scale=64.0 * 2**i,
                                                                   _growth_tracker=i % 2)),
     "_scale": lambda s, i: setattr(s, "_scale", torch.tensor(32.0 * 2**i)),
+    "_scale.fill_": lambda s, i: s._scale.fill_(256.0 * (i + 1)),  # real code's way to reset the scale
+    "_growth_tracker.fill_": lambda s, i: s._growth_tracker.fill_(1 - i % 2),
 }
 
 

@@ -115,14 +115,24 @@ def state_from_dict(template: Any, values: dict[str, Any], door: str = "load_sta
     return dataclasses.replace(template, **fields)
 
 
+def _versions(state: Any) -> tuple[int, ...] | None:
+    """The in-place write counters of a state record's tensors (``scaler._scale.fill_(x)`` bumps one); None
+    where a tensor keeps none (an inference tensor), which :meth:`LossScale.commit` reads as written."""
+    try:
+        return tuple(getattr(state, f.name)._version for f in dataclasses.fields(state))
+    except RuntimeError:
+        return None
+
+
 class NextState(NamedTuple):
-    """A state computed one step on from ``base`` under ``policy`` (see :meth:`LossScale.next_state`), and the
-    inputs that made it."""
+    """A state computed one step on from ``base`` under ``policy`` (see :meth:`LossScale.next_state`), the
+    inputs that made it, and ``base``'s write counters then (``versions``)."""
 
     base: Any
     policy: Any
     state: Any
     inputs: tuple
+    versions: tuple[int, ...] | None
 
 
 class LossScale:
@@ -226,7 +236,8 @@ class LossScale:
         0 (a front end whose step decision was that read); a policy with ``update_known_clean``
         (DynamicScale) then skips the ops that only an overflow needs. No host read."""
         inputs = (found_inf, amax, loss_finite, clean_on_host)
-        return NextState(self._state, self._policy, self._advanced(self._state, *inputs), inputs)
+        return NextState(self._state, self._policy, self._advanced(self._state, *inputs), inputs,
+                         _versions(self._state))
 
     def _advanced(self, state: Any, found_inf: torch.Tensor, amax: torch.Tensor | None,
                   loss_finite: torch.Tensor | None, clean_on_host: bool) -> Any:
@@ -239,10 +250,12 @@ class LossScale:
 
     def commit(self, next_state: NextState) -> None:
         """Install what :meth:`next_state` computed (computed again from the same inputs if the state or the
-        rule was set in between: a ``set_growth_factor`` between torch's ``step`` and ``update`` applies to
-        that update, as in torch), then the policy's floor rule (``check_floor``: may raise FloorError; one
-        host read where ``at_floor="raise"``)."""
-        if next_state.base is self._state and next_state.policy is self._policy:
+        rule was set or written in place in between: a ``set_growth_factor`` or a ``scaler._scale.fill_(x)``
+        between torch's ``step`` and ``update`` applies to that update, as in torch), then the policy's floor
+        rule (``check_floor``: may raise FloorError; one host read where ``at_floor="raise"``). No host read
+        for the check (tensor write counters)."""
+        unchanged = next_state.base is self._state and next_state.policy is self._policy
+        if unchanged and next_state.versions is not None and next_state.versions == _versions(self._state):
             self._state = next_state.state
         else:
             self._state = self._advanced(self._state, *next_state.inputs)
