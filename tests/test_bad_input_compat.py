@@ -23,6 +23,8 @@ FACTOR = [1.0, 0.5, inf, nan, "2", True]
 FRACTION = [0.0, 1.0, nan, "0.5"]
 INT1 = [0, -1, 1.5, "10", None]
 CHOICE = [("yes", ValueError), (1, ValueError), (None, ValueError)]
+COUNTER = [(-5, ValueError), (2.5, TypeError), (nan, TypeError), ("3", TypeError), (True, TypeError),
+           (None, TypeError), (2**63, ValueError)]  # a saved step count: refused, never truncated
 TINY_OR_NON_FINITE = [1e-40, 2.0**-140, torch.tensor(0.0), torch.tensor(1e-40), torch.tensor(inf), torch.tensor(nan)]
 
 
@@ -142,6 +144,9 @@ MINDSPORE += [
         ("scale", "0.0"), train_cell),
     Bad("DynamicLossScaleManager.load_state_dict(None)", lambda w, s: s.load_state_dict(None), TypeError,
         ("state_dict", "None"), ms_manager),
+    *[Bad(f"DynamicLossScaleManager.load_state_dict(bad_steps={v!r})",
+          lambda w, s, v=v: s.load_state_dict({**s.state_dict(), "bad_steps": v}), err,
+          ("state_dict['bad_steps']", repr(v)), ms_manager) for v, err in COUNTER],
 ]
 
 # --- nnabla ------------------------------------------------------------------------------------------------
@@ -228,6 +233,10 @@ KERAS += [
         lambda w, s: s.load_state_dict({**s.state_dict(), "core": {**s.state_dict()["core"],
                                                                    "policy_state": _policy_state_with(0.0)}}),
         ValueError, ("scale", "0.0"), keras_made),
+    *[Bad(f"keras load_state_dict({key}={v!r})",
+          lambda w, s, key=key, v=v: s.load_state_dict({**s.state_dict(), key: v}), err,
+          (f"state_dict[{key!r}]", repr(v)), keras_made)
+      for key in ("iterations", "applied") for v, err in COUNTER],
 ]
 
 

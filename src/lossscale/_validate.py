@@ -63,8 +63,8 @@ def check_int_in_range(call: str, name: str, value: Any, low: int, high: int = I
     """An int (not a bool) in ``[low, high]`` (default high: the largest int32, what the counters hold)."""
     check_int_at_least(call, name, value, low)
     if value > high:
-        raise ValueError(f"{call}({name}={value!r}): {name} must be an integer <= {high} (it is counted in an "
-                         f"int32 tensor); got {value!r}.")
+        why = " (it is counted in an int32 tensor)" if high == INT32_MAX else ""
+        raise ValueError(f"{call}({name}={value!r}): {name} must be an integer <= {high}{why}; got {value!r}.")
 
 
 def check_positive_or_none(call: str, name: str, value: Any) -> None:

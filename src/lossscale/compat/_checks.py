@@ -7,9 +7,22 @@ from typing import Any
 
 import torch
 
+from lossscale._validate import check_int_in_range
 from lossscale.state import checked_state_dict
 
-__all__ = ["check_optimizer", "checked_state_dict", "checked_tensors", "overflow_from_finite_grads"]
+__all__ = ["check_optimizer", "checked_counters", "checked_state_dict", "checked_tensors",
+           "overflow_from_finite_grads"]
+
+COUNTER_MAX = 2**62  # a saved step counter: far beyond any run, and exact in int64
+
+
+def checked_counters(call: str, state_dict: Any, keys: Iterable[str], counters: Iterable[str]) -> dict[str, Any]:
+    """``state_dict`` if it holds ``keys`` and each of ``counters`` is an int in [0, 2**62] (not a bool, not a
+    float: 2.5 steps is refused, never truncated); checked before anything is loaded."""
+    checked_state_dict(call, state_dict, keys)
+    for name in counters:
+        check_int_in_range(call, f"state_dict[{name!r}]", state_dict[name], 0, COUNTER_MAX)
+    return state_dict
 
 
 def check_optimizer(call: str, name: str, value: Any) -> None:

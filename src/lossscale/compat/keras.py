@@ -53,7 +53,7 @@ import torch
 
 from lossscale import presets
 from lossscale.clip import PerTensorClip
-from lossscale.compat._checks import check_optimizer, checked_state_dict
+from lossscale.compat._checks import check_optimizer, checked_counters
 from lossscale.compat._keras_apply import KerasVariables, checked_grads, keras_ema_rules, split_pairs, write_grads
 from lossscale.compat._keras_args import BASE_KWARGS, KerasEMA, validated
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
@@ -62,6 +62,7 @@ from lossscale.result import StepResult
 __all__ = ["LossScaleOptimizer", "BASE_KWARGS"]
 
 _CALL = "LossScaleOptimizer"
+_COUNTERS = ("iterations", "applied")  # saved step counts, checked before a load changes anything
 
 
 class LossScaleOptimizer(KerasVariables):
@@ -178,15 +179,14 @@ class LossScaleOptimizer(KerasVariables):
         if self.ema is not None:
             self.ema.copy_to(var_list)
 
-
     def state_dict(self) -> dict[str, Any]:
-        """The core optimizer's state plus ``iterations``."""
+        """The core optimizer's state plus ``iterations`` and ``applied`` (``_COUNTERS``)."""
         return {"core": self._opt.state_dict(), "iterations": int(self._iterations),
                 "applied": int(self._applied)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        checked_state_dict(f"{_CALL}.load_state_dict", state_dict, ("core", "iterations", "applied"))
+        checked_counters(f"{_CALL}.load_state_dict", state_dict, ("core", "iterations", "applied"), _COUNTERS)
         self._opt.load_state_dict(state_dict["core"])
         self._iterations.fill_(state_dict["iterations"])
         self._applied.fill_(state_dict["applied"])

@@ -53,6 +53,7 @@ from lossscale.compat._mindspore_cells import (
     _flag,
     _StatefulRule,
 )
+from lossscale.compat._checks import checked_counters
 from lossscale.compat._mindspore_train import TrainOneStepWithLossScaleCell
 
 __all__ = [
@@ -129,8 +130,10 @@ class DynamicLossScaleManager(_StatefulRule):
         return {**super().state_dict(), "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        checked_counters("DynamicLossScaleManager.load_state_dict", state_dict, ("policy_state", "bad_steps"),
+                         ("bad_steps",))
         super().load_state_dict(state_dict)
-        self.bad_steps = int(state_dict["bad_steps"])
+        self.bad_steps = state_dict["bad_steps"]
 
 
 class FixedLossScaleManager(_StatefulRule):
