@@ -143,6 +143,40 @@ LSO_LOADS = {
     "scale=tensor(0.)": (lso_dict(scale=torch.tensor(0.0)), ValueError, ("scale",)),
     "growth_tracker=2**40": (lso_dict(growth_tracker=2**40), ValueError, ("growth_tracker",)),
 }
+def mid_window(**changes):
+    """A LossScaleOptimizer with 2-step accumulation and its state dict saved after one micro-batch (it holds
+    accumulated_grads and window), with ``changes`` applied; the world's optimizer has the same parameters."""
+    def make(world):
+        opt = LossScaleOptimizer(world.opt, policy=DynamicScale(init_scale=1024.0), accumulation_steps=2)
+        opt.backward(world.loss())
+        opt.step()
+        d = opt.state_dict()
+        opt.zero_grad()  # a window in progress; the load must not change it either
+        d.update({k: (v(d) if callable(v) else v) for k, v in changes.items()})
+        return opt, d
+    return make
+
+
+def _grads_with(i, value):
+    return lambda d: [value if j == i else g for j, g in enumerate(d["accumulated_grads"])]
+
+
+LSO_LOADS.update({
+    "accumulated_grads short": (mid_window(accumulated_grads=lambda d: d["accumulated_grads"][:1]), ValueError,
+                                ("accumulated_grads", "per parameter", "(2)", "1 entries")),
+    "accumulated_grads missing": (mid_window(accumulated_grads=None), ValueError,
+                                  ("micro_step=1", "accumulated_grads")),
+    "accumulated_grads[0] wrong shape": (mid_window(accumulated_grads=_grads_with(0, torch.ones(5))), ValueError,
+                                         ("accumulated_grads[0]", "(2, 3)", "(5,)")),
+    "accumulated_grads[1] int64": (mid_window(accumulated_grads=_grads_with(1, torch.ones(2, dtype=torch.int64))),
+                                   ValueError, ("accumulated_grads[1]", "torch.int64")),
+    "accumulated_grads[0] a string": (mid_window(accumulated_grads=_grads_with(0, "g")), ValueError,
+                                      ("accumulated_grads[0]", "str")),
+    "window junk": (mid_window(window="junk"), ValueError, ("window", "'junk'")),
+    "window missing": (mid_window(window=None), ValueError, ("window", "None")),
+    "window precision float8": (mid_window(window=(True, "float8")), ValueError, ("window", "float8")),
+    "window at micro_step 0": (mid_window(micro_step=0), ValueError, ("micro_step=0", "window")),
+})
 OPTIMIZER_LOADS = [
     Bad(f"LossScaleOptimizer.load_state_dict({name})", lambda w, s: s[0].load_state_dict(s[1]), err, words, make)
     for name, (make, err, words) in LSO_LOADS.items()]

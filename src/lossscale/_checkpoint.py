@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from lossscale._validate import check_int_in_range
 from lossscale.state import checked_state_dict
 
@@ -49,11 +51,43 @@ def _validated_position(door: str, state_dict: dict[str, Any], accumulation_step
     return micro, boundaries
 
 
+_PRECISIONS = (None, "float16", "bfloat16", "float32")  # what a window records (OptimizerHooks._precision)
+
+
+def _validated_window(door: str, state_dict: dict[str, Any], params: list[Any], micro: int) -> list[Any]:
+    """The gradients accumulated so far (one entry per parameter: None, or a tensor of its shape and dtype)
+    and the window's decision ``(scaled, precision)``, both required mid-window and refused otherwise."""
+    grads, window = state_dict.get("accumulated_grads"), state_dict.get("window")
+    if not micro:
+        if grads is not None or window is not None:
+            raise ValueError(f"{door}: micro_step=0 (a window's start) holds no accumulated_grads or window; got "
+                             f"accumulated_grads={'...' if grads is not None else None}, window={window!r}.")
+        return [None] * len(params)
+    if not isinstance(grads, (list, tuple)) or len(grads) != len(params):
+        got = f"{len(grads)} entries" if isinstance(grads, (list, tuple)) else repr(type(grads).__name__)
+        raise ValueError(f"{door}: micro_step={micro} (mid-window) needs accumulated_grads, one entry (None or a "
+                         f"tensor) per parameter of the inner optimizer ({len(params)}); got {got}.")
+    for i, (p, grad) in enumerate(zip(params, grads)):
+        if grad is not None and not (isinstance(grad, torch.Tensor) and grad.shape == p.shape
+                                     and grad.dtype == p.dtype):
+            shown = (f"{grad.dtype} of shape {tuple(grad.shape)}" if isinstance(grad, torch.Tensor)
+                     else type(grad).__name__)
+            raise ValueError(f"{door}: accumulated_grads[{i}] must be None or a {p.dtype} tensor of shape "
+                             f"{tuple(p.shape)} (its parameter's); got {shown}.")
+    if not (isinstance(window, (list, tuple)) and len(window) == 2 and isinstance(window[0], bool)
+            and window[1] in _PRECISIONS):
+        raise ValueError(f"{door}: micro_step={micro} (mid-window) needs window = (scaled: bool, precision: one of "
+                         f"{list(_PRECISIONS)}); got {window!r}.")
+    return list(grads)
+
+
 def load_optimizer_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     """Restore what :func:`optimizer_state_dict` saved; nothing changes unless every part is valid."""
     door = "LossScaleOptimizer.load_state_dict"
     run = opt._run
     micro, boundaries = _validated_position(door, state_dict, opt.options.accumulation_steps)
+    params = [p for g in opt.inner.param_groups for p in g["params"]]
+    grads = _validated_window(door, state_dict, params, micro)
     before = opt._owner.state_dict()
     opt._owner.load_state_dict(state_dict["policy_state"], f"{door} (key 'policy_state')")
     try:
@@ -62,10 +96,9 @@ def load_optimizer_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         opt._owner.load_state_dict(before)
         raise
     run.micro, run.boundaries = micro, boundaries
-    params = [p for g in opt.inner.param_groups for p in g["params"]]
-    for p, grad in zip(params, state_dict.get("accumulated_grads", [None] * len(params))):
+    for p, grad in zip(params, grads):
         p.grad = None if grad is None else grad.to(p.device).clone()
-    run.window = state_dict.get("window")
+    run.window = None if state_dict.get("window") is None else tuple(state_dict["window"])
     if run.layers is not None and "layerwise" in state_dict:
         run.layers.load_state_dict(state_dict["layerwise"])
     if opt.options.ema is not None and "ema" in state_dict:
