@@ -81,6 +81,23 @@ def _validated_window(door: str, state_dict: dict[str, Any], params: list[Any], 
     return list(grads)
 
 
+def _parts(opt: Any, state_dict: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(key, owner) of each optional part the optimizer has and the checkpoint holds."""
+    run = opt._run
+    parts = [("ema", opt.options.ema), ("layerwise", run.layers), ("schedule", run.schedule)]
+    return [(key, owner) for key, owner in parts if owner is not None and key in state_dict]
+
+
+def _check_parts(door: str, opt: Any, state_dict: dict[str, Any]) -> None:
+    """The EMA's, the per-layer scales' and the schedule's parts, each by its owner's own check (changes
+    nothing), so that a bad part is refused before the scale or the inner optimizer is loaded."""
+    for key, owner in _parts(opt, state_dict):
+        owner.check_state_dict(state_dict[key])
+    if "seen_switch" in state_dict and not isinstance(state_dict["seen_switch"], bool):
+        raise ValueError(f"{door}: seen_switch must be a bool (whether the run reported its switch back to the "
+                         f"original precision); got {state_dict['seen_switch']!r}.")
+
+
 def load_optimizer_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     """Restore what :func:`optimizer_state_dict` saved; nothing changes unless every part is valid."""
     door = "LossScaleOptimizer.load_state_dict"
@@ -88,6 +105,7 @@ def load_optimizer_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     micro, boundaries = _validated_position(door, state_dict, opt.options.accumulation_steps)
     params = [p for g in opt.inner.param_groups for p in g["params"]]
     grads = _validated_window(door, state_dict, params, micro)
+    _check_parts(door, opt, state_dict)
     before = opt._owner.state_dict()
     opt._owner.load_state_dict(state_dict["policy_state"], f"{door} (key 'policy_state')")
     try:
@@ -99,10 +117,7 @@ def load_optimizer_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     for p, grad in zip(params, grads):
         p.grad = None if grad is None else grad.to(p.device).clone()
     run.window = None if state_dict.get("window") is None else tuple(state_dict["window"])
-    if run.layers is not None and "layerwise" in state_dict:
-        run.layers.load_state_dict(state_dict["layerwise"])
-    if opt.options.ema is not None and "ema" in state_dict:
-        opt.options.ema.load_state_dict(state_dict["ema"])
+    for key, owner in _parts(opt, state_dict):
+        owner.load_state_dict(state_dict[key])
     if run.schedule is not None and "schedule" in state_dict:
-        run.schedule.load_state_dict(state_dict["schedule"])
-        run.seen_switch = bool(state_dict.get("seen_switch", run.schedule.switched))
+        run.seen_switch = state_dict.get("seen_switch", run.schedule.switched)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -26,13 +26,7 @@ class EMA:
     """
 
     def __init__(self, momentum: float = 0.99, overwrite_every: int | None = None) -> None:
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
-            raise ArgumentTypeError(f"EMA(momentum={momentum!r}): momentum must be a number in [0, 1); got "
-                                    f"{type(momentum).__name__}.")
-        if not (0.0 <= momentum < 1.0):
-            raise ValueError(f"EMA(momentum={momentum!r}): momentum must be in [0, 1); got {momentum!r}.")
-        if overwrite_every is not None:
-            check_int_at_least("EMA", "overwrite_every", overwrite_every, 1)
+        _check_config("EMA", momentum, overwrite_every)
         self.momentum = float(momentum)
         self.overwrite_every = overwrite_every
         self.params: list[torch.Tensor] = []
@@ -63,9 +57,54 @@ class EMA:
         return {"momentum": self.momentum, "overwrite_every": self.overwrite_every,
                 "shadow": [s.clone() for s in self.shadow]}
 
+    def check_state_dict(self, state: Any) -> None:
+        """Raise unless ``state`` is what :meth:`state_dict` saved for this EMA: the same momentum and
+        overwrite_every (build the EMA with the saved ones to resume it), and one finite shadow tensor per
+        tracked parameter, of its shape and dtype (a shadow is written into the weights by ``overwrite_every``
+        and :meth:`copy_to`, so a non-finite one would corrupt them). Changes nothing."""
+        call = "EMA.load_state_dict"
+        if not isinstance(state, dict) or not {"momentum", "overwrite_every", "shadow"} <= state.keys():
+            raise ValueError(f"{call}(state={state!r:.80}): state must be the dict EMA.state_dict() returned "
+                             f"(keys momentum, overwrite_every, shadow).")
+        _check_config(call, state["momentum"], state["overwrite_every"])
+        saved, ours = (state["momentum"], state["overwrite_every"]), (self.momentum, self.overwrite_every)
+        if saved != ours:
+            raise ValueError(f"{call}: the checkpoint was saved by EMA(momentum={saved[0]!r}, overwrite_every="
+                             f"{saved[1]!r}); this one is EMA(momentum={ours[0]!r}, overwrite_every={ours[1]!r}). "
+                             f"Build the EMA with the saved arguments to resume it.")
+        shadow = state["shadow"]
+        if not isinstance(shadow, (list, tuple)) or len(shadow) != len(self.shadow):
+            got = f"{len(shadow)} tensors" if isinstance(shadow, (list, tuple)) else type(shadow).__name__
+            raise ValueError(f"{call}: shadow must hold one tensor per tracked parameter ({len(self.shadow)}); "
+                             f"got {got}.")
+        for i, (ours_t, theirs) in enumerate(zip(self.shadow, shadow)):
+            if not (isinstance(theirs, torch.Tensor) and theirs.shape == ours_t.shape
+                    and theirs.dtype == ours_t.dtype and bool(torch.isfinite(theirs).all())):
+                raise ValueError(f"{call}: shadow[{i}] must be a finite {ours_t.dtype} tensor of shape "
+                                 f"{tuple(ours_t.shape)}; got {_described(theirs)}.")
+
     def load_state_dict(self, state: dict) -> None:
-        if len(state["shadow"]) != len(self.shadow):
-            raise ValueError(f"EMA.load_state_dict: the checkpoint has {len(state['shadow'])} shadow tensors, "
-                             f"this EMA tracks {len(self.shadow)}.")
-        for s, v in zip(self.shadow, state["shadow"]):
-            s.copy_(v)
+        """Restore :meth:`state_dict` (checked whole first: :meth:`check_state_dict`; one host read per
+        tensor for the finiteness check)."""
+        self.check_state_dict(state)
+        with torch.no_grad():
+            for s, v in zip(self.shadow, state["shadow"]):
+                s.copy_(v)
+
+
+def _check_config(call: str, momentum: Any, overwrite_every: Any) -> None:
+    """momentum a number in [0, 1); overwrite_every None or an int >= 1 (the one check of both doors)."""
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+        raise ArgumentTypeError(f"{call}(momentum={momentum!r}): momentum must be a number in [0, 1); got "
+                                f"{type(momentum).__name__}.")
+    if not (0.0 <= momentum < 1.0):
+        raise ValueError(f"{call}(momentum={momentum!r}): momentum must be in [0, 1); got {momentum!r}.")
+    if overwrite_every is not None:
+        check_int_at_least(call, "overwrite_every", overwrite_every, 1)
+
+
+def _described(value: Any) -> str:
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    finite = "" if not value.is_floating_point() or bool(torch.isfinite(value).all()) else "non-finite "
+    return f"a {finite}{value.dtype} tensor of shape {tuple(value.shape)}"

@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from lossscale._layer_state import checked_layer_state
 from lossscale._validate import check_int_at_least
 
 __all__ = ["LayerScales"]
@@ -259,16 +260,18 @@ class LayerScales:
         return {"units": [n for n, _ in self.units], "order": list(self._order),
                 **{k: getattr(self, k).tolist() for k in ("exponent", "level", "observed", "penalty")}}
 
+    def check_state_dict(self, state: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Raise unless ``state`` is :meth:`state_dict`'s output for these units (same names, same order; finite
+        values); returns what :meth:`load_state_dict` installs. Changes nothing."""
+        like = {k: getattr(self, k) for k in ("exponent", "level", "observed", "penalty")}
+        return checked_layer_state([n for n, _ in self.units], state, like)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; the units must have the same names in the same order."""
-        names = [n for n, _ in self.units]
-        if state.get("units") != names:
-            raise ValueError(f"LayerScales.load_state_dict: the checkpoint's units {state.get('units')!r} differ "
-                             f"from this model's {names!r}.")
-        for k in ("exponent", "level", "observed", "penalty"):
-            old = getattr(self, k)
-            setattr(self, k, torch.as_tensor(state[k], dtype=old.dtype, device=old.device))
-        self._set_order(list(state["order"]))
+        """Restore :meth:`state_dict`'s output, checked whole first (:meth:`check_state_dict`)."""
+        tensors, order = self.check_state_dict(state)
+        for k, value in tensors.items():
+            setattr(self, k, value)
+        self._set_order(order)
 
     def remove(self) -> None:
         """Remove the hooks (the model then backpropagates at the global scale only)."""

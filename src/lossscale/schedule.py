@@ -240,14 +240,18 @@ class PrecisionSchedule:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the mode must match (total_steps/target_loss may change on resume)."""
+        self._state = self.check_state_dict(state_dict)
+        self._told = True
+
+    def check_state_dict(self, state_dict: Any) -> ScheduleState:
+        """The state :meth:`load_state_dict` would install, or the error it would raise; changes nothing."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"{self!r}.load_state_dict(state_dict={state_dict!r}): state_dict must be a dict "
                             f"from PrecisionSchedule.state_dict(); got {type(state_dict).__name__}.")
         if state_dict.get("mode") != self.config.mode:
             raise ValueError(f"{self!r}.load_state_dict(...): the checkpoint was saved by a schedule with mode "
                              f"{state_dict.get('mode')!r}; build the schedule with that mode to resume it.")
-        self._state = _checked_state(f"{self!r}.load_state_dict", state_dict)
-        self._told = True
+        return _checked_state(f"{self!r}.load_state_dict", state_dict)
 
 
 def _checked_state(call: str, state_dict: dict[str, Any]) -> ScheduleState:
