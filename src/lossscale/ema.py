@@ -66,7 +66,6 @@ class EMA:
         if not isinstance(state, dict) or not {"momentum", "overwrite_every", "shadow"} <= state.keys():
             raise ValueError(f"{call}(state={state!r:.80}): state must be the dict EMA.state_dict() returned "
                              f"(keys momentum, overwrite_every, shadow).")
-        _check_config(call, state["momentum"], state["overwrite_every"])
         saved, ours = (state["momentum"], state["overwrite_every"]), (self.momentum, self.overwrite_every)
         if saved != ours:
             raise ValueError(f"{call}: the checkpoint was saved by EMA(momentum={saved[0]!r}, overwrite_every="
