@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from lossscale._validate import check_int_in_range
+from lossscale._validate import check_int_in_range, unlike_tensor
 from lossscale.state import checked_state_dict
 
 __all__ = ["optimizer_state_dict", "load_optimizer_state_dict"]
@@ -68,12 +66,10 @@ def _validated_window(door: str, state_dict: dict[str, Any], params: list[Any], 
         raise ValueError(f"{door}: micro_step={micro} (mid-window) needs accumulated_grads, one entry (None or a "
                          f"tensor) per parameter of the inner optimizer ({len(params)}); got {got}.")
     for i, (p, grad) in enumerate(zip(params, grads)):
-        if grad is not None and not (isinstance(grad, torch.Tensor) and grad.shape == p.shape
-                                     and grad.dtype == p.dtype):
-            shown = (f"{grad.dtype} of shape {tuple(grad.shape)}" if isinstance(grad, torch.Tensor)
-                     else type(grad).__name__)
+        got = None if grad is None else unlike_tensor(grad, p)
+        if got is not None:
             raise ValueError(f"{door}: accumulated_grads[{i}] must be None or a {p.dtype} tensor of shape "
-                             f"{tuple(p.shape)} (its parameter's); got {shown}.")
+                             f"{tuple(p.shape)} (its parameter's); got {got}.")
     if not (isinstance(window, (list, tuple)) and len(window) == 2 and isinstance(window[0], bool)
             and window[1] in _PRECISIONS):
         raise ValueError(f"{door}: micro_step={micro} (mid-window) needs window = (scaled: bool, precision: one of "

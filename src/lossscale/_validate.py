@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
+import torch
+
 
 class ArgumentTypeError(TypeError, ValueError):
     """An argument of the wrong type. A TypeError, and also a ValueError, which these checks raised for
@@ -74,3 +76,14 @@ def check_positive_or_none(call: str, name: str, value: Any) -> None:
     _require_real(call, name, value, "None or a finite number > 0")
     if not (0 < value < math.inf):
         raise ValueError(f"{call}({name}={value!r}): {name} must be None or a finite number > 0; got {value!r}.")
+
+
+def unlike_tensor(value: Any, like: Any, *, finite: bool = False) -> str | None:
+    """None where ``value`` is a tensor of ``like``'s shape and dtype (and all finite, with ``finite``: one host
+    read); else what it is, for an error message ("str", "a torch.float64 tensor of shape (5,)", ...)."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    bad = finite and value.is_floating_point() and not bool(torch.isfinite(value).all())
+    if value.shape == like.shape and value.dtype == like.dtype and not bad:
+        return None
+    return f"a {'non-finite ' if bad else ''}{value.dtype} tensor of shape {tuple(value.shape)}"

@@ -6,7 +6,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lossscale._validate import ArgumentTypeError, check_int_at_least
+from lossscale._validate import ArgumentTypeError, check_int_at_least, unlike_tensor
 
 __all__ = ["EMA"]
 
@@ -77,10 +77,10 @@ class EMA:
             raise ValueError(f"{call}: shadow must hold one tensor per tracked parameter ({len(self.shadow)}); "
                              f"got {got}.")
         for i, (ours_t, theirs) in enumerate(zip(self.shadow, shadow)):
-            if not (isinstance(theirs, torch.Tensor) and theirs.shape == ours_t.shape
-                    and theirs.dtype == ours_t.dtype and bool(torch.isfinite(theirs).all())):
+            got = unlike_tensor(theirs, ours_t, finite=True)
+            if got is not None:
                 raise ValueError(f"{call}: shadow[{i}] must be a finite {ours_t.dtype} tensor of shape "
-                                 f"{tuple(ours_t.shape)}; got {_described(theirs)}.")
+                                 f"{tuple(ours_t.shape)}; got {got}.")
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (checked whole first: :meth:`check_state_dict`; one host read per
@@ -101,9 +101,3 @@ def _check_config(call: str, momentum: Any, overwrite_every: Any) -> None:
     if overwrite_every is not None:
         check_int_at_least(call, "overwrite_every", overwrite_every, 1)
 
-
-def _described(value: Any) -> str:
-    if not isinstance(value, torch.Tensor):
-        return type(value).__name__
-    finite = "" if not value.is_floating_point() or bool(torch.isfinite(value).all()) else "non-finite "
-    return f"a {finite}{value.dtype} tensor of shape {tuple(value.shape)}"
