@@ -1,33 +1,33 @@
 """lossscale: dynamic loss scaling for PyTorch mixed precision, on one sync-free policy engine."""
 
-from lossscale import presets
-from lossscale.diagnostics import HostReadCounter
-from lossscale.ema import EMA
-from lossscale.metrics import StepLogger
+from lossscale.addons.ema import EMA
+from lossscale.addons.schedule import PrecisionSchedule
 from lossscale.optimizer import LossScaleOptimizer
-from lossscale.policy import DynamicScale, FixedScale, FloorError, Policy, ScaleState
-from lossscale.predictive import PredictiveScale
-from lossscale.result import StepResult
-from lossscale.schedule import PrecisionSchedule
-from lossscale.scaler import GradScaler, ScalerStep
+from lossscale.policies import presets
+from lossscale.policies.base import FixedScale, FloorError, Policy, ScaleState
+from lossscale.policies.dynamic import DynamicScale
+from lossscale.policies.predictive import PredictiveScale
+from lossscale.reporting import HostReadCounter, ScalerStep, StepLogger, StepResult
+from lossscale.scaler import GradScaler
 from lossscale.state import LossScale
 
 __all__ = [
     "DynamicScale",
     "EMA",
-    "LossScaleOptimizer",
-    "StepResult",
     "FixedScale",
     "FloorError",
     "GradScaler",
     "HostReadCounter",
     "LossScale",
+    "LossScaleOptimizer",
     "Policy",
     "PrecisionSchedule",
     "PredictiveScale",
     "ScaleState",
     "ScalerStep",
     "StepLogger",
+    "StepResult",
+    "presets",
 ]
 
 __version__ = "0.1.0"

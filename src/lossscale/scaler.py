@@ -11,26 +11,35 @@ from outside is validated (:func:`~lossscale.scale_value.checked_scale`).
 
 from __future__ import annotations
 
-from collections import abc
+import dataclasses
+import math
+from collections import abc, defaultdict
 from typing import Any, Iterable
 
 import torch
 from torch.amp.grad_scaler import OptState
 
-from lossscale import _prepared_update
-from lossscale import distributed as _dist
-from lossscale import step as stages
-from lossscale._validate import ArgumentTypeError
-from lossscale._scaler_state import ScalerCheckpoint, policy_from_args
-from lossscale._torch_private import TorchPrivateAttributes
-from lossscale.overflow import OverflowMode, check_mode, saturation_threshold
-from lossscale.policy import Policy
-from lossscale.result import ScalerStep
+from lossscale import stages
+from lossscale.checks import ArgumentTypeError, StateDictError
+from lossscale.ops import distributed as _dist
+from lossscale.ops.overflow import OverflowMode, check_mode, check_with_amax_, saturation_threshold, unscale_and_check_
+from lossscale.policies.base import Policy, check_policy
+from lossscale.policies.dynamic import DynamicScale
+from lossscale.reporting import ScalerStep
 from lossscale.state import LossScale
 
-__all__ = ["GradScaler", "ScalerStep"]
+__all__ = ["GradScaler"]
 
-class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
+_TORCH_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+_TORCH_COPIES = {"scale": "scale", "_growth_tracker": "growth_tracker"}  # torch's key -> policy_state's field
+
+
+def _fresh_record() -> dict[str, Any]:
+    """torch's ``_refresh_per_optimizer_state()``: equal to it, so code comparing with it still works."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+class GradScaler:
     """Dynamic loss scaling with ``torch.amp.GradScaler``'s calls, on a sync-free policy.
 
     Usage is torch's::
@@ -55,13 +64,11 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         process_group: Where found_inf is reduced when torch.distributed is initialized (default: world).
     """
 
-    _one_optimizer = True  # whether the last update() saw one optimizer (_prepared_update); set per instance
-
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  policy: Policy | None = None, overflow_mode: OverflowMode = "inf_nan",
                  saturation_dtype: torch.dtype = torch.float16, process_group: Any = None) -> None:
-        policy = policy_from_args(policy, dict(init_scale=init_scale, growth_factor=growth_factor,
+        policy = _policy_from_args(policy, dict(init_scale=init_scale, growth_factor=growth_factor,
                                                 backoff_factor=backoff_factor, growth_interval=growth_interval))
         check_mode("GradScaler", overflow_mode)
         if not isinstance(enabled, bool):
@@ -71,7 +78,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         self.overflow_mode = overflow_mode
         self._threshold = saturation_threshold(saturation_dtype)
         self.process_group = process_group
-        self._owner = LossScale(policy)
+        self._loss_scale = LossScale(policy)
         self._placed = False  # whether the state has moved to the device of the first scaled output
         self._replicas: dict[torch.device, torch.Tensor] = {}
         self._loss_finite: torch.Tensor | None = None  # every scaled output finite (policies that observe it)
@@ -81,23 +88,32 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
 
     @property
     def loss_scale(self) -> LossScale:
-        """The one owner of the scale and counters."""
-        return self._owner
+        """The object that holds the policy and its state (scale, counters)."""
+        return self._loss_scale
+
+    @property
+    def policy(self) -> Policy:
+        """The frozen rule."""
+        return self._loss_scale.policy
+
+    def _reset_records(self) -> None:
+        self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(_fresh_record)
+        self._amax_seen: list[torch.Tensor] = []  # this iteration's gradient maxima (policies that observe them)
 
     def _place(self, device: torch.device) -> None:
         if not self._placed:
-            self._owner.to(device)
+            self._loss_scale.to(device)
             self._placed = True
 
     def _require_state(self, call: str) -> LossScale:
         if not self._placed:
             raise RuntimeError(f"{call} was called before scale(): call scaler.scale(loss).backward() earlier in "
                                f"the iteration so the scaler knows the scale and its device.")
-        return self._owner
+        return self._loss_scale
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         """The scale on ``device``, copied once per device and value (the owner may change it)."""
-        scale = self._owner.scale
+        scale = self._loss_scale.scale
         if self._replicas.get(scale.device) is not scale:
             self._replicas = {scale.device: scale}
         if device not in self._replicas:
@@ -114,8 +130,8 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
                 self._place(value.device)
-                if self._owner.policy.observes_loss_finite:  # whether the losses themselves were finite
-                    finite = torch.isfinite(value.detach()).all().to(self._owner.device)
+                if self._loss_scale.policy.observes_loss_finite:  # whether the losses themselves were finite
+                    finite = torch.isfinite(value.detach()).all().to(self._loss_scale.device)
                     self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
                 return value * self._scale_on(value.device)
             if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
@@ -152,7 +168,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         """found_inf per device, summed onto the scale's device and reduced over ranks when distributed."""
         if not found or not _dist.active(self.process_group):
             return found
-        device = self._owner.device
+        device = self._loss_scale.device
         total = torch.zeros((), dtype=torch.float32, device=device)
         for t in found.values():
             total += t.to(device, non_blocking=True)
@@ -162,7 +178,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         """Every recorded check's found_inf, summed on the scale's device: a count, > 0 where anything
         overflowed (what policies and ``bool()`` take). For one device, the record's own tensor: no op; read
         it, never write it."""
-        device = self._owner.device
+        device = self._loss_scale.device
         values = [t.to(device, non_blocking=True) for r in records for t in r["found_inf_per_device"].values()]
         if not values:
             raise stages.NoGradientsError(f"{call}: No inf checks were recorded for this optimizer: no gradient "
@@ -192,11 +208,8 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         if record["stage"] is OptState.READY:
             self.unscale_(optimizer)
         overflow = self._found_inf_sum([record], "GradScaler.step(optimizer)")  # a count: > 0 overflowed
-        applied = stages.applies_on_host(overflow)  # the one host read, as torch
-        self._prepare_update(record, overflow, applied)
-        value = optimizer.step(*args, **kwargs) if applied else None
+        value = optimizer.step(*args, **kwargs) if stages.applies_on_host(overflow) else None  # one host read
         record["stage"] = OptState.STEPPED
-        record["clean_on_host"] = applied  # the policy's update may skip what only an overflow needs
         return ScalerStep(overflow=overflow, value=value)
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, record: dict, *args: Any, **kwargs: Any) -> ScalerStep:
@@ -206,27 +219,24 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             value = optimizer.step(*args, **dict(kwargs, grad_scaler=self))  # it unscales and skips itself
             record["stage"] = OptState.STEPPED
             found = list(record["found_inf_per_device"].values())
-            overflow = (sum(f.to(self._owner.device) for f in found) > 0) if found else torch.zeros(
-                (), dtype=torch.bool, device=self._owner.device)
+            overflow = (sum(f.to(self._loss_scale.device) for f in found) > 0) if found else torch.zeros(
+                (), dtype=torch.bool, device=self._loss_scale.device)
             return ScalerStep(overflow=overflow, value=value)
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)  # guards the scale the kernel divides by, too
             # a tensor of the kernel's own, as torch hands it: the optimizer never holds the owner's scale
-            grad_scale = self._owner.scale * getattr(optimizer, "grad_scale", 1)
+            grad_scale = self._loss_scale.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = None  # unscale_() already divided the gradients
         count = self._found_inf_sum([record], "GradScaler.step(optimizer)")
         found_inf = count.clamp(max=1.0)  # a 0/1 flag of the kernel's own (it may keep what it is handed)
-        self._prepare_update(record, count, False)
         value = stages.fused_step_(optimizer, grad_scale, found_inf, *args, **kwargs)
         record["stage"] = OptState.STEPPED
         return ScalerStep(overflow=found_inf, value=value)  # the kernel reads found_inf, never writes it
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Advance the policy with this iteration's overflow, or set ``new_scale`` (validated; one host read
-        for a tensor). No host read otherwise, unless the policy raises at its floor (``at_floor="raise"``).
-        With one optimizer, installs the next state ``step()`` computed before the optimizer ran
-        (:mod:`lossscale._prepared_update`)."""
+        """Advance the policy with this iteration's overflow, or set ``new_scale`` (checked; one host read for a
+        tensor on an accelerator). No host read otherwise, unless the policy raises at its floor."""
         if not self._enabled:
             return
         owner = self._require_state("update()")
@@ -237,12 +247,7 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             if not seen:
                 raise RuntimeError("update() was called without unscale_() or step() since the last update(); call "
                                    "scaler.step(optimizer) (which unscales) before update().")
-            self._one_optimizer = len(seen) == 1
-            prepared = _prepared_update.prepared_for(self._prepared, seen, self._loss_finite)
-            if prepared is not None:
-                owner.commit(prepared)
-            else:
-                self._advance(owner, seen)
+            self._advance(owner, seen)
         self._loss_finite = None
         self._reset_records()
 
@@ -254,26 +259,196 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
             maxima = [a.to(owner.device) for a in self._amax_seen]
             amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=owner.device)
             stages.agree_amax_(amax, self.process_group)
-        clean = all(r.get("clean_on_host", False) for r in seen)
-        owner.update(found_inf, amax, self._loss_finite, clean_on_host=clean)
-
-    def _prepare_update(self, record: dict, count: torch.Tensor, clean_on_host: bool) -> None:
-        """Compute the policy's next state now, before the optimizer runs, where update() can install it."""
-        self._prepared = _prepared_update.prepare(self._owner, self._per_optimizer_states, record, count,
-                                                  self._loss_finite, clean_on_host=clean_on_host,
-                                                  one_optimizer=self._one_optimizer, ready=OptState.READY)
+        owner.update(found_inf, amax, self._loss_finite)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a host read); 1.0 when disabled."""
-        return float(self._owner.scale) if self._enabled else 1.0
+        return float(self._loss_scale.scale) if self._enabled else 1.0
 
     def get_scale_tensor(self) -> torch.Tensor | None:
         """The current scale as a 0-d tensor on its device (no host read); None before the first scale()."""
-        return self._owner.scale if self._placed else None
+        return self._loss_scale.scale if self._placed else None
 
     def is_enabled(self) -> bool:
         """Whether scaling is on."""
         return self._enabled
+
+    # --- torch's knobs of the dynamic rule, and checkpoints --------------------------------------
+
+    def _dynamic(self, call: str) -> DynamicScale:
+        if not isinstance(self.policy, DynamicScale):
+            raise TypeError(f"GradScaler.{call}: only a DynamicScale policy has this knob; "
+                            f"the policy is {type(self.policy).__name__}.")
+        return self.policy
+
+    def get_growth_factor(self) -> float:
+        return self._dynamic("get_growth_factor()").growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._loss_scale.set_policy(dataclasses.replace(self._dynamic("set_growth_factor()"), growth_factor=new_factor))
+
+    def get_backoff_factor(self) -> float:
+        return self._dynamic("get_backoff_factor()").backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._loss_scale.set_policy(dataclasses.replace(self._dynamic("set_backoff_factor()"), backoff_factor=new_factor))
+
+    def get_growth_interval(self) -> int:
+        return self._dynamic("get_growth_interval()").growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._loss_scale.set_policy(dataclasses.replace(self._dynamic("set_growth_interval()"),
+                                                   growth_interval=new_interval))
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker``) where the policy has them, plus ``policy_state`` (every state field).
+        Empty when disabled, as in torch. Reads the state on the host. ``torch.amp.GradScaler`` loads
+        it only with a :class:`DynamicScale` policy (it needs the growth/backoff keys)."""
+        if not self._enabled:
+            return {}
+        values = self._loss_scale.state_dict()
+        out: dict[str, Any] = {"scale": float(values["scale"])}
+        if isinstance(self.policy, DynamicScale):
+            out.update(growth_factor=self.policy.growth_factor, backoff_factor=self.policy.backoff_factor,
+                       growth_interval=self.policy.growth_interval)
+        if "growth_tracker" in values:
+            out["_growth_tracker"] = int(values["growth_tracker"])
+        out["policy_state"] = values
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from our ``state_dict()`` or from ``torch.amp.GradScaler.state_dict()``; the whole dict
+        is validated before anything changes (a bad scale raises here, naming the key)."""
+        if not self._enabled:
+            return
+        call = "GradScaler.load_state_dict(state_dict)"
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{call}: state_dict must be a dict; got {type(state_dict).__name__}.")
+        if not state_dict:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled "
+                               "instance of GradScaler: GradScaler.load_state_dict({}) has nothing to restore.")
+        policy = self._policy_from(state_dict, call)
+        if "policy_state" in state_dict:  # ours: the whole record
+            values = state_dict["policy_state"]
+            _check_copies_agree(state_dict, call)
+        else:  # torch's format
+            if "scale" not in state_dict:
+                raise StateDictError(f"{call}: the state dict has neither 'policy_state' nor torch's 'scale'; got "
+                                     f"keys {sorted(state_dict)}.")
+            values = self._loss_scale.state_dict()
+            values["scale"] = state_dict["scale"]
+            if "_growth_tracker" in state_dict and "growth_tracker" in values:
+                values["growth_tracker"] = state_dict["_growth_tracker"]
+        self._loss_scale.load_state_dict(values, call)
+        self._loss_scale.set_policy(policy)
+        self._replicas = {}
+
+    def _policy_from(self, state_dict: dict[str, Any], call: str) -> Any:
+        """The policy with torch's three knobs from ``state_dict`` (a DynamicScale; validated), else unchanged."""
+        policy = self._loss_scale.policy
+        knobs = ("growth_factor", "backoff_factor", "growth_interval")
+        if not isinstance(policy, DynamicScale) or not any(k in state_dict for k in knobs):
+            return policy
+        missing = [k for k in knobs if k not in state_dict]
+        missing += ["scale"] if "scale" not in state_dict and "policy_state" not in state_dict else []
+        if missing:
+            raise StateDictError(f"{call}: torch's format holds scale, growth_factor, backoff_factor and "
+                                 f"growth_interval together; missing {missing} (got keys {sorted(state_dict)}).")
+        return dataclasses.replace(policy, **{k: state_dict[k] for k in knobs})
+
+    # --- torch's private surface ----------------------------------------------------------------
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        return self._loss_scale.scale if self._placed else None
+
+    @_scale.setter
+    def _scale(self, value: Any) -> None:
+        if value is None:
+            raise ValueError("GradScaler._scale = None: the scale cannot be unset; assign a float or a one-element "
+                             "tensor, or use update(new_scale=...).")
+        if isinstance(value, torch.Tensor) and not self._placed:
+            self._lazy_init_scale_growth_tracker(value.device)
+        self._loss_scale.set_scale(value, f"GradScaler._scale = {value!r}", "_scale")
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        state = self._loss_scale.state
+        return state.growth_tracker if self._placed and hasattr(state, "growth_tracker") else None
+
+    @property
+    def _init_scale(self) -> float:
+        return float(self._loss_scale.scale)
+
+    @_init_scale.setter
+    def _init_scale(self, value: Any) -> None:
+        self._loss_scale.set_scale(value, f"GradScaler._init_scale = {value!r}", "_init_scale")
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return int(getattr(self._loss_scale.state, "growth_tracker", 0))
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: Any) -> None:
+        values = self._loss_scale.state_dict()
+        if "growth_tracker" not in values:
+            raise AttributeError(f"GradScaler._init_growth_tracker = {value!r}: the policy "
+                                 f"{type(self._loss_scale.policy).__name__} keeps no growth tracker.")
+        values["growth_tracker"] = value
+        self._loss_scale.load_state_dict(values, f"GradScaler._init_growth_tracker = {value!r}")
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        """Place the state on ``dev`` (torch creates its tensors here; ours exist from the start)."""
+        self._loss_scale.to(dev)
+        self._placed = True
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._scale
+
+    def _get_growth_tracker(self) -> int:
+        return self._init_growth_tracker if self._enabled else 0
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        """Unscale ``optimizer``'s gradients by ``inv_scale`` in place; return found_inf per device (each a
+        copy of ``found_inf``, set to 1.0 where this check overflowed: a 0/1 flag from a 0/1 start). One
+        read+write pass (saturation: one read more); for a policy that observes amax, one more read (recorded
+        for ``update()``). No host read."""
+        groups = stages.grouped_gradients(optimizer, "GradScaler.unscale_(optimizer)", allow_fp16=allow_fp16,
+                                          required=False)
+        found: dict[torch.device, torch.Tensor] = {}
+        for (device, _), group in groups.items():
+            if device not in found:
+                found[device] = found_inf.to(device, copy=True)
+            if self._loss_scale.policy.observes_amax:
+                self._amax_seen.append(check_with_amax_(group, found[device], self.overflow_mode, self._threshold))
+            inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
+            unscale_and_check_(group, found[device], inv, self.overflow_mode, self._threshold)
+        return found  # torch's kernel and our checks set 1.0, never add: found_inf's copy, or 1.0, as torch's
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """A read-only check of ``optimizer``'s gradients, recorded for it (found_inf per device), for a fused
+        optimizer that then divides them by the scale: a scale it must not divide by counts as an overflow
+        (:func:`~lossscale.step.guarded_found`, in the first device's flag). One read pass (``aminmax`` for
+        saturation or amax); no write, no host read."""
+        record = self._per_optimizer_states[id(optimizer)]
+        groups = stages.grouped_gradients(optimizer, "GradScaler.step(optimizer)", required=False)
+        found: dict[torch.device, torch.Tensor] = {}
+        for (device, dtype), group in groups.items():
+            if not found:  # the first flag is born with the scale's verdict
+                found[device] = stages.guarded_found(self._loss_scale.scale, device)
+            elif device not in found:
+                found[device] = torch.zeros((), dtype=torch.float32, device=device)
+            amax = stages.measure_({(device, dtype): group}, found[device], self.overflow_mode, self._threshold,
+                                   amax=self._loss_scale.policy.observes_amax)
+            if amax is not None:
+                self._amax_seen.append(amax)
+        record["found_inf_per_device"] = self._agreed(found)
+        return record["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     # --- attribution -------------------------------------------------------------------------
 
@@ -297,3 +472,38 @@ class GradScaler(ScalerCheckpoint, TorchPrivateAttributes):
         state["_replicas"] = {}
         state["process_group"] = None
         return state  # restored by default (the instance's __dict__ updated with it)
+
+
+def _policy_from_args(policy: Policy | None, torch_args: dict[str, Any]) -> Policy:
+    """torch's four arguments as a DynamicScale, or ``policy`` (then those arguments must be left alone)."""
+    if policy is None:
+        return DynamicScale(**torch_args)
+    changed = {k: v for k, v in torch_args.items() if v != _TORCH_DEFAULTS[k]}
+    if changed:
+        raise ValueError(f"GradScaler(policy=..., {', '.join(f'{k}={v!r}' for k, v in changed.items())}): pass "
+                         f"either policy= or torch's scale arguments, not both; got both.")
+    check_policy("GradScaler", policy)
+    return policy
+
+
+def _check_copies_agree(state_dict: dict[str, Any], call: str) -> None:
+    """Our ``state_dict()`` writes the scale and the growth tracker twice (torch's keys, and the whole record
+    in ``policy_state``); a dict whose two copies differ was edited in one place, and loading either would
+    silently drop the other edit: raise, naming both."""
+    record = state_dict["policy_state"]
+    if not isinstance(record, dict):
+        return  # the record's own validation names it
+    for key, field in _TORCH_COPIES.items():
+        if key in state_dict and field in record and _differ(state_dict[key], record[field]):
+            raise StateDictError(
+                f"{call}: state_dict[{key!r}] = {state_dict[key]!r} and state_dict['policy_state'][{field!r}] = "
+                f"{record[field]!r} disagree (state_dict() writes both); set both to the value you mean, or "
+                f"remove 'policy_state' to load torch's keys alone.")
+
+
+def _differ(torch_value: Any, recorded: Any) -> bool:
+    """Whether torch's copy differs from the record's (a record value that is not a finite number is left to
+    the record's validation, which names it)."""
+    if not isinstance(recorded, (int, float)) or isinstance(recorded, bool) or not math.isfinite(recorded):
+        return False
+    return not isinstance(torch_value, (int, float)) or float(torch_value) != float(recorded)

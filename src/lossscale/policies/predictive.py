@@ -18,8 +18,8 @@ from typing import ClassVar
 
 import torch
 
-from lossscale._validate import check_choice, check_int_at_least, check_scale
-from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, Policy, _as_flag
+from lossscale.checks import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, check_choice, check_int_at_least, check_scale
+from lossscale.policies.base import Policy, as_flag, move_state
 
 __all__ = ["PredictiveScale", "PredictiveState"]
 
@@ -57,7 +57,7 @@ class PredictiveState:
 
     def to(self, device: torch.device | str) -> PredictiveState:
         """The same state on ``device``."""
-        return PredictiveState(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return move_state(self, device)
 
 
 def _pow2_floor(x: float) -> float:
@@ -183,7 +183,7 @@ class PredictiveScale(Policy):
         """The next state from this step's overflow flag, scaled-gradient maximum and (optionally) whether
         the loss was finite. No host read; ``loss_finite=None`` means unknown (today's scalers)."""
         device = state.scale.device
-        bad = _as_flag(found_inf, device)
+        bad = as_flag(found_inf, device)
         amax = torch.zeros((), device=device) if amax is None else amax.to(device, torch.float32)
         fault = bad & self._is_fault(state, amax, loss_finite)
         evidence = bad & ~fault
@@ -208,7 +208,7 @@ class PredictiveScale(Policy):
         far_below = torch.isfinite(amax) & (amax < self.limit * 2.0**-self.fault_gap) & (state.clean_run > 0)
         if loss_finite is None:
             return far_below
-        return far_below | ~_as_flag(loss_finite, state.scale.device)
+        return far_below | ~as_flag(loss_finite, state.scale.device)
 
     def _observe(self, state: PredictiveState, valid: torch.Tensor, amax: torch.Tensor) -> PredictiveState:
         """Level, threshold, excess and count after one (possibly absent) observation of log2 amax."""

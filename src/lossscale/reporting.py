@@ -1,16 +1,9 @@
-"""Metrics for your own loop: a :class:`~lossscale.StepResult` as one plain dict per step, logged to CSV or TensorBoard.
+"""What a step decided and how to read it: the step records, a CSV/TensorBoard logger, host-read counting.
 
-No dependencies beyond the standard library (TensorBoard only when asked for, through
-``torch.utils.tensorboard``). Each step is read on the host once: the result's tensors and any tensor
-extras (the loss) are stacked and read together.
-
-Example::
-
-    with StepLogger("steps.csv") as log:
-        for x, y in batches:
-            opt.backward(loss := loss_fn(model(x), y))
-            log.log(opt.step(), loss=loss)   # writes a row at each optimizer step, skips accumulation
-            opt.zero_grad()
+:class:`StepResult` is what ``LossScaleOptimizer.step()`` returns, :class:`ScalerStep` what
+``GradScaler.step()`` returns; both keep their tensors on the device until read. :class:`StepLogger` writes
+one row per optimizer step (reading each step's values in one host read); :class:`HostReadCounter` counts
+the host reads of a block of code.
 """
 
 from __future__ import annotations
@@ -19,15 +12,102 @@ import csv
 import dataclasses
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from lossscale._host import read_scalars
+__all__ = ["COLUMNS", "HostReadCounter", "ScalerStep", "StepLogger", "StepResult", "read_scalars", "step_record"]
 
-from lossscale.result import StepResult
 
-__all__ = ["COLUMNS", "StepLogger", "step_record"]
+def read_scalars(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with every one-element tensor replaced by a Python bool/int/float, read in one sync.
+
+    The tensors are stacked as float64 on the first one's device and read with a single ``tolist()``.
+    """
+    tensors = [(k, v) for k, v in values.items() if isinstance(v, torch.Tensor)]
+    out = dict(values)
+    if tensors:
+        device = tensors[0][1].device
+        read = torch.stack([v.detach().reshape(()).to(device, torch.float64) for _, v in tensors]).tolist()
+        for (k, v), x in zip(tensors, read):
+            out[k] = bool(x) if v.dtype == torch.bool else (int(x) if not v.is_floating_point() else x)
+    return out
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The decision of one ``step()``; tensors stay on the device until the caller reads them.
+
+    Attributes:
+        stepped: 0-d bool, True where the inner optimizer's update was applied.
+        found_inf: 0-d bool, True where the gradients overflowed (and the step was skipped).
+        scale: 0-d float32, the loss scale the gradients of this step carried.
+        next_scale: 0-d float32, the scale after the policy's update.
+        grad_norm: 0-d float32, the unscaled global gradient norm when it was computed, else None.
+        accumulating: True between accumulation boundaries (nothing was applied or checked).
+        step: Index of this accumulation boundary (optimizer step attempts so far, skipped included).
+        precision: ``"float16"``, ``"bfloat16"`` or ``"float32"``: what the schedule ran this step in
+            (``None`` without a schedule).
+        switched: True on the boundary where a precision schedule switched back to full precision.
+        underflow: 0-d float32 share of gradient values that would flush to zero in float16 at this
+            scale, when the underflow meter is on; else None.
+        loss: What the closure passed to ``step(closure)`` returned (None without a closure). Not a
+            column of :class:`~lossscale.StepLogger` (pass ``loss=`` there, or it is taken from here).
+        layer_scales: Per-layer scales by module name when per-layer scaling is on; else None.
+    """
+
+    stepped: torch.Tensor
+    found_inf: torch.Tensor
+    scale: torch.Tensor
+    next_scale: torch.Tensor
+    grad_norm: torch.Tensor | None = None
+    accumulating: bool = False
+    step: int = 0
+    precision: str | None = None
+    switched: bool = False
+    underflow: torch.Tensor | None = None
+    loss: Any = dataclasses.field(default=None, metadata={"column": False})
+    layer_scales: dict[str, torch.Tensor] | None = dataclasses.field(default=None, metadata={"column": False})
+
+    @property
+    def skipped(self) -> torch.Tensor:
+        """0-d bool, True where the step was skipped at a boundary (never while accumulating)."""
+        return ~self.stepped if not self.accumulating else torch.zeros_like(self.stepped)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every column field (and ``loss``) as plain Python values (reads the tensors on the host: one sync)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("column", True)}
+        if isinstance(self.loss, torch.Tensor) and self.loss.numel() == 1:
+            values["loss"] = self.loss.detach()
+        return read_scalars(values)
+
+
+@dataclass(frozen=True)
+class ScalerStep:
+    """What ``GradScaler.step`` decided.
+
+    Attributes:
+        found_inf: 0-d bool tensor, True where the gradients overflowed.
+        stepped: 0-d bool tensor, True where the optimizer's update was applied (``~found_inf``).
+        value: What ``optimizer.step()`` returned (None when it was skipped without calling it).
+
+    Both flags are formed from ``overflow`` (the step's count of overflows, its 0/1 flag, or a bool) when
+    read: one 0-d op each then, none in the step. Reading their values is a host read.
+    """
+
+    overflow: torch.Tensor
+    value: Any = None
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        return self.overflow if self.overflow.dtype == torch.bool else self.overflow > 0
+
+    @property
+    def stepped(self) -> torch.Tensor:
+        return self.overflow == 0 if self.overflow.dtype != torch.bool else ~self.overflow
+
 
 #: The columns every row has, in order: ``step``, StepResult's other fields, ``skipped`` and the running count.
 COLUMNS: tuple[str, ...] = ("step",) + tuple(
@@ -155,3 +235,25 @@ class StepLogger:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class HostReadCounter(TorchDispatchMode):
+    """Context manager counting scalar host reads while active: calls of ``aten._local_scalar_dense``, the op
+    behind ``.item()``, ``bool(t)``, ``float(t)`` and ``int(t)`` (on CUDA each one waits for the device).
+
+    Example:
+        >>> import torch
+        >>> with HostReadCounter() as reads:
+        ...     _ = torch.ones(()).item()
+        >>> reads.count
+        1
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

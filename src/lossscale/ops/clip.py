@@ -14,85 +14,28 @@ from typing import Any, Sequence
 
 import torch
 
-from lossscale import _two_threads
-from lossscale import distributed as _dist
-from lossscale.overflow import group_by_device_and_dtype
+from lossscale.ops import distributed as _dist
+from lossscale.ops.overflow import group_by_device_and_dtype
 
-__all__ = ["squared_norms", "global_norm_squared", "grouped_norm_squared", "global_clip_coefficient", "clip_per_tensor_", "PerTensorClip",
-           "per_tensor_clipper"]
+__all__ = ["squared_norms", "global_norm_squared", "grouped_norm_squared", "global_clip_coefficient",
+           "clip_per_tensor_", "PerTensorClip"]
 
 # torch.nn.utils.clip_grad_norm_'s guard against division by zero.
 EPS = 1e-6
 
 
-# Below this many elements a tensor's norm is cheaper in one foreach call than in its own dot call: a dot
-# costs a Python call (and a view for a matrix, ~1.5 us), which 1,000 tensors of 20K elements do not repay
-# (2-core AVX2 EPYC, 2 threads: dot with views 9.9-11.3 ms, foreach 7.7 ms); 300 of 64K do (4.3 vs 5.9 ms).
-_DOT_MIN_NUMEL = 1 << 16
-
-
-def _avx512() -> bool:
-    try:
-        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_AVX512 = _avx512()
-
-
-def _dot_is_faster() -> bool:
-    """Whether BLAS ``dot`` out-reads ``torch._foreach_norm`` here. On AVX-512 cores it has about twice the
-    bandwidth (a Xeon with avx512f/AMX). On AVX2 cores it depends on the threads: CPU ``_foreach_norm``
-    reduces each tensor on one thread, BLAS ``dot`` on all of them; on a 2-core AVX2 EPYC with 2 threads,
-    20M values in 100 tensors: dot 4.0 ms, ``_foreach_norm`` 5.2 ms (100M: 16 vs 24.5 ms); with 1 thread
-    dot is the slower (5.8 vs 5.3 ms). dot also accumulates more exactly (squared norm of 10M values:
-    relative error 9e-5 against 7e-4). Checked per call (the thread count can change); ~0.2 us."""
-    return _AVX512 or torch.get_num_threads() > 1
-
-
 def squared_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-tensor squared L2 norms of the local parts (a DTensor's shard) as a float32 vector.
 
-    One read of every gradient, no write, no host read. Where BLAS is faster (:func:`_dot_is_faster`),
-    large contiguous float32 gradients use ``torch.dot``; everything else goes through one
-    ``torch._foreach_norm`` call (a Python call per tiny tensor would cost more than it reads), split over
-    two threads where many small CPU tensors would leave a core idle (:mod:`lossscale._two_threads`); the
-    norms are squared in one op.
-    """
+    One ``torch._foreach_norm`` call: one read of every gradient, no write, no host read."""
     return _local_squared_norms([_dist.local_shard(g) for g in grads])
 
 
-def _local_squared_norms(locals_: Sequence[torch.Tensor]) -> torch.Tensor:
-    """:func:`squared_norms` of tensors that are already local and dense."""
-    if not locals_:
+def _local_squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`squared_norms` of tensors that are already local and dense (one device)."""
+    if not tensors:
         return torch.zeros(0)
-    if not _dot_is_faster():
-        return _stacked_squares(_two_threads.foreach_norm(locals_))
-    at = [i for i, g in enumerate(locals_) if g.numel() >= _DOT_MIN_NUMEL and g.dtype == torch.float32
-          and g.is_contiguous() and g.device.type == "cpu"]  # size first: the cheapest test, the usual "no"
-    if not at:
-        return _stacked_squares(_two_threads.foreach_norm(locals_))
-    dots = torch.stack([_self_dot(locals_[i]) for i in at])
-    if len(at) == len(locals_):
-        return dots
-    chosen = set(at)
-    rest = [i for i in range(len(locals_)) if i not in chosen]
-    out = torch.empty(len(locals_), dtype=torch.float32, device=locals_[0].device)
-    out[at] = dots
-    out[rest] = _stacked_squares(_two_threads.foreach_norm([locals_[i] for i in rest]))
-    return out
-
-
-def _self_dot(g: torch.Tensor) -> torch.Tensor:
-    """``g . g`` by BLAS (a view only for a tensor of more than one dimension)."""
-    flat = g if g.dim() == 1 else g.view(-1)
-    return torch.dot(flat, flat)
-
-
-def _stacked_squares(norms: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The squares of 0-d norms as one float32 vector: one stack, one cast, one square."""
-    return torch.stack(list(norms)).float().square()
+    return torch.stack(torch._foreach_norm(list(tensors))).float().square()
 
 
 def grouped_norm_squared(groups: dict[Any, list[torch.Tensor]], device: torch.device | str) -> torch.Tensor:
@@ -199,8 +142,3 @@ class PerTensorClip:
 
     def __repr__(self) -> str:
         return f"PerTensorClip({self.max_norm!r})"
-
-
-def per_tensor_clipper(max_norm: float) -> PerTensorClip:
-    """A :class:`PerTensorClip` (Keras's ``clipnorm``)."""
-    return PerTensorClip(max_norm)

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 import torch
 
-from lossscale._validate import _require_real, check_choice, check_factor_above_one, check_int_in_range, check_scale
-from lossscale.policy import (_SATURATE, FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, FloorError, Policy, _as_flag,
-                              _check_flag, _f32)
-from lossscale.state import ScaleState
+from lossscale.checks import (FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, check_choice, check_factor_above_one,
+                              check_fraction, check_int_in_range, check_scale, to_float32)
+from lossscale.policies.base import SATURATE, FloorError, Policy, ScaleState, as_flag, check_flag
 
-__all__ = ["DynamicScale"]
+__all__ = ["DynamicScale", "check_dynamic_args"]
 
 
 @dataclass(frozen=True)
@@ -100,39 +100,10 @@ class DynamicScale(Policy):
     growth_delay: int = 0
 
     def __post_init__(self) -> None:
-        call = type(self).__name__
         d = self.backoff_divisor
-        if d is not None:
-            check_factor_above_one(call, "backoff_divisor", d, "a backoff divides the scale by it")
-            if self.backoff_factor not in (0.5, 1.0 / d):
-                raise ValueError(
-                    f"{call}(backoff_factor={self.backoff_factor!r}, backoff_divisor={d!r}): pass one of them; "
-                    f"a backoff either multiplies by backoff_factor or divides by backoff_divisor; got both."
-                )
+        if isinstance(d, (int, float)) and not isinstance(d, bool) and d > 1 and self.backoff_factor in (0.5, 1 / d):
             object.__setattr__(self, "backoff_factor", 1.0 / d)
-        check_scale(call, "min_scale", self.min_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
-        check_scale(call, "max_scale", self.max_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
-        if self.min_scale > self.max_scale:
-            raise ValueError(
-                f"{call}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}): min_scale must be "
-                f"<= max_scale; got min_scale > max_scale."
-            )
-        check_scale(call, "init_scale", self.init_scale, low=self.min_scale, high=self.max_scale)
-        check_factor_above_one(call, "growth_factor", self.growth_factor,
-                               "it multiplies the scale after growth_interval clean steps")
-        b = self.backoff_factor
-        _require_real(call, "backoff_factor", b, "in (0, 1) (it multiplies the scale when it backs off)")
-        if not (0.0 < b < 1.0):
-            raise ValueError(f"{call}(backoff_factor={b!r}): backoff_factor must be in (0, 1) "
-                             f"(it multiplies the scale when it backs off); got {b!r}.")
-        check_int_in_range(call, "growth_interval", self.growth_interval, 1)
-        check_int_in_range(call, "hysteresis", self.hysteresis, 1)
-        check_choice(call, "hysteresis_mode", self.hysteresis_mode, ("consecutive", "cumulative"))
-        check_choice(call, "refill_after_backoff", self.refill_after_backoff, (True, False))
-        check_choice(call, "at_floor", self.at_floor, ("skip", "raise"))
-        check_choice(call, "arithmetic", self.arithmetic, ("float64", "float32"))
-        check_choice(call, "growth_guard", self.growth_guard, ("result", "operand"))
-        check_int_in_range(call, "growth_delay", self.growth_delay, 0)
+        check_dynamic_args(type(self).__name__, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def init(self, device: torch.device | str | None = None) -> ScaleState:
         """A fresh state on ``device`` (default: CPU)."""
@@ -146,12 +117,12 @@ class DynamicScale(Policy):
     def update(self, state: ScaleState, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> ScaleState:
         """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
         if self._torch_rule:
-            _check_flag(found_inf)
+            check_flag(found_inf)
             if _is_kernel_flag(found_inf, state):
                 return self._update_torch_rule(state, found_inf.bool(), found_inf)  # the flag as it came: 1 op
-            bad = _as_flag(found_inf, state.scale.device)
+            bad = as_flag(found_inf, state.scale.device)
             return self._update_torch_rule(state, bad, bad.float())
-        bad = _as_flag(found_inf, state.scale.device)
+        bad = as_flag(found_inf, state.scale.device)
         clean = ~bad
         scale, tracker, left = state.scale, state.growth_tracker, state.hysteresis_left
         full = torch.full_like(left, self.hysteresis)
@@ -163,7 +134,7 @@ class DynamicScale(Policy):
         if self.growth_guard == "result":
             grow_ok = grow & (grown <= self.max_scale)  # also False for inf/NaN products
         else:
-            grow_ok = grow & (scale < _f32(self.max_scale / self.growth_factor)) & (grown <= FLOAT32_MAX)
+            grow_ok = grow & (scale < to_float32(self.max_scale / self.growth_factor)) & (grown <= FLOAT32_MAX)
 
         # Backoff: an overflow that exhausts the hysteresis, clamped at the floor.
         spent = left - 1
@@ -188,52 +159,31 @@ class DynamicScale(Policy):
             new_left = torch.where(frozen, left, new_left)
             new_tracker = torch.where(frozen, tracker, new_tracker)
         floor_hits = torch.where(
-            backoff & at_floor, (state.floor_hits + 1).clamp_max(_SATURATE), torch.where(bad, state.floor_hits, 0)
+            backoff & at_floor, (state.floor_hits + 1).clamp_max(SATURATE), torch.where(bad, state.floor_hits, 0)
         ).to(torch.int32)
         return ScaleState(new_scale, new_tracker.to(torch.int32), new_left.to(torch.int32), floor_hits)
 
     @functools.cached_property
     def _torch_rule(self) -> bool:
-        """Whether the rule is torch's plus a floor, so torch's fused kernel can run it (decided once: the
-        policy is frozen)."""
+        """Whether the rule is torch's plus a floor, so that torch's own update kernel runs it."""
         return (self.hysteresis == 1 and self.refill_after_backoff and self.growth_delay == 0
                 and self.arithmetic == "float64"
                 and self.backoff_divisor is None and self.growth_guard == "result" and self.at_floor == "skip"
                 and self.max_scale == FLOAT32_MAX and self.growth_interval < 2**31 - 1)
 
-    def update_known_clean(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
-        """:meth:`update` for a step its caller has read on the host as clean (found_inf == 0, e.g. the host
-        read that decided to apply the step). torch's rule with the floor then takes four 0-d ops instead of
-        nine: on a clean step the floor rule cannot act (floor_hits returns to 0; growth never lowers the
-        scale), so only torch's kernel runs, on copies. Any other rule: :meth:`update` itself."""
-        if not self._torch_rule:
-            return self.update(state, found_inf)
-        _check_flag(found_inf)
-        scale, tracker = self._torch_kernel(state, found_inf if _is_kernel_flag(found_inf, state)
-                                            else torch.zeros_like(state.scale))
-        return ScaleState(scale, tracker, state.hysteresis_left, torch.zeros_like(state.floor_hits))
+    def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor, found: torch.Tensor) -> ScaleState:
+        """The same rule through torch's own ``_amp_update_scale_`` (on copies), then the floor.
 
-    def _torch_kernel(self, state: ScaleState, found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """torch's ``_amp_update_scale_`` on copies of the scale and the tracker (3 ops); ``found`` is the
-        float32 flag it takes."""
+        ``found`` is the float32 flag torch's kernel takes. floor_hits: ``(hits + at_floor) * bad``, saturated."""
         scale, tracker = state.scale.clone(), state.growth_tracker.clone()
         torch._amp_update_scale_(scale, tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval)
-        return scale, tracker
-
-    def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor, found: torch.Tensor) -> ScaleState:
-        """The same rule in eight ops: torch's ``_amp_update_scale_`` on copies, then the floor.
-
-        ``found`` is the float32 flag torch's kernel takes (``found_inf`` itself when it is one). floor_hits:
-        ``(hits + at_floor) * bad``, saturated: +1 on an overflow at the floor, kept on one above it, 0 when
-        clean (the general rule's three cases, in three ops instead of six)."""
-        scale, tracker = self._torch_kernel(state, found)
-        floor_hits = (state.floor_hits + (state.scale <= self.min_scale)).mul_(bad).clamp_max_(_SATURATE)
+        floor_hits = (state.floor_hits + (state.scale <= self.min_scale)).mul_(bad).clamp_max_(SATURATE)
         return ScaleState(scale.clamp_min_(self.min_scale), tracker, state.hysteresis_left, floor_hits)
 
     def _times(self, scale: torch.Tensor, factor: float) -> torch.Tensor:
         """``scale * factor`` rounded once to float32, in the configured arithmetic."""
         if self.arithmetic == "float32":
-            return scale * _f32(factor)  # exact float32 operands: float32 product, rounded once
+            return scale * to_float32(factor)  # exact float32 operands: float32 product, rounded once
         return (scale.double() * factor).float()
 
     def check_floor(self, state: ScaleState) -> None:
@@ -258,3 +208,40 @@ def _is_kernel_flag(found_inf: torch.Tensor, state: ScaleState) -> bool:
     """Whether ``found_inf`` is the flag torch's update kernel takes as it is: 0-d float32 on the scale's
     device."""
     return found_inf.dtype == torch.float32 and found_inf.dim() == 0 and found_inf.device == state.scale.device
+
+
+def check_dynamic_args(call: str, args: Mapping[str, Any], names: Mapping[str, str] | None = None) -> None:
+    """The one check of :class:`DynamicScale`'s arguments: ``args`` maps field names to values (absent fields take
+    their defaults); ``names`` maps a field to the caller's name for it (a preset's), which errors then give."""
+    names = names or {}
+    defaults = {f.name: f.default for f in dataclasses.fields(DynamicScale)}
+    v = {**defaults, **args}
+
+    def n(field: str) -> str:
+        return names.get(field, field)
+
+    d = v["backoff_divisor"]
+    if d is not None:
+        check_factor_above_one(call, n("backoff_divisor"), d, "a backoff divides the scale by it")
+        if v["backoff_factor"] not in (0.5, 1.0 / d):
+            raise ValueError(
+                f"{call}(backoff_factor={v['backoff_factor']!r}, backoff_divisor={d!r}): pass one of them; "
+                f"a backoff either multiplies by backoff_factor or divides by backoff_divisor; got both."
+            )
+    check_scale(call, n("min_scale"), v["min_scale"], low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
+    check_scale(call, n("max_scale"), v["max_scale"], low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
+    if v["min_scale"] > v["max_scale"]:
+        raise ValueError(f"{call}({n('min_scale')}={v['min_scale']!r}, {n('max_scale')}={v['max_scale']!r}): "
+                         f"{n('min_scale')} must be <= {n('max_scale')}; got {n('min_scale')} > {n('max_scale')}.")
+    check_scale(call, n("init_scale"), v["init_scale"], low=v["min_scale"], high=v["max_scale"])
+    check_factor_above_one(call, n("growth_factor"), v["growth_factor"], "it multiplies the scale on growth")
+    if d is None:
+        check_fraction(call, n("backoff_factor"), v["backoff_factor"], "it multiplies the scale when it backs off")
+    check_int_in_range(call, n("growth_interval"), v["growth_interval"], 1)
+    check_int_in_range(call, n("hysteresis"), v["hysteresis"], 1)
+    check_choice(call, n("hysteresis_mode"), v["hysteresis_mode"], ("consecutive", "cumulative"))
+    check_choice(call, n("refill_after_backoff"), v["refill_after_backoff"], (True, False))
+    check_choice(call, n("at_floor"), v["at_floor"], ("skip", "raise"))
+    check_choice(call, n("arithmetic"), v["arithmetic"], ("float64", "float32"))
+    check_choice(call, n("growth_guard"), v["growth_guard"], ("result", "operand"))
+    check_int_in_range(call, n("growth_delay"), v["growth_delay"], 0)

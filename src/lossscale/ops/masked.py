@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 from torch.optim import optimizer as _optim_module
 
-from lossscale.distributed import local_shard
+from lossscale.ops.distributed import local_shard
 
 __all__ = ["MaskedSkip"]
 

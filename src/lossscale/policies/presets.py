@@ -7,6 +7,10 @@ from the real frameworks in ``tests/golden``). Use it anywhere a policy goes::
     scaler = lossscale.GradScaler(policy=lossscale.presets.deepspeed())
     opt = lossscale.LossScaleOptimizer(torch.optim.AdamW(params), policy=lossscale.presets.keras())
 
+Each preset is a translation table from the peer's argument names onto :class:`~lossscale.DynamicScale`'s
+fields; the arguments are checked by DynamicScale's one check under the peer's names (keyword ``call``: the
+name the errors give, which a facade sets to its own).
+
 How the peers differ, and the knobs that express it (W = window, n = bad steps per backoff):
 
 =============  ==========================  =====================  ==============  ===========  ============
@@ -38,15 +42,10 @@ exactly for power-of-two factors; with other factors ours rounds to float32 at e
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-from lossscale._validate import (
-    check_factor_above_one,
-    check_int_at_least,
-)
-from lossscale.policy import DynamicScale
-from lossscale._preset_args import _fraction, _scale
-from lossscale._presets_hysteresis import deepspeed, megatron
+from lossscale.checks import check_choice, check_factor_above_one, check_int_at_least
+from lossscale.policies.dynamic import DynamicScale, check_dynamic_args
 
 __all__ = [
     "torch_amp",
@@ -66,16 +65,14 @@ __all__ = [
 ASCEND_LIMIT = 3.4e38
 
 
-def build_as(call: str, preset: Callable[..., DynamicScale], *args: Any, **kwargs: Any) -> DynamicScale:
-    """``preset(*args, **kwargs)``, its validation errors naming ``call`` (a facade with the same arguments)."""
-    try:
-        return preset(*args, **kwargs)
-    except ValueError as err:  # ArgumentTypeError (a wrong type) keeps its class
-        raise type(err)(str(err).replace(f"presets.{preset.__name__}(", f"{call}(", 1)) from None
+def _dynamic(call: str, names: dict[str, str], **fields: Any) -> DynamicScale:
+    """``DynamicScale(**fields)``, checked first under the peer's names (``names``: field -> peer's argument)."""
+    check_dynamic_args(call, fields, names)
+    return DynamicScale(**fields)
 
 
 def torch_amp(init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-              growth_interval: int = 2000) -> DynamicScale:
+              growth_interval: int = 2000, *, call: str = "presets.torch_amp") -> DynamicScale:
     """``torch.amp.GradScaler``: grow on the ``growth_interval``-th clean step, ``S * backoff`` in float64.
 
     Rule: overflow -> ``S *= backoff_factor``, count = 0; clean -> count += 1, and at
@@ -87,16 +84,12 @@ def torch_amp(init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_f
         >>> presets.torch_amp().growth_interval
         2000
     """
-    call = "presets.torch_amp"
-    _scale(call, "init_scale", init_scale)
-    check_factor_above_one(call, "growth_factor", growth_factor, "it multiplies the scale on growth")
-    _fraction(call, "backoff_factor", backoff_factor, "it multiplies the scale on overflow")
-    check_int_at_least(call, "growth_interval", growth_interval, 1)
-    return DynamicScale(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                        growth_interval=growth_interval)
+    return _dynamic(call, {}, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                    growth_interval=growth_interval)
 
 
-def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> DynamicScale:
+def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000, *,
+          call: str = "presets.keras") -> DynamicScale:
     """Keras 3 ``LossScaleOptimizer``: factor 2, no floor, no cap.
 
     Rule: overflow -> ``S = S / 2``, count = 0; clean -> if count == W - 1: ``S = S * 2``, count = 0,
@@ -109,14 +102,13 @@ def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> D
         >>> presets.keras(dynamic_growth_steps=3).growth_interval
         3
     """
-    call = "presets.keras"
-    _scale(call, "initial_scale", initial_scale)
-    check_int_at_least(call, "dynamic_growth_steps", dynamic_growth_steps, 1)
-    return DynamicScale(init_scale=initial_scale, growth_factor=2.0, backoff_divisor=2.0,
-                        growth_interval=dynamic_growth_steps, arithmetic="float32")
+    return _dynamic(call, {"init_scale": "initial_scale", "growth_interval": "dynamic_growth_steps"},
+                    init_scale=initial_scale, growth_factor=2.0, backoff_divisor=2.0,
+                    growth_interval=dynamic_growth_steps, arithmetic="float32")
 
 
-def tf_keras2(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> DynamicScale:
+def tf_keras2(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000, *,
+              call: str = "presets.tf_keras2") -> DynamicScale:
     """Keras 2 (``tf_keras`` / TF <= 2.15) ``mixed_precision.LossScaleOptimizer``: floor 1, no inf.
 
     Rule: overflow -> ``S = max(S / 2, 1)``, count = 0; clean -> count + 1 >= W: ``S * 2`` if finite
@@ -127,15 +119,13 @@ def tf_keras2(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) 
         >>> presets.tf_keras2().min_scale
         1.0
     """
-    call = "presets.tf_keras2"
-    _scale(call, "initial_scale", initial_scale, floor=1.0)
-    check_int_at_least(call, "dynamic_growth_steps", dynamic_growth_steps, 1)
-    return DynamicScale(init_scale=initial_scale, growth_factor=2.0, backoff_divisor=2.0,
-                        growth_interval=dynamic_growth_steps, min_scale=1.0, arithmetic="float32")
+    return _dynamic(call, {"init_scale": "initial_scale", "growth_interval": "dynamic_growth_steps"},
+                    init_scale=initial_scale, growth_factor=2.0, backoff_divisor=2.0,
+                    growth_interval=dynamic_growth_steps, min_scale=1.0, arithmetic="float32")
 
 
 def tf_v1(initial_loss_scale: float = 2.0**15, increment_period: int = 2000,
-          multiplier: float = 2.0) -> DynamicScale:
+          multiplier: float = 2.0, *, call: str = "presets.tf_v1") -> DynamicScale:
     """``tf.compat.v1.mixed_precision.DynamicLossScale`` (TF 2.x): divides by the multiplier, floor 1.
 
     Rule: overflow -> ``S = max(S / multiplier, 1)``, count = 0; clean -> count + 1 >= period:
@@ -146,15 +136,14 @@ def tf_v1(initial_loss_scale: float = 2.0**15, increment_period: int = 2000,
         >>> presets.tf_v1(multiplier=3.0).backoff_divisor
         3.0
     """
-    call = "presets.tf_v1"
-    _scale(call, "initial_loss_scale", initial_loss_scale, floor=1.0)
-    check_int_at_least(call, "increment_period", increment_period, 1)
-    check_factor_above_one(call, "multiplier", multiplier, "the scale is multiplied and divided by it")
-    return DynamicScale(init_scale=initial_loss_scale, growth_factor=multiplier, backoff_divisor=multiplier,
-                        growth_interval=increment_period, min_scale=1.0, arithmetic="float32")
+    names = {"init_scale": "initial_loss_scale", "growth_interval": "increment_period", "growth_factor": "multiplier",
+             "backoff_divisor": "multiplier"}
+    return _dynamic(call, names, init_scale=initial_loss_scale, growth_factor=multiplier, backoff_divisor=multiplier,
+                    growth_interval=increment_period, min_scale=1.0, arithmetic="float32")
 
 
-def mindspore(init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_window: int = 2000) -> DynamicScale:
+def mindspore(init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_window: int = 2000, *,
+              call: str = "presets.mindspore") -> DynamicScale:
     """MindSpore ``nn.DynamicLossScaleUpdateCell`` (defaults of ``DynamicLossScaleManager``).
 
     Rule (float32 tensors; ``cur_iter`` starts at 1, ``last_overflow_iter`` at 0)::
@@ -171,16 +160,15 @@ def mindspore(init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_w
         >>> presets.mindspore(scale_factor=4).backoff_factor
         0.25
     """
-    call = "presets.mindspore"
-    _scale(call, "init_loss_scale", init_loss_scale, floor=1.0)
     check_factor_above_one(call, "scale_factor", scale_factor, "the scale is multiplied and divided by it")
-    check_int_at_least(call, "scale_window", scale_window, 1)
-    return DynamicScale(init_scale=init_loss_scale, growth_factor=float(scale_factor),
-                        backoff_factor=1.0 / scale_factor, growth_interval=scale_window, min_scale=1.0,
-                        arithmetic="float32")
+    names = {"init_scale": "init_loss_scale", "growth_interval": "scale_window"}
+    return _dynamic(call, names, init_scale=init_loss_scale, growth_factor=float(scale_factor),
+                    backoff_factor=1.0 / scale_factor, growth_interval=scale_window, min_scale=1.0,
+                    arithmetic="float32")
 
 
-def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000) -> DynamicScale:  # noqa: N803
+def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000, *,
+           call: str = "presets.nnabla") -> DynamicScale:  # noqa: N803
     """nnabla ``DynamicLossScalingUpdater``, one forward/backward attempt per ``update``.
 
     Rule (Python floats; ``counter`` starts at 0)::
@@ -201,16 +189,85 @@ def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000) -> Dy
         >>> (p.growth_interval, p.growth_delay)
         (4, 1)
     """
-    call = "presets.nnabla"
-    _scale(call, "scale", scale)
-    check_factor_above_one(call, "scaling_factor", scaling_factor, "the scale is multiplied and divided by it")
-    check_int_at_least(call, "N", N, 0)
-    return DynamicScale(init_scale=scale, growth_factor=scaling_factor, backoff_divisor=scaling_factor,
-                        growth_interval=N + 1, growth_delay=1)
+    check_int_at_least(call, "N", N, 0)  # N + 1 is the growth interval
+    names = {"init_scale": "scale", "growth_factor": "scaling_factor", "backoff_divisor": "scaling_factor"}
+    return _dynamic(call, names, init_scale=scale, growth_factor=scaling_factor, backoff_divisor=scaling_factor,
+                    growth_interval=N + 1, growth_delay=1)
+
+
+def deepspeed(init_scale: float = 2.0**16, scale_factor: float = 2.0, scale_window: int = 1000,
+              min_scale: float = 1.0, delayed_shift: int = 2, consecutive_hysteresis: bool = False,
+              raise_error_at_min_scale: bool = True, *, call: str = "presets.deepspeed") -> DynamicScale:
+    """DeepSpeed's ZeRO ``DynamicLossScaler`` (``initial_scale_power`` 16, window 1000, hysteresis 2).
+
+    Rule (Python floats; ``cur_iter`` starts at 0, ``last_overflow_iter`` at -1, ``h = delayed_shift``)::
+
+        overflow: if delayed_shift == 1 or h == 1:
+                      raise if S == min_scale and raise_error_at_min_scale
+                      S = max(S / scale_factor, min_scale)
+                  else: h -= 1
+                  last_overflow_iter = cur_iter
+        clean:    if consecutive_hysteresis: h = delayed_shift
+                  stable = cur_iter - last_overflow_iter - 1
+                  if stable > 0 and stable % W == 0:
+                      if not consecutive_hysteresis: h = delayed_shift
+                      S *= scale_factor
+        cur_iter += 1
+
+    so the first growth after the start or an overflow comes on the (W+1)-th clean step and later ones
+    every W (``growth_delay=1``; DeepSpeed before ``stable_interval`` grew on the W-th). ``h`` is not
+    refilled by a backoff, so once it reaches 1 every overflow backs off until a growth (or, with
+    ``consecutive_hysteresis``, a clean step) refills it. Raising at the floor is ``at_floor="raise"``:
+    the optimizers raise :class:`~lossscale.FloorError`, and the raising step changes no state, as in
+    DeepSpeed. DeepSpeed 0.19 fixes ``scale_factor`` at 2; other values follow the same rule.
+    Deviation: DeepSpeed's float64 scale has no cap; ours refuses growth past float32's range.
+
+    Example:
+        >>> from lossscale import presets
+        >>> p = presets.deepspeed()
+        >>> (p.hysteresis, p.hysteresis_mode, p.refill_after_backoff, p.at_floor)
+        (2, 'cumulative', False, 'raise')
+    """
+    check_choice(call, "consecutive_hysteresis", consecutive_hysteresis, (True, False))
+    check_choice(call, "raise_error_at_min_scale", raise_error_at_min_scale, (True, False))
+    names = {"growth_factor": "scale_factor", "backoff_divisor": "scale_factor", "growth_interval": "scale_window",
+             "hysteresis": "delayed_shift"}
+    return _dynamic(call, names, init_scale=init_scale, growth_factor=scale_factor, backoff_divisor=scale_factor,
+                    growth_interval=scale_window, hysteresis=delayed_shift,
+                    hysteresis_mode="consecutive" if consecutive_hysteresis else "cumulative",
+                    refill_after_backoff=False, min_scale=min_scale, growth_delay=1,
+                    at_floor="raise" if raise_error_at_min_scale else "skip")
+
+
+def megatron(initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_factor: float = 2.0,
+             backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2, *,
+             call: str = "presets.megatron") -> DynamicScale:
+    """Megatron-core ``DynamicGradScaler`` (defaults of its optimizer config).
+
+    Rule (float32 tensors)::
+
+        overflow: growth_tracker = 0; h -= 1
+                  if h <= 0: S = max(S * backoff_factor, min_scale)     # h is not refilled
+        clean:    growth_tracker += 1
+                  if growth_tracker == growth_interval:
+                      growth_tracker = 0; h = hysteresis; S = S * growth_factor
+
+    Deviation: Megatron grows into float32 inf; ours refuses that growth.
+
+    Example:
+        >>> from lossscale import presets
+        >>> presets.megatron().hysteresis_mode
+        'cumulative'
+    """
+    return _dynamic(call, {"init_scale": "initial_scale"}, init_scale=initial_scale, growth_factor=growth_factor,
+                    backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis,
+                    hysteresis_mode="cumulative", refill_after_backoff=False, min_scale=min_scale,
+                    arithmetic="float32")
 
 
 def paddle(init_loss_scaling: float = 2.0**16, incr_ratio: float = 2.0, decr_ratio: float = 0.5,
-           incr_every_n_steps: int = 2000, decr_every_n_nan_or_inf: int = 1) -> DynamicScale:
+           incr_every_n_steps: int = 2000, decr_every_n_nan_or_inf: int = 1, *,
+           call: str = "presets.paddle") -> DynamicScale:
     """PaddlePaddle's dygraph ``paddle.amp.GradScaler`` (Paddle 3.3).
 
     Rule (float32 tensors)::
@@ -230,19 +287,16 @@ def paddle(init_loss_scaling: float = 2.0**16, incr_ratio: float = 2.0, decr_rat
         >>> presets.paddle(decr_every_n_nan_or_inf=2).hysteresis
         2
     """
-    call = "presets.paddle"
-    _scale(call, "init_loss_scaling", init_loss_scaling)
-    check_factor_above_one(call, "incr_ratio", incr_ratio, "it multiplies the scale on growth")
-    _fraction(call, "decr_ratio", decr_ratio, "it multiplies the scale on a backoff")
-    check_int_at_least(call, "incr_every_n_steps", incr_every_n_steps, 1)
-    check_int_at_least(call, "decr_every_n_nan_or_inf", decr_every_n_nan_or_inf, 1)
-    return DynamicScale(init_scale=init_loss_scaling, growth_factor=incr_ratio, backoff_factor=decr_ratio,
-                        growth_interval=incr_every_n_steps, hysteresis=decr_every_n_nan_or_inf,
-                        hysteresis_mode="consecutive", arithmetic="float32")
+    names = {"init_scale": "init_loss_scaling", "growth_factor": "incr_ratio", "backoff_factor": "decr_ratio",
+             "growth_interval": "incr_every_n_steps", "hysteresis": "decr_every_n_nan_or_inf"}
+    return _dynamic(call, names, init_scale=init_loss_scaling, growth_factor=incr_ratio, backoff_factor=decr_ratio,
+                    growth_interval=incr_every_n_steps, hysteresis=decr_every_n_nan_or_inf,
+                    hysteresis_mode="consecutive", arithmetic="float32")
 
 
 def ascend(init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_inf: int = 2,
-           incr_ratio: float = 2, decr_ratio: float = 0.8) -> DynamicScale:
+           incr_ratio: float = 2, decr_ratio: float = 0.8, *,
+           call: str = "presets.ascend") -> DynamicScale:
     """Ascend's ``ExponentialUpdateLossScaleManager`` (npu_bridge), TF1 contrib's manager reproduced.
 
     Rule (float32 variables; ``good`` and ``bad`` start at 0)::
@@ -264,16 +318,13 @@ def ascend(init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_
         >>> (p.hysteresis, p.hysteresis_mode, p.min_scale, p.arithmetic)
         (2, 'cumulative', 1.0, 'float32')
     """
-    call = "presets.ascend"
-    _scale(call, "init_loss_scale", init_loss_scale, floor=1.0)
-    check_int_at_least(call, "incr_every_n_steps", incr_every_n_steps, 1)
-    check_int_at_least(call, "decr_every_n_nan_or_inf", decr_every_n_nan_or_inf, 1)
     check_factor_above_one(call, "incr_ratio", incr_ratio, "it multiplies the scale on growth")
-    _fraction(call, "decr_ratio", decr_ratio, "it multiplies the scale on a backoff")
-    return DynamicScale(init_scale=init_loss_scale, growth_factor=float(incr_ratio), backoff_factor=decr_ratio,
-                        growth_interval=incr_every_n_steps, hysteresis=decr_every_n_nan_or_inf,
-                        hysteresis_mode="cumulative", min_scale=1.0, max_scale=ASCEND_LIMIT,
-                        growth_guard="operand", arithmetic="float32")
+    names = {"init_scale": "init_loss_scale", "growth_interval": "incr_every_n_steps",
+             "hysteresis": "decr_every_n_nan_or_inf", "growth_factor": "incr_ratio", "backoff_factor": "decr_ratio"}
+    return _dynamic(call, names, init_scale=init_loss_scale, growth_factor=float(incr_ratio), backoff_factor=decr_ratio,
+                    growth_interval=incr_every_n_steps, hysteresis=decr_every_n_nan_or_inf,
+                    hysteresis_mode="cumulative", min_scale=1.0, max_scale=ASCEND_LIMIT, growth_guard="operand",
+                    arithmetic="float32")
 
 
 #: Every preset by name (the peers of ``tests/golden``).

@@ -1,38 +1,34 @@
-"""The step pipeline, once: the stages every front end composes.
+"""The stages of one optimizer step of loss scaling, written once; both front ends compose them.
 
-One optimizer step of loss scaling is::
+::
 
-    scale_loss        loss * scale (/ accumulation)                         no pass, no host read
-    grouped_gradients the tensors to check and unscale in place, by device  no pass
-    guarded_found     found_inf, born 1 where the scale is corrupted        0-d ops
-    measure_          overflow (+ amax) in one read pass, read-only         1 read
-    inverse_          1/scale (1 where the guard refused the scale)         0-d ops
-    unscale_and_check_  (overflow.py) fused multiply + inf/NaN check          1 read + 1 write
-    agree_            found_inf (and amax) reduced over ranks               1 all-reduce each
-    clip coefficient  (clip.py) min(1, max_norm / (norm + eps))             0-d ops
-    apply             fused_step_ (flags in the kernel, no host read),
-                      applies_on_host (one host read), or MaskedSkip (_masked.py, no host read)
-    advance           LossScale.update: the policy's rule + its floor rule   0-d ops
-                      (next_state + commit: LossScaleOptimizer computes it before apply,
-                      while its 0-d tensors are in cache, and installs it after)
-    attribute         overflowing_names: which parameters overflowed       1 read + 1 host read, on demand
+    scale_loss          loss * scale (/ accumulation)                          no pass, no host read
+    grouped_gradients   the tensors to check and unscale in place, by device   no pass
+    guarded_found       found_inf: 1 where the scale itself is corrupted       0-d ops
+    measure_            overflow (+ amax) of the scaled gradients              1 pass
+    inverse_            1/scale (1 where the guard refused the scale)          0-d ops
+    unscale_and_check_  (ops.overflow) fused multiply + inf/NaN check          1 read + 1 write
+    agree_              found_inf (and amax) reduced over ranks                1 all-reduce each
+    clip coefficient    (ops.clip) min(1, max_norm / (norm + eps))              0-d ops
+    apply               fused_step_ (flags in the kernel, no host read), applies_on_host (one host read),
+                        or ops.masked.MaskedSkip (no host read)
+    advance             LossScale.update: the policy's rule, then its floor rule   0-d ops
+    attribute           overflowing_names: which parameters overflowed         1 read + 1 host read, on demand
 
-Each function states its passes over the gradients and its host reads. ``GradScaler`` and
-``LossScaleOptimizer`` call these and nothing else of each other.
+``GradScaler`` and ``LossScaleOptimizer`` call these and nothing of each other.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-import weakref
 from typing import Any, Sequence
 
 import torch
 
-from lossscale import distributed as _dist
-from lossscale._validate import ArgumentTypeError
-from lossscale.overflow import OverflowMode, check_, check_with_amax_, one, overflowing
+from lossscale.checks import ArgumentTypeError
+from lossscale.ops import distributed as _dist
+from lossscale.ops.overflow import OverflowMode, check_, check_with_amax_, one, overflowing
 
 __all__ = [
     "NoGradientsError",
@@ -105,8 +101,7 @@ def grouped_gradients(optimizer: torch.optim.Optimizer, call: str, *, allow_fp16
                       required: bool = True) -> Groups:
     """The tensors to check and unscale in place, one per parameter with a gradient, grouped by (device,
     dtype) for the foreach kernels, in the optimizer's order. No pass. Plain dense gradients (the usual
-    case) are collected in one comprehension and grouped by torch's C++ grouping (the one its foreach
-    optimizers use): 30 us for 100 gradients on a 2-core EPYC, half a Python loop's.
+    case) are grouped by torch's C++ grouping (the one its foreach optimizers use).
 
     Raises:
         NoGradientsError: no parameter of ``optimizer`` has a gradient (when ``required``).
@@ -157,10 +152,11 @@ def _group_any(optimizer: torch.optim.Optimizer) -> Groups:
 
 def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, threshold: float,
              *, amax: bool) -> torch.Tensor | None:
-    """Add overflow to ``found_inf``, read-only; with ``amax`` also return the largest scaled magnitude.
+    """Add overflow to ``found_inf``; with ``amax`` also return the largest scaled magnitude (0-d float32 on
+    ``found_inf``'s device; inf/NaN when it overflowed).
 
-    Cost: one read pass (a sum per large tensor, ``aminmax`` in saturation mode or for amax); no write,
-    no host read. amax is 0-d float32 on ``found_inf``'s device (inf/NaN when it overflowed).
+    Passes: one (``aminmax`` in saturation mode or for amax, read-only; else torch's fused check, which
+    multiplies by 1.0 in place). No host read.
     """
     maxima = []
     for grads in groups.values():
@@ -178,12 +174,11 @@ _GUARD_MIN = 2.0**-127  # the smallest scale the guard passes: its float32 inver
 
 
 def guarded_found(scale: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
-    """A step's found_inf, born with the scale's verdict: 0-d float32 on ``device`` (default the scale's),
-    1 where ``scale`` is not a number in [2**-127, FMAX] (NaN, inf, 0, a negative: a scale corrupted in
-    memory; every door validates it, down to 2**-126), else 0. Every scaled step's flag starts here, so a
-    fused kernel handed such a scale skips instead of dividing by it, and :func:`inverse_`, which reads
-    the verdict, never forms the inverse of such a scale. 2 0-d ops (the clamp's copy compared in place
-    with the scale: NaN differs from itself), no host read."""
+    """A step's found_inf, starting from the scale's own verdict: 0-d float32 on ``device`` (default the
+    scale's), 1 where ``scale`` is not a number in [2**-127, FMAX] (NaN, inf, 0, a negative: a scale corrupted
+    in memory; every setter checks it, down to 2**-126), else 0. Every scaled step's flag starts here, so a
+    fused kernel handed such a scale skips instead of dividing by it, and :func:`inverse_` never forms the
+    inverse of such a scale. 2 0-d ops, no host read."""
     found = scale.clamp(min=_GUARD_MIN, max=_FMAX).ne_(scale)
     if found.dtype != torch.float32 or (device is not None and found.device != torch.device(device)):
         found = found.to(device=found.device if device is None else device, dtype=torch.float32)
@@ -193,11 +188,10 @@ def guarded_found(scale: torch.Tensor, device: torch.device | str | None = None)
 def inverse_(scale: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
     """``1 / scale`` rounded once to float32, and 1 where :func:`guarded_found` refused the scale (``found``
     is its flag, read before any check sets it), so the pipeline never multiplies a gradient by the inverse
-    of a scale it refused: every scale it passes has a finite, positive inverse. 3 0-d ops, no host read.
+    of a scale it refused. 3 0-d ops, no host read.
 
-    The float32 reciprocal is IEEE division, correctly rounded: the same bits as torch's
-    ``scale.double().reciprocal().float()`` (rounding twice is harmless for a quotient when the wider format
-    has at least 2p+2 bits: 53 >= 50), in one op instead of three."""
+    The float32 reciprocal is correctly rounded: the same bits as torch's ``scale.double().reciprocal().float()``
+    (rounding twice is harmless for a quotient when the wider format has at least 2p+2 bits: 53 >= 50)."""
     inv = scale.reciprocal() if scale.dtype == torch.float32 else scale.double().reciprocal().float()
     return torch.where(found.to(device=inv.device, dtype=torch.bool), one(inv.device), inv)
 
@@ -231,34 +225,16 @@ def fused_step_(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | Non
 
 def applies_on_host(overflow: torch.Tensor) -> bool:
     """Whether a step skipped on the host applies: ``overflow`` (a flag or a count) read on the host, the one
-    host read, as torch's scaler makes. The caller runs ``optimizer.step()`` where True; what it read also
-    tells the policy's update that the step was clean (``LossScale.next_state(clean_on_host=)``)."""
+    host read, as torch's scaler makes. The caller runs ``optimizer.step()`` where True."""
     return not bool(overflow)
 
 
-_TAKES_GRAD_SCALER: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
-
-
 def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step`` accepts ``grad_scaler=`` (torch hands such optimizers the whole scaler).
-
-    Decided once per step function (``inspect.signature`` costs ~15 us; torch's scaler pays it every step):
-    the answer depends only on the function, and a wrapper set on the instance is a function of its own."""
-    step = optimizer.step
-    function = getattr(step, "__func__", step)
+    """Whether ``optimizer.step`` accepts ``grad_scaler=`` (torch hands such optimizers the whole scaler)."""
     try:
-        return _TAKES_GRAD_SCALER[function]
-    except (KeyError, TypeError):
-        pass
-    try:
-        answer = "grad_scaler" in inspect.signature(step).parameters
+        return "grad_scaler" in inspect.signature(optimizer.step).parameters
     except (TypeError, ValueError):
-        answer = False
-    try:
-        _TAKES_GRAD_SCALER[function] = answer
-    except TypeError:  # not weakly referenceable: ask again next time
-        pass
-    return answer
+        return False
 
 
 def warn_grad_scaler_deprecated() -> None:

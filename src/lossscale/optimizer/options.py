@@ -1,68 +1,20 @@
-"""The validated, frozen options of a :class:`~lossscale.LossScaleOptimizer`, and its old spellings.
-
-``LossScaleOptimizer(inner, *, ...)`` takes everything after the optimizer by keyword. The positional
-order of version 0.1 (``policy, overflow_mode, clip_grad_norm, clip_grad_value, accumulation_steps, ema,
-weight_decay, skip_mode``) and the Keras-only ``clip_grad_norm_per_param=`` still work for one release,
-with a ``DeprecationWarning``.
-"""
+"""The checked, frozen step options of a :class:`~lossscale.LossScaleOptimizer`."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal
 
 import torch
 
-from lossscale._validate import (
-    ArgumentTypeError,
-    _require_real,
-    check_choice,
-    check_int_at_least,
-    check_positive_or_none,
-)
-from lossscale.ema import EMA
-from lossscale.overflow import OverflowMode, check_mode, saturation_threshold
+from lossscale.addons.ema import EMA
+from lossscale.checks import ArgumentTypeError, check_choice, check_int_at_least, check_positive_or_none, require_real
+from lossscale.ops.overflow import OverflowMode, check_mode, saturation_threshold
 
-__all__ = ["SkipMode", "StepOptions", "OLD_POSITIONAL", "upgrade_old_spellings", "refuse_float16_params"]
+__all__ = ["SkipMode", "StepOptions"]
 
 SkipMode = Literal["auto", "fused", "host", "masked"]
 GradTransform = Callable[[list[torch.Tensor]], None]
-
-#: The positional order of version 0.1, after the optimizer.
-OLD_POSITIONAL = ("policy", "overflow_mode", "clip_grad_norm", "clip_grad_value", "accumulation_steps", "ema",
-                  "weight_decay", "skip_mode")
-
-
-def upgrade_old_spellings(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Map 0.1's positional arguments and ``clip_grad_norm_per_param`` onto keywords, with a DeprecationWarning."""
-    call = "LossScaleOptimizer"
-    if len(args) > len(OLD_POSITIONAL):
-        raise TypeError(f"{call}(inner, ...): takes the optimizer and keyword arguments; got {len(args) + 1} "
-                        f"positional arguments.")
-    out = dict(kwargs)
-    if args:
-        names = OLD_POSITIONAL[: len(args)]
-        twice = [n for n in names if n in kwargs]
-        if twice:
-            raise TypeError(f"{call}(...): got {twice[0]!r} both by position and by keyword.")
-        warnings.warn(f"{call}(inner, {', '.join(names)}) by position is deprecated; pass them by keyword: "
-                      f"{call}(inner, {', '.join(f'{n}=...' for n in names)}).", DeprecationWarning, stacklevel=3)
-        out.update(zip(names, args))
-    if out.get("clip_grad_norm_per_param") is not None:
-        limit = out.pop("clip_grad_norm_per_param")
-        check_positive_or_none(call, "clip_grad_norm_per_param", limit)
-        warnings.warn(f"{call}(clip_grad_norm_per_param=...) is deprecated: it is Keras's clipnorm, now in "
-                      f"lossscale.compat.keras.LossScaleOptimizer(clipnorm=...); or pass "
-                      f"transform_unscaled=lossscale.clip.per_tensor_clipper({limit!r}).", DeprecationWarning,
-                      stacklevel=3)
-        from lossscale.clip import per_tensor_clipper
-
-        out["transform_unscaled"] = per_tensor_clipper(limit)
-    else:
-        out.pop("clip_grad_norm_per_param", None)
-    return out
-
 
 def _check_process_group(call: str, group: Any) -> None:
     """None (the world) or a ``torch.distributed.ProcessGroup``."""
@@ -75,16 +27,9 @@ def _check_process_group(call: str, group: Any) -> None:
                                 f"{type(group).__name__}.")
 
 
-def check_module(call: str, module: Any) -> None:
-    """None or a ``torch.nn.Module`` (it names the parameters in attribution)."""
-    if module is not None and not isinstance(module, torch.nn.Module):
-        raise ArgumentTypeError(f"{call}(module={module!r}): module must be None or the torch.nn.Module whose "
-                                f"parameters the optimizer updates (it names them); got {type(module).__name__}.")
-
-
 @dataclass(frozen=True)
 class StepOptions:
-    """How a boundary step runs; validated once (see :class:`~lossscale.LossScaleOptimizer` for each)."""
+    """How a boundary step runs; checked once (see :class:`~lossscale.LossScaleOptimizer` for each option)."""
 
     overflow_mode: OverflowMode = "inf_nan"
     clip_grad_norm: float | None = None
@@ -114,7 +59,7 @@ class StepOptions:
             raise TypeError(f"{call}(ema={self.ema!r}): ema must be a lossscale.EMA or None.")
         wd = self.weight_decay
         if wd is not None:
-            _require_real(call, "weight_decay", wd, "None or a finite number >= 0")
+            require_real(call, "weight_decay", wd, "None or a finite number >= 0")
             if not 0 <= wd < float("inf"):
                 raise ValueError(f"{call}(weight_decay={wd!r}): weight_decay must be None or a finite number >= 0; "
                                  f"got {wd!r}.")
@@ -149,15 +94,3 @@ class StepOptions:
         if self.skip_mode == "auto":
             return "fused" if fusable and not self.writes_unscaled else "host"
         return self.skip_mode
-
-
-def refuse_float16_params(inner: torch.optim.Optimizer) -> None:
-    """A ValueError naming the first float16 parameter: its unscaled gradients would underflow."""
-    for i, group in enumerate(inner.param_groups):
-        for j, p in enumerate(group["params"]):
-            if p.dtype == torch.float16:
-                raise ValueError(
-                    f"LossScaleOptimizer(inner): param_groups[{i}][{j}] is a float16 parameter; its unscaled "
-                    f"gradients (scaled values / scale) would underflow in float16 and its updates round away. "
-                    f"Keep the parameters in float32 and run the forward pass under torch.autocast(dtype="
-                    f"torch.float16) (mixed precision), or keep float32 master copies for the optimizer.")

@@ -6,7 +6,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lossscale._validate import ArgumentTypeError, check_int_at_least, unlike_tensor
+from lossscale.checks import ArgumentTypeError, check_int_at_least, unlike_tensor
 
 __all__ = ["EMA"]
 

@@ -40,8 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lossscale._layer_state import checked_layer_state
-from lossscale._validate import check_int_at_least
+from lossscale.checks import check_int_at_least
 
 __all__ = ["LayerScales"]
 
@@ -281,3 +280,49 @@ class LayerScales:
 
     def __repr__(self) -> str:
         return f"LayerScales({len(self.units)} units, margin={self.margin}, search_step={self.search_step})"
+
+
+_LOADER = "LayerScales.load_state_dict"
+_FIELDS = ("exponent", "level", "observed", "penalty")
+
+
+def checked_layer_state(names: list[str], state: Any, like: dict[str, torch.Tensor]) -> tuple[dict, list[int]]:
+    """The per-unit tensors (shaped, typed and placed as ``like``) and the chain order of ``state``.
+
+    Rule: ``state`` is what ``LayerScales.state_dict()`` saved for the same units (``names``, in order);
+    ``exponent``, ``level`` and ``penalty`` hold one finite number per unit (penalty >= 0: a factor 2**e
+    with a non-finite e would multiply the gradients by inf or NaN), ``observed`` one bool per unit, and
+    ``order`` distinct unit indices. Raises ValueError naming the field otherwise. No device read."""
+    if not isinstance(state, dict) or not {"units", "order", *_FIELDS} <= state.keys():
+        raise ValueError(f"{_LOADER}(state={state!r:.80}): state must be the dict LayerScales.state_dict() returned "
+                         f"(keys units, order, {', '.join(_FIELDS)}).")
+    if state["units"] != names:
+        raise ValueError(f"{_LOADER}: the checkpoint's units {state['units']!r} differ from this model's {names!r}.")
+    tensors = {k: _field(k, state[k], like[k]) for k in _FIELDS}
+    order = state["order"]
+    if not (isinstance(order, (list, tuple)) and len(set(order)) == len(order) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(names) for i in order)):
+        raise ValueError(f"{_LOADER}: order must list distinct unit indices in [0, {len(names)}); got {order!r}.")
+    return tensors, list(order)
+
+
+def _field(name: str, value: Any, like: torch.Tensor) -> torch.Tensor:
+    """One per-unit field as a tensor like ``like``, or a ValueError naming it."""
+    bools = like.dtype == torch.bool
+    wanted = f"{like.numel()} {'bools' if bools else 'finite numbers'}" + (" >= 0" if name == "penalty" else "")
+    values = _as_float64(value)
+    ok = values is not None and tuple(values.shape) == tuple(like.shape) and bool(torch.isfinite(values).all())
+    if ok and bools:
+        ok = (value.dtype == torch.bool) if isinstance(value, torch.Tensor) else all(isinstance(v, bool) for v in value)
+    if ok and name == "penalty":
+        ok = not bool((values < 0).any())
+    if not ok:
+        raise ValueError(f"{_LOADER}: {name} must hold {wanted}, one per unit; got {value!r:.120}.")
+    return values.to(like.dtype).to(like.device)
+
+
+def _as_float64(value: Any) -> torch.Tensor | None:
+    try:
+        return torch.as_tensor(value, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return None

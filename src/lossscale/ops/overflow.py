@@ -8,8 +8,10 @@ non-finite value. Saturation is judged on the scaled gradients, before unscaling
 
 Every function here sets a caller-owned ``found_inf`` (a 0-d float32 tensor on the gradients' device) to
 1.0 on an overflow and never lowers it, so a flag that starts at 0 or 1 stays a 0/1 flag (what fused
-optimizers take: they skip only where it is exactly 1.0); none reads it on the host. Attribution (which
-parameters overflowed) is separate and computed only when asked.
+optimizers take: they skip only where it is exactly 1.0); none reads it on the host. The inf/NaN check is
+torch's own fused kernel, ``torch._amp_foreach_non_finite_check_and_unscale_`` (the unscale by 1.0 where only
+a check is wanted, as torch's GradScaler does for fused optimizers: each value written back unchanged).
+Attribution (which parameters overflowed) is separate and computed only when asked.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from typing import Iterable, Literal, Sequence
 
 import torch
 
-from lossscale import _two_threads
-from lossscale._validate import ArgumentTypeError, check_choice
+from lossscale.checks import ArgumentTypeError, check_choice
 
 __all__ = [
     "OverflowMode",
@@ -112,16 +113,6 @@ def check_with_amax_(
     return torch.maximum(hi.max(), -lo.min())
 
 
-def sum_min_numel() -> int:
-    """From this many elements on, a tensor is checked by its own ``sum`` (read-only, a Python call each)
-    rather than within torch's fused check (one C++ call over all of them, which also writes each value
-    back). Measured on a 2-core AVX2 EPYC with the caches cold, as after a backward pass (ms, fused /
-    sum): 2 threads, 1,000 x 20K 9.0 / 10.3, 300 x 64K 5.5 / 5.9, 200 x 100K 4.7 / 4.7, 100 x 200K 4.4 /
-    3.9; 1 thread, 1,000 x 20K 7.3 / 8.3, 300 x 64K 6.9 / 5.9. Hence 128K elements with several torch
-    threads (the fused check is parallel), 32K with one."""
-    return 1 << 17 if torch.get_num_threads() > 1 else 1 << 15
-
-
 _ONES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -132,28 +123,6 @@ def one(device: torch.device) -> torch.Tensor:
     return _ONES[device]
 
 
-def _non_finite_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Make ``found_inf`` (0-d float32 on the gradients' device) 1.0 where some value is inf or NaN.
-
-    One read pass: a float32 ``sum`` per tensor of at least :func:`sum_min_numel` elements (read-only;
-    non-finite when an input value is, and for finite values only past 3.4e38 in total, a mean magnitude
-    of 3.4e38 / numel such as 1.7e31 over 20M values: the one case torch's check would pass), and for all
-    smaller ones together one ``torch._amp_foreach_non_finite_check_and_unscale_`` by 1.0 (one C++ call,
-    about 10x faster over many tiny tensors than ``sum`` or ``_foreach_norm`` per tensor; on two threads
-    where many small tensors would leave a core idle, :mod:`lossscale._two_threads`), which writes
-    each value back unchanged (``x * 1.0 == x`` bit for bit, NaN stays NaN) and sets found_inf to 1.0 on
-    a hit; large tensors are never written. Fixed cost: 1 op for the small ones, 4 + one per tensor for
-    the large ones (``s - s`` is 0 for a finite sum, NaN otherwise)."""
-    small, large, least = [], [], sum_min_numel()
-    for g in grads:
-        (small if g.numel() < least else large).append(g)
-    if small:
-        _two_threads.check_and_unscale_(small, found_inf, one(found_inf.device))
-    if large:
-        sums = torch.stack([g.sum(dtype=torch.float32) for g in large])
-        found_inf.logical_or_((sums - sums).ne_(0).any())
-
-
 def check_(
     grads: Sequence[torch.Tensor],
     found_inf: torch.Tensor,
@@ -161,20 +130,20 @@ def check_(
     threshold: float = 65504.0,
 ) -> torch.Tensor:
     """Set ``found_inf`` to 1.0 if ``grads`` (one device and dtype) overflowed; it never goes back to 0.
-    Read-only, one pass.
 
-    Cost: one read of every gradient; no write, no host read.
+    Passes: inf_nan, one read+write (torch's fused check, multiplying by 1.0); saturation, one read
+    (``aminmax``). No host read.
     """
     if not grads:
         return found_inf
     if mode == "saturation":
         flag = _saturated(grads, threshold)
     elif found_inf.dtype == torch.float32 and found_inf.device == grads[0].device:
-        _non_finite_(grads, found_inf)
+        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, one(found_inf.device))
         return found_inf
     else:
         flag = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-        _non_finite_(grads, flag)
+        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), flag, one(flag.device))
     if flag.device != found_inf.device or flag.dtype not in (torch.bool, found_inf.dtype):
         flag = flag.to(device=found_inf.device, dtype=found_inf.dtype)
     return found_inf.logical_or_(flag)
@@ -190,15 +159,14 @@ def unscale_and_check_(
     """Multiply ``grads`` in place by ``inv_scale`` and record overflow in ``found_inf``.
 
     ``grads`` share one device and dtype. inf_nan: one fused read+write pass
-    (``torch._amp_foreach_non_finite_check_and_unscale_``, on two threads over many small CPU tensors:
-    :mod:`lossscale._two_threads`). saturation: one read pass on the scaled
-    values first, then the same fused pass. No host read.
+    (``torch._amp_foreach_non_finite_check_and_unscale_``). saturation: one read pass on the scaled values
+    first, then the same fused pass. No host read.
     """
     if not grads:
         return found_inf
     if mode == "saturation":
         check_(grads, found_inf, "saturation", threshold)
-    _two_threads.check_and_unscale_(grads, found_inf, inv_scale)
+    torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inv_scale)
     return found_inf
 
 

@@ -1,0 +1,1 @@
+"""Optional parts of a LossScaleOptimizer: EMA weights, a precision schedule, per-layer scales."""

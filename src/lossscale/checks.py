@@ -1,0 +1,184 @@
+"""Argument and value checks: each error echoes the call, states the rule and shows the value.
+
+The one check of a loss-scale value is :func:`checked_scale`: a scale multiplies the loss and its inverse
+multiplies every gradient, so its float32 value must be a finite *normal* number (>= 2**-126: a subnormal
+scale has an infinite inverse) inside the policy's ``[min_scale, max_scale]``. Every setter and loader of a
+scale calls it.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, Iterable
+
+import torch
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a TypeError that ``except ValueError`` also catches."""
+
+
+class StateDictError(KeyError, ValueError):
+    """A state dict that lacks what it must hold (or is another object's): a ValueError and a KeyError."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _is_real(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float))
+
+
+def require_real(call: str, name: str, value: Any, rule: str) -> None:
+    if not _is_real(value):
+        raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be {rule}; got {value!r} "
+                                f"({type(value).__name__}).")
+
+
+def check_scale(call: str, name: str, value: Any, *, low: float, high: float) -> None:
+    """A finite positive number in ``[low, high]``."""
+    require_real(call, name, value, f"a finite number in [{low!r}, {high!r}]")
+    if not math.isfinite(value) or not (low <= value <= high):
+        raise ValueError(
+            f"{call}({name}={value!r}): {name} must be a finite number in [{low!r}, {high!r}]; got {value!r}."
+        )
+
+
+def check_factor_above_one(call: str, name: str, value: Any, why: str) -> None:
+    """A finite number > 1."""
+    require_real(call, name, value, f"a finite number > 1 ({why})")
+    if not math.isfinite(value) or value <= 1.0:
+        raise ValueError(f"{call}({name}={value!r}): {name} must be a finite number > 1 ({why}); got {value!r}.")
+
+
+def check_int_at_least(call: str, name: str, value: Any, low: int) -> None:
+    """An int (not a bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be an integer >= {low}; got "
+                                f"{value!r} ({type(value).__name__}).")
+    if value < low:
+        raise ValueError(f"{call}({name}={value!r}): {name} must be an integer >= {low}; got {value!r}.")
+
+
+def check_choice(call: str, name: str, value: Any, allowed: Iterable[Any]) -> None:
+    """One of ``allowed`` (compared with ``is`` for bools, ``==`` otherwise)."""
+    allowed = tuple(allowed)
+    ok = any((value is a) if isinstance(a, bool) else (not isinstance(value, bool) and value == a) for a in allowed)
+    if not ok:
+        shown = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{call}({name}={value!r}): {name} must be one of {shown}; got {value!r}.")
+
+
+#: The largest value an int32 counter holds: every counter's limit is refused above it.
+INT32_MAX = 2**31 - 1
+
+
+def check_int_in_range(call: str, name: str, value: Any, low: int, high: int = INT32_MAX) -> None:
+    """An int (not a bool) in ``[low, high]`` (default high: the largest int32, what the counters hold)."""
+    check_int_at_least(call, name, value, low)
+    if value > high:
+        why = " (it is counted in an int32 tensor)" if high == INT32_MAX else ""
+        raise ValueError(f"{call}({name}={value!r}): {name} must be an integer <= {high}{why}; got {value!r}.")
+
+
+def check_fraction(call: str, name: str, value: Any, why: str) -> None:
+    """A number in (0, 1)."""
+    require_real(call, name, value, f"in (0, 1) ({why})")
+    if not (0.0 < value < 1.0):
+        raise ValueError(f"{call}({name}={value!r}): {name} must be in (0, 1) ({why}); got {value!r}.")
+
+
+def check_positive_or_none(call: str, name: str, value: Any) -> None:
+    """None, or a finite number > 0."""
+    if value is None:
+        return
+    require_real(call, name, value, "None or a finite number > 0")
+    if not (0 < value < math.inf):
+        raise ValueError(f"{call}({name}={value!r}): {name} must be None or a finite number > 0; got {value!r}.")
+
+
+def unlike_tensor(value: Any, like: Any, *, finite: bool = False) -> str | None:
+    """None where ``value`` is a tensor of ``like``'s shape and dtype (and all finite, with ``finite``: one host
+    read); else what it is, for an error message ("str", "a torch.float64 tensor of shape (5,)", ...)."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    bad = finite and value.is_floating_point() and not bool(torch.isfinite(value).all())
+    if value.shape == like.shape and value.dtype == like.dtype and not bad:
+        return None
+    return f"a {'non-finite ' if bad else ''}{value.dtype} tensor of shape {tuple(value.shape)}"
+
+
+def checked_state_dict(call: str, state_dict: Any, keys: Any, hint: str = "") -> dict[str, Any]:
+    """``state_dict`` if it is a dict holding ``keys``; else a TypeError or :class:`StateDictError` (``hint``
+    says where such a dict goes instead)."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{call}(state_dict={state_dict!r}): state_dict must be the dict that state_dict() "
+                        f"returned; got {type(state_dict).__name__}.")
+    missing = [k for k in keys if k not in state_dict]
+    if missing:
+        raise StateDictError(f"{call}(state_dict with keys {sorted(state_dict)}): missing {missing}; pass the dict "
+                             f"that state_dict() returned.{hint}")
+    return state_dict
+
+#: 2**-126, the smallest normal float32: the lowest scale whose inverse is finite.
+SMALLEST_NORMAL_FLOAT32 = 2.0**-126
+#: The largest finite float32.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def to_float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (inf where it overflows), as a Python float; no tensor."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _as_number(call: str, name: str, value: Any) -> float:
+    """The Python number a float, int or one-element tensor holds.
+
+    A CPU tensor is read without a device sync (``numpy()``); a tensor on an accelerator costs one sync.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.requires_grad or value.is_complex() or value.dtype == torch.bool:
+            raise ArgumentTypeError(f"{call}: {name} must be a float or a 1-element tensor (real, without grad); got a "
+                                 f"{value.dtype} tensor of shape {tuple(value.shape)}"
+                                 f"{' that requires grad' if value.requires_grad else ''}.")
+        flat = value.detach().reshape(())
+        if flat.device.type == "meta":
+            raise ValueError(f"{call}: {name} is a tensor on the meta device, which holds no value; pass a float or "
+                             f"a tensor on a real device; got {value!r}.")
+        if flat.device.type == "cpu":
+            return float(flat.to(torch.float64).numpy())
+        return float(flat.to("cpu", torch.float64).numpy())  # one device sync
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"{call}: {name} must be a float or a 1-element tensor; got {type(value).__name__} "
+                             f"{value!r}.")
+    return float(value)
+
+
+def checked_scale(call: str, value: Any, low: float = SMALLEST_NORMAL_FLOAT32, high: float = FLOAT32_MAX,
+                  name: str = "the scale") -> float:
+    """``value`` as a float32-exact Python float, or an error that names ``call``, the rule and the value.
+
+    Rule: ``value`` is a finite number > 0 whose float32 rounding is a normal number (>= 2**-126: a
+    subnormal scale has an infinite inverse) inside the policy's ``[low, high]``. Cost: none for a float
+    or a CPU tensor; one device sync for a tensor on an accelerator.
+
+    Example:
+        >>> checked_scale("set_scale(new_scale=1024)", 1024, name="new_scale")
+        1024.0
+        >>> checked_scale("set_scale(new_scale=1e-46)", 1e-46, name="new_scale")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: set_scale(new_scale=1e-46): new_scale must be a finite number > 0 whose float32 value is a ...
+    """
+    number = _as_number(call, name, value)
+    rounded = to_float32(number) if math.isfinite(number) else number
+    low = max(low, SMALLEST_NORMAL_FLOAT32)
+    if not (math.isfinite(rounded) and low <= rounded <= high):
+        shown = f"{value!r}" if rounded == number else f"{value!r}, which is {rounded!r} in float32"
+        raise ValueError(f"{call}: {name} must be a finite number > 0 whose float32 value is a normal number in "
+                         f"[{low!r}, {high!r}] (its inverse multiplies every gradient); got {shown}.")
+    return rounded

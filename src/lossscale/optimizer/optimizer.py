@@ -1,0 +1,626 @@
+"""LossScaleOptimizer: a torch optimizer that scales, unscales, checks, clips, skips, and says what it did.
+
+All mutable state lives in two objects, the :class:`~lossscale.state.LossScale` and the run position
+(:class:`_Run`), never in attributes rebound later: a framework proxy that copies this object's ``__dict__``
+(Lightning's ``LightningOptimizer``) shares both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from lossscale import stages
+from lossscale.addons.ema import EMA
+from lossscale.addons.layerwise import LayerScales
+from lossscale.addons.schedule import PrecisionSchedule, check_attachable
+from lossscale.checks import ArgumentTypeError
+from lossscale.ops.clip import global_clip_coefficient, global_norm_squared, grouped_norm_squared
+from lossscale.ops.masked import MaskedSkip
+from lossscale.ops.overflow import check_, unscale_and_check_
+from lossscale.ops.underflow import underflow_share
+from lossscale.optimizer import checkpoint
+from lossscale.optimizer.options import StepOptions
+from lossscale.policies.base import FloorError, Policy
+from lossscale.reporting import StepResult
+from lossscale.state import LossScale
+
+__all__ = ["LossScaleOptimizer"]
+
+
+@dataclass
+class _Run:
+    """Where a run is, and how its steps run (the options with what they resolve to for the inner optimizer)."""
+
+    options: StepOptions
+    skip_mode: str = "host"  # options.skip_mode resolved for the inner optimizer
+    explicit_unscale: bool = True  # the gradients are unscaled by a pass of ours, not in a fused kernel
+    micro: int = 0
+    boundaries: int = 0
+    window: tuple[bool, str | None] | None = None  # (scaled?, precision), fixed at a window's first loss
+    unscaled_by: torch.Tensor | None = None
+    last_result: StepResult | None = None
+    schedule: PrecisionSchedule | None = None
+    seen_switch: bool = False
+    loss_finite: torch.Tensor | None = None  # every loss of the window finite (policies that observe it)
+    layers: LayerScales | None = None
+
+
+class LossScaleOptimizer(torch.optim.Optimizer):
+    """Wraps any ``torch.optim.Optimizer`` with dynamic loss scaling; ``step()`` returns a :class:`StepResult`.
+
+    Usage::
+
+        opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), fused=True), clip_grad_norm=1.0)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x)
+        opt.backward(loss)          # loss * scale / accumulation_steps, then backward
+        result = opt.step()         # StepResult(stepped, found_inf, scale, next_scale, grad_norm, ...)
+        opt.zero_grad()
+
+    It is a torch optimizer whose ``param_groups``, ``state`` and ``defaults`` are the inner one's: LR
+    schedulers, ``register_step_pre_hook``/``post_hook`` and the state-dict hooks work on it.
+
+    A boundary step::
+
+        found_inf = guard(scale); check (and amax, norm) the scaled gradients
+        unscale by 1/scale (x clip coefficient), in our pass or in a fused kernel
+        agree found_inf over ranks; skip or apply the inner step (fused / host / masked)
+        advance the policy with found_inf (and amax, loss finiteness)
+
+    Skip modes (how an overflowing step is skipped):
+        ``"fused"``: the inner optimizer takes ``grad_scale``/``found_inf`` (fused Adam/AdamW/SGD) and skips
+        in its kernel; unscaling and global-norm clipping are folded into ``grad_scale``. No host read.
+        ``"host"``: found_inf is read once and ``inner.step()`` is not called (torch's behaviour).
+        ``"masked"``: the inner step runs and parameters and state are restored where found_inf; no host
+        read, at the cost of a snapshot and a masked restore of params and state.
+        ``"auto"``: ``"fused"`` when the optimizer supports it and no stage needs the unscaled gradients
+        written; else ``"host"``.
+
+    Passes over the gradients per boundary: fused without clipping, one read+write (the check); fused with
+    global-norm clipping, one read (the norm is the check); host/masked, one read+write to unscale and check
+    (plus one read for the norm when clipping). Saturation mode, and a policy that observes amax, add one read.
+
+    Args:
+        inner: The optimizer to wrap (float32 parameters; float16 ones are refused).
+        policy: A :class:`~lossscale.Policy` (default ``DynamicScale()``, torch's rule), or a
+            :class:`~lossscale.LossScale` to share the scale with another object (a facade).
+        overflow_mode: ``"inf_nan"`` or ``"saturation"``.
+        clip_grad_norm: Clip the unscaled gradients to this global L2 norm (torch's ``clip_grad_norm_``).
+        clip_grad_value: Clamp each unscaled gradient value to [-v, v].
+        accumulation_steps: Micro-batches per optimizer step; the loss is divided by it.
+        ema: An :class:`~lossscale.EMA`, advanced only on applied steps.
+        weight_decay: Decoupled decay ``p -= lr * weight_decay * p`` before applied steps only.
+        skip_mode: ``"auto"``, ``"fused"``, ``"host"`` or ``"masked"``.
+        saturation_dtype: Format whose max defines saturation (default float16).
+        process_group: found_inf is reduced over it under torch.distributed (default: world).
+        sharded_grads: Which gradients are shards whose squared norms are summed over ranks when clipping.
+            None: detected per gradient (DTensor ``Shard``, as FSDP2). True: every one. False: none.
+        module: Gives parameter names to overflow attribution.
+        schedule: A :class:`~lossscale.PrecisionSchedule`; scaling runs only while it is in float16.
+        check_when_unscaled: Keep catching inf/NaN (and skipping) while scaling is off (bf16/fp32 phase).
+        layerwise: A model, a list of modules or a :class:`~lossscale.addons.layerwise.LayerScales`: one extra
+            power-of-two scale per module on top of the global one (see docs/layerwise.md).
+        underflow_stride: Turn on the underflow meter (``StepResult.underflow``): sample every n-th value of
+            the scaled gradients and report the share float16 would round to zero (reads 1/n of them).
+        transform_unscaled: Called as ``fn(grads, process_group=..., sharded=...)`` on the unscaled
+            gradients after the overflow check, before the step (e.g. :class:`~lossscale.ops.clip.PerTensorClip`).
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, *, policy: Policy | LossScale | None = None,
+                 module: torch.nn.Module | None = None, schedule: PrecisionSchedule | None = None,
+                 layerwise: Any = None, **options: Any) -> None:
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"LossScaleOptimizer(inner={type(inner).__name__}): inner must be a torch.optim.Optimizer.")
+        if isinstance(inner, LossScaleOptimizer):
+            raise TypeError("LossScaleOptimizer(inner=LossScaleOptimizer): wrap the inner optimizer once, not a wrapper.")
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise ArgumentTypeError(f"LossScaleOptimizer(module={module!r}): module must be None or the "
+                                    f"torch.nn.Module whose parameters the optimizer updates (it names them); got "
+                                    f"{type(module).__name__}.")
+        self.inner = inner
+        self._run = _Run(options=StepOptions(**options))
+        self._configure(self._run.options)
+        # What torch.optim.Optimizer.__init__ sets up, minus the parameter groups (they are the inner one's).
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()  # torch's: step() runs the step hooks
+        self.module = module
+        params = self._params()
+        self._device = params[0].device if params else torch.device("cpu")
+        self._loss_scale = LossScale.shared_or_new(policy, self._device)
+        self._masked = MaskedSkip()
+        if self.options.ema is not None:
+            self.options.ema.bind(params)
+        if schedule is not None:
+            self.attach_schedule(schedule)
+        for i, group in enumerate(inner.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.dtype == torch.float16:
+                    raise ValueError(
+                        f"LossScaleOptimizer(inner): param_groups[{i}][{j}] is a float16 parameter; its unscaled "
+                        f"gradients (scaled values / scale) would underflow in float16 and its updates round away. "
+                        f"Keep the parameters in float32 and run the forward pass under torch.autocast(dtype="
+                        f"torch.float16) (mixed precision), or keep float32 master copies for the optimizer.")
+        if layerwise is not None:
+            self.attach_layerwise(layerwise)
+
+    # --- the inner optimizer's groups, state and defaults ---------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.inner.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the inner optimizer."""
+        self.inner.add_param_group(param_group)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.inner.param_groups for p in g["params"]]
+
+    # --- what users read ---------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        """The options by their names (``opt.clip_grad_norm``, ``opt.accumulation_steps``, ...)."""
+        run = self.__dict__.get("_run")
+        if run is not None and name in StepOptions.__dataclass_fields__:
+            return getattr(run.options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def options(self) -> StepOptions:
+        """The frozen, checked step options."""
+        return self._run.options
+
+    def configure(self, **changes: Any) -> None:
+        """Change step options (checked as at construction), e.g. ``opt.configure(clip_grad_norm=1.0)`` for a
+        framework that maps its own clipping setting; kept in the shared run state, so a proxy's call lands."""
+        self._configure(dataclasses.replace(self._run.options, **changes))
+
+    def _configure(self, options: StepOptions) -> None:
+        """Install ``options`` and what they resolve to for the inner optimizer (the skip mode, and whether the
+        gradients are unscaled by a pass of ours)."""
+        skip_mode = options.resolved_skip_mode(self.inner)
+        run = self._run
+        run.options, run.skip_mode = options, skip_mode
+        run.explicit_unscale = skip_mode != "fused" or options.writes_unscaled or run.layers is not None
+
+    @property
+    def skip_mode(self) -> str:
+        """The skip mode in use (``"auto"`` resolved for the inner optimizer)."""
+        return self._run.skip_mode
+
+    @property
+    def policy(self) -> Policy:
+        """The frozen rule."""
+        return self._loss_scale.policy
+
+    @property
+    def loss_scale(self) -> LossScale:
+        """The object that holds the policy and its state (share it to share the scale)."""
+        return self._loss_scale
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current loss scale, a 0-d float32 tensor on the parameters' device (no host read)."""
+        return self._loss_scale.scale
+
+    @property
+    def scale_state(self) -> Any:
+        """The policy's whole state record."""
+        return self._loss_scale.state
+
+    @property
+    def schedule(self) -> PrecisionSchedule | None:
+        """The attached :class:`~lossscale.PrecisionSchedule`, or None."""
+        return self._run.schedule
+
+    @property
+    def last_result(self) -> StepResult | None:
+        """What the last ``step()`` returned."""
+        return self._run.last_result
+
+    def set_scale(self, new_scale: float | torch.Tensor) -> None:
+        """Set the loss scale (checked: a finite float32 normal number in the policy's bounds; a tensor on an
+        accelerator costs one host read to check); the policy's counters carry on."""
+        self._loss_scale.set_scale(new_scale, f"LossScaleOptimizer.set_scale(new_scale={new_scale!r})", "new_scale")
+
+    @property
+    def scaling_active(self) -> bool:
+        """Whether losses are scaled now: always without a schedule; only in float16 with one."""
+        return self.schedule is None or self.schedule.dtype == torch.float16
+
+    def __repr__(self) -> str:
+        return f"LossScaleOptimizer({self.inner!r}, policy={self.policy!r}, skip_mode={self.skip_mode!r})"
+
+    # --- the training-loop calls ---------------------------------------------------------------
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale / accumulation_steps`` (the scale only while scaling is active). No host read.
+
+        Whether to scale is fixed at the first loss of an accumulation window and holds to its step(), so a
+        schedule that switches mid-window never mixes scaled and unscaled gradients."""
+        run = self._run
+        if run.window is None:
+            run.window = (self.scaling_active, self._precision())
+        if not run.window[0] and self.options.accumulation_steps == 1:
+            stages.scale_loss(loss, self._loss_scale.scale)  # the same type check
+            return loss
+        factor = self._loss_scale.scale if run.window[0] else torch.ones_like(self._loss_scale.scale)
+        scaled = stages.scale_loss(loss, factor, self.options.accumulation_steps)
+        if self.policy.observes_loss_finite:
+            finite = torch.isfinite(loss.detach()).all()
+            run.loss_finite = finite if run.loss_finite is None else run.loss_finite & finite
+        return scaled
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``scale_loss(loss).backward(**kwargs)``."""
+        self.scale_loss(loss).backward(**kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients at the start of an accumulation window; a no-op in the middle of one."""
+        if self._run.micro == 0:
+            self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> StepResult:  # type: ignore[override]
+        """Count a micro-batch; at an accumulation boundary run the boundary step and return its decision.
+
+        ``closure`` (as torch optimizers take it) runs first, with grad enabled; it should compute the loss
+        and call ``opt.backward(loss)``; its return value is ``StepResult.loss``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        run = self._run
+        run.micro += 1
+        if run.micro < self.options.accumulation_steps:
+            false = torch.zeros((), dtype=torch.bool, device=self._device)
+            scale = self._loss_scale.scale
+            result = StepResult(stepped=false, found_inf=false, scale=scale, next_scale=scale, accumulating=True,
+                                step=run.boundaries, loss=loss,
+                                precision=self._precision() if run.window is None else run.window[1])
+        else:
+            run.micro = 0
+            result = self._boundary_step(loss)
+        run.last_result = result
+        return result
+
+    # --- the boundary step ---------------------------------------------------------------------
+
+    def _boundary_step(self, loss: Any) -> StepResult:
+        """One optimizer step: measure, unscale (x clip), agree, apply, advance (see the class docstring)."""
+        run, options = self._run, self.options
+        active, precision = (self.scaling_active, self._precision()) if run.window is None else run.window
+        run.window = None
+        checking = active or options.check_when_unscaled
+        groups = stages.grouped_gradients(self.inner, "LossScaleOptimizer.step()")
+        scale = self._loss_scale.scale
+        found = stages.guarded_found(scale, self._device) if active else torch.zeros(
+            (), dtype=torch.float32, device=self._device)
+        layers = run.layers if active else None
+        underflow = None
+        if active and options.underflow_stride:
+            underflow = underflow_share([g for grads in groups.values() for g in grads], options.underflow_stride)
+
+        layer_obs = layer_scales = None
+        if layers is None:
+            # 1/scale, from the guard's verdict alone (before any check sets found): where our pass or the clip
+            # multiplies by it; a fused kernel without clipping divides by the scale itself
+            if not active:
+                inv = torch.ones_like(scale)
+            elif run.explicit_unscale or options.clip_grad_norm is not None:
+                inv = stages.inverse_(scale, found)
+            else:
+                inv = None
+            amax, norm_sq, detected = self._measure(groups, found, active, checking)
+        else:  # per-layer scales: each unit unscaled by scale * 2**e[unit] and checked in one pass
+            layer_obs, amax, norm_sq = self._measure_layers(layers, found, scale)
+            inv, detected, layer_scales = torch.ones_like(scale), True, layers.layer_scales(scale)
+        grad_norm = clip = None
+        if norm_sq is not None:
+            grad_norm = norm_sq.sqrt() * inv
+            clip = global_clip_coefficient(grad_norm, options.clip_grad_norm)
+        coef = inv if clip is None else inv * clip  # None: only the fused kernel unscales (by the scale)
+        self._unscale(groups, found, coef, active and layers is None, checking and not detected, clip is not None)
+        found = stages.agree_(found, options.process_group, is_flag=True)  # starts 0/1, only ever set to 1
+        overflow = found.bool()
+        stepped = ~overflow
+        self._transform_unscaled(groups)
+        self._apply(found, overflow, stepped, self._fused_divisor(scale, active, clip))
+
+        run.boundaries += 1
+        if run.schedule is not None:  # the schedule warns once when it is never fed
+            run.schedule.note_optimizer_step()
+        if options.ema is not None:
+            options.ema.update(stepped, run.boundaries)
+        if active:
+            self._advance(found, amax, layers, layer_obs, scale)
+        run.loss_finite = None
+        return StepResult(stepped=stepped, found_inf=overflow, scale=scale if active else torch.ones_like(scale),
+                          next_scale=self._loss_scale.scale, grad_norm=grad_norm, step=run.boundaries - 1,
+                          precision=precision, switched=self._consume_switch(precision), underflow=underflow,
+                          loss=loss, layer_scales=layer_scales)
+
+    def _measure(self, groups: stages.Groups, found: torch.Tensor, active: bool,
+                 checking: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+        """The passes before unscaling: (amax, squared norm, whether overflow was already checked).
+
+        amax (policies that observe it): ``aminmax``, which is also the check. Saturation: ``aminmax`` on the
+        scaled values. Clip: the norm, whose non-finiteness is the inf/NaN check. Otherwise, with a fused
+        optimizer, the check; with explicit unscaling, nothing here (the unscale pass checks)."""
+        options = self.options
+        observes = active and self.policy.observes_amax
+        amax = norm_sq = None
+        if observes:
+            sink = found if checking else torch.zeros_like(found)
+            amax = stages.measure_(groups, sink, options.overflow_mode, options.threshold, amax=True)
+            stages.agree_amax_(amax, options.process_group)
+        elif checking and active and options.overflow_mode == "saturation":
+            stages.measure_(groups, found, "saturation", options.threshold, amax=False)
+        if options.clip_grad_norm is not None:
+            if options.sharded_grads is not True and groups.plain:
+                norm_sq = grouped_norm_squared(groups, self._device)
+            else:
+                norm_sq = global_norm_squared(self._grads(), options.process_group, options.sharded_grads,
+                                              self._device)
+            if checking:
+                found.logical_or_(~(norm_sq < math.inf))  # inf or NaN (a squared norm is never negative)
+        detected = norm_sq is not None or (options.overflow_mode == "saturation" and active) or observes
+        if checking and not detected and not self._run.explicit_unscale:
+            stages.measure_(groups, found, "inf_nan", options.threshold, amax=False)
+            detected = True
+        return amax, norm_sq, detected
+
+    def _measure_layers(self, layers: LayerScales, found: torch.Tensor, scale: torch.Tensor
+                        ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+        """Per-layer unscale and check (one read + one write pass), agreed over ranks (one MAX all-reduce of
+        [2, units]); the clip norm, when clipping, of the unscaled gradients (one read). No host read."""
+        options = self.options
+        found_u, amax_u = layers.unscale_(scale)
+        observed = stages.agree_amax_(torch.stack([found_u.float(), amax_u.float()]), options.process_group)
+        found_u, amax_u = observed[0] > 0, observed[1]
+        found.logical_or_(found_u.any().to(found.device))
+        norm_sq = None
+        if options.clip_grad_norm is not None:
+            norm_sq = global_norm_squared(self._grads(), options.process_group, options.sharded_grads, self._device)
+            found.logical_or_(~(norm_sq < math.inf))
+        return (found_u, amax_u), amax_u.max().to(scale.device), norm_sq
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._params() if p.grad is not None]
+
+    def _unscale(self, groups: stages.Groups, found: torch.Tensor, coef: torch.Tensor | None, active: bool,
+                 check_here: bool, clipping: bool) -> None:
+        """Explicit unscaling (host/masked skip, or a stage that needs written gradients): one read+write pass
+        that multiplies by ``coef`` (1/scale x clip) and, where nothing checked yet, checks too."""
+        run = self._run
+        run.unscaled_by = None
+        if not run.explicit_unscale:
+            return
+        for grads in groups.values():
+            device_coef = coef.to(grads[0].device)
+            if check_here:
+                if active:
+                    unscale_and_check_(grads, found, device_coef)
+                else:
+                    check_(grads, found, "inf_nan")
+            elif active or clipping:
+                torch._foreach_mul_(grads, device_coef)
+        run.unscaled_by = self._loss_scale.scale if active else None
+
+    def _transform_unscaled(self, groups: stages.Groups) -> None:
+        """Value clipping and ``transform_unscaled`` on the unscaled gradients (explicit unscaling only)."""
+        options = self.options
+        if not self._run.explicit_unscale:
+            return
+        if options.clip_grad_value is not None:
+            for grads in groups.values():
+                torch._foreach_clamp_min_(grads, -options.clip_grad_value)
+                torch._foreach_clamp_max_(grads, options.clip_grad_value)
+        if options.transform_unscaled is not None:
+            options.transform_unscaled(self._grads(), process_group=options.process_group,
+                                       sharded=options.sharded_grads)
+
+    def _fused_divisor(self, scale: torch.Tensor, active: bool, clip: torch.Tensor | None) -> torch.Tensor | None:
+        """What the fused kernel divides the gradients by: scale / clip (None when there is nothing to divide),
+        always a tensor of its own (as torch hands it), so no optimizer ever holds the loss scale's tensor."""
+        if self._run.explicit_unscale or not (active or clip is not None):
+            return None
+        if clip is None:
+            return scale.clone()
+        return (scale if active else torch.ones_like(scale)) / clip
+
+    def _apply(self, found: torch.Tensor, overflow: torch.Tensor, stepped: torch.Tensor,
+               fused_divisor: torch.Tensor | None) -> None:
+        """The inner step, skipped where found_inf: in the fused kernel, on the host (one host read), or masked.
+        A masked step whose optimizer state does not exist yet is decided on the host once (a skipped first
+        step must not leave state behind)."""
+        mode = self._run.skip_mode
+        if mode == "masked" and not self._masked.ready(self.inner):
+            mode = "host"
+        if mode == "host":
+            if stages.applies_on_host(overflow):
+                self._decay(None)
+                self.inner.step()
+            return
+        self._decay(stepped)
+        if mode == "masked":
+            self._masked.step(self.inner, overflow)
+        else:
+            stages.fused_step_(self.inner, fused_divisor, found)
+
+    @torch.no_grad()
+    def _decay(self, stepped: torch.Tensor | None) -> None:
+        """Decoupled weight decay ``p *= 1 - lr * wd``, exactly 1 where the step is skipped (``stepped`` False)."""
+        wd = self.options.weight_decay
+        if not wd:
+            return
+        for group in self.inner.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            rate = group["lr"] * wd
+            if stepped is None:
+                torch._foreach_mul_(params, 1.0 - rate)
+            else:
+                factor = 1.0 - stepped.to(torch.float32) * rate
+                torch._foreach_mul_(params, factor.to(params[0].device))
+
+    def _advance(self, found: torch.Tensor, amax: torch.Tensor | None, layers: LayerScales | None,
+                 layer_obs: Any, scale: torch.Tensor) -> None:
+        """The policy's update (with per-layer scales: move the units' exponents first and tell the policy what
+        they leave: an overflow a unit's own factor caused lowers that unit alone). Raises the policy's
+        FloorError, naming the step."""
+        try:
+            if layers is not None:
+                found = layers.update(*layer_obs, scale)
+            self._loss_scale.update(found, amax, self._run.loss_finite)
+        except FloorError as err:
+            raise FloorError(f"LossScaleOptimizer step {self._run.boundaries}: {err}") from None
+
+    # --- schedule and per-layer scales -----------------------------------------------------------
+
+    def attach_schedule(self, schedule: PrecisionSchedule) -> None:
+        """Scale only while ``schedule`` is in float16; refuse parameters already in low precision."""
+        check_attachable(schedule, self._params())
+        self._run.schedule = schedule
+        self._run.seen_switch = schedule.switched
+
+    def _precision(self) -> str | None:
+        if self.schedule is None:
+            return None
+        dtype = self.schedule.dtype
+        return "float32" if dtype is None else str(dtype).replace("torch.", "")
+
+    def _consume_switch(self, precision: str | None) -> bool:
+        """True once: on the first boundary whose step ran in the original precision."""
+        run = self._run
+        if run.schedule is None or run.seen_switch or precision in ("float16", "bfloat16"):
+            return False
+        run.seen_switch = True
+        return True
+
+    def attach_layerwise(self, layerwise: Any) -> None:
+        """Keep one scale per module of ``layerwise`` (a model, a list of modules, or a
+        :class:`~lossscale.addons.layerwise.LayerScales`) on top of the global one; every parameter of the inner
+        optimizer must belong to one of its units. The gradients are then unscaled per unit (explicitly)."""
+        device = next(p.device for p in self._params())
+        layers = layerwise if isinstance(layerwise, LayerScales) else LayerScales(layerwise, device=device)
+        covered = {id(p) for p in layers.parameters()}
+        stray = [f"param_groups[{i}][{j}]" for i, g in enumerate(self.inner.param_groups)
+                 for j, p in enumerate(g["params"]) if id(p) not in covered]
+        if stray:
+            raise ValueError(f"LossScaleOptimizer(layerwise=...): {stray[0]} of the inner optimizer belongs to no "
+                             f"unit of the per-layer scales ({len(stray)} such parameters); pass the model whose "
+                             f"parameters the optimizer updates, or a list of modules that holds all of them.")
+        self._run.layers = layers
+        self._configure(self.options)
+
+    # --- attribution, checkpoints ------------------------------------------------------------------
+
+    def overflowing_parameters(self) -> list[str]:
+        """Names of the parameters whose gradients overflowed in the last step (before ``zero_grad``).
+
+        Cost: one read of the gradients and one host read; call it after a skipped step, when asked."""
+        names = {id(p): n for n, p in self.module.named_parameters()} if self.module is not None else {}
+        divided = 1.0 if self._run.unscaled_by is None else float(self._run.unscaled_by)
+        return stages.overflowing_names(self.inner, names, self.options.overflow_mode, self.options.threshold,
+                                        divided)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Inner optimizer, policy state, accumulation position (with the gradients accumulated so far when saved
+        mid-window), EMA, per-layer scales and schedule in one dict (keys: :mod:`lossscale.optimizer.checkpoint`);
+        the state-dict hooks run around it, in torch's order. Host reads: the policy state."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        run = self._run
+        state_dict: dict[str, Any] = {
+            "inner": self.inner.state_dict(),
+            "policy_state": self._loss_scale.state_dict(),
+            "micro_step": run.micro,
+            "boundaries": run.boundaries,
+        }
+        if run.micro:  # mid-window: the gradients accumulated so far are part of the position
+            state_dict["accumulated_grads"] = [None if p.grad is None else p.grad.detach().clone()
+                                               for p in self._params()]
+            state_dict["window"] = run.window
+        for key, part in self._parts():
+            state_dict[key] = part.state_dict()
+        if run.schedule is not None:
+            state_dict["seen_switch"] = run.seen_switch
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            changed = post_hook(self, state_dict)
+            if changed is not None:
+                state_dict = changed
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore everything :meth:`state_dict` saved; the whole dict is checked before anything changes. The
+        load hooks run around it (a pre hook may replace the dict)."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            changed = pre_hook(self, state_dict)
+            if changed is not None:
+                state_dict = changed
+        call = "LossScaleOptimizer.load_state_dict"
+        run = self._run
+        params = self._params()
+        micro, boundaries = checkpoint.checked_position(call, state_dict, self.options.accumulation_steps)
+        grads, window = checkpoint.checked_window(call, state_dict, params, micro)
+        parts = [(key, part) for key, part in self._parts() if key in state_dict]
+        for key, part in parts:
+            part.check_state_dict(state_dict[key])
+        seen_switch = checkpoint.checked_seen_switch(call, state_dict)
+        before = self._loss_scale.state_dict()
+        self._loss_scale.load_state_dict(state_dict["policy_state"], f"{call} (key 'policy_state')")
+        try:
+            self.inner.load_state_dict(state_dict["inner"])
+        except Exception:
+            self._loss_scale.load_state_dict(before)
+            raise
+        run.micro, run.boundaries, run.window = micro, boundaries, window
+        for p, grad in zip(params, grads):
+            p.grad = None if grad is None else grad.to(p.device).clone()
+        for key, part in parts:
+            part.load_state_dict(state_dict[key])
+        if run.schedule is not None and "schedule" in state_dict:
+            run.seen_switch = run.schedule.switched if seen_switch is None else seen_switch
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _parts(self) -> list[tuple[str, Any]]:
+        """(checkpoint key, object) of each optional part this optimizer has."""
+        run = self._run
+        parts = [("ema", self.options.ema), ("layerwise", run.layers), ("schedule", run.schedule)]
+        return [(key, part) for key, part in parts if part is not None]
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("LossScaleOptimizer is not pickled directly; save opt.state_dict() with torch.save.")

@@ -1,0 +1,199 @@
+"""The policy protocol, its state record, the fixed scale, and the helpers every policy's state goes through.
+
+A policy is a frozen config validated once at construction. Its state is a small frozen record of 0-d tensors
+on the gradients' device (:class:`ScaleState` for the dynamic and fixed rules). ``update(state, found_inf,
+amax=None) -> state`` is the whole rule, in tensor ops only (no host read, no Python branch on data).
+:class:`~lossscale.state.LossScale` owns the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from lossscale.checks import FLOAT32_MAX, INT32_MAX, SMALLEST_NORMAL_FLOAT32, StateDictError, checked_scale
+
+__all__ = [
+    "FixedScale",
+    "FloorError",
+    "Policy",
+    "ScaleState",
+    "as_flag",
+    "check_flag",
+    "check_policy",
+    "move_state",
+    "state_from_dict",
+    "state_to_dict",
+]
+
+#: Counters stop here instead of wrapping.
+SATURATE = 2**30
+
+
+class FloorError(RuntimeError):
+    """Raised when a policy with ``at_floor="raise"`` must back off below ``min_scale``."""
+
+
+@dataclass(frozen=True)
+class ScaleState:
+    """The state of a dynamic (or fixed) scale, as 0-d tensors on one device.
+
+    Attributes:
+        scale: float32, the factor the loss is multiplied by.
+        growth_tracker: int32, clean steps since the scale last changed or overflowed.
+        hysteresis_left: int32, overflows still absorbed before the next backoff.
+        floor_hits: int32, consecutive overflowing steps that found the scale already at its floor.
+    """
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    hysteresis_left: torch.Tensor
+    floor_hits: torch.Tensor
+
+    def to(self, device: torch.device | str) -> ScaleState:
+        """The same state on ``device`` (a copy only where it moves)."""
+        return move_state(self, device)
+
+
+class Policy:
+    """The protocol of a loss-scale policy: everything the step stages call, with defaults.
+
+    Required: ``init(device) -> state`` (a frozen dataclass of tensors with a ``scale`` field) and
+    ``update(state, found_inf, amax=None) -> state`` (tensor ops only). Optional, with defaults here:
+
+    - ``observes_amax`` (False): True asks for ``amax``, the largest scaled-gradient magnitude of the step.
+    - ``observes_loss_finite`` (False): True asks for ``update(..., loss_finite=...)``, whether every loss of the
+      step was finite (0-d bool).
+    - ``check_floor(state)``: the floor rule, run after every update; may raise :class:`FloorError`.
+    - ``min_scale`` / ``max_scale`` (2**-126 / float32 max): the bounds every scale set from outside is
+      checked against.
+    """
+
+    observes_amax: ClassVar[bool] = False
+    observes_loss_finite: ClassVar[bool] = False
+    min_scale: float = SMALLEST_NORMAL_FLOAT32
+    max_scale: float = FLOAT32_MAX
+
+    def init(self, device: torch.device | str | None = None) -> Any:
+        """A fresh state on ``device`` (default CPU)."""
+        raise NotImplementedError(f"{type(self).__name__}.init(device) is required by the Policy protocol")
+
+    def update(self, state: Any, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> Any:
+        """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
+        raise NotImplementedError(f"{type(self).__name__}.update(state, found_inf, amax) is required by the Policy "
+                                  f"protocol")
+
+    def check_floor(self, state: Any) -> None:
+        """The floor rule after an update: by default none (the scale stays at its floor and steps skip)."""
+
+
+def check_policy(call: str, policy: Any) -> None:
+    """A TypeError unless ``policy`` is a :class:`Policy`."""
+    if not isinstance(policy, Policy):
+        raise TypeError(f"{call}(policy={policy!r}): policy must have init(device) and update(state, found_inf, "
+                        f"amax=None): pass a lossscale.Policy (DynamicScale, FixedScale, PredictiveScale, a "
+                        f"preset, or your own subclass of Policy); got {type(policy).__name__}.")
+
+
+def check_flag(found_inf: Any) -> None:
+    """A TypeError unless found_inf is a tensor (bool, or a float/int count as torch's scaler keeps it)."""
+    if not isinstance(found_inf, torch.Tensor):
+        raise TypeError(
+            f"update(state, found_inf): found_inf must be a tensor (bool or a count of overflows); "
+            f"got {type(found_inf).__name__}"
+        )
+
+
+def as_flag(found_inf: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """found_inf (bool, or a float/int count) as a 0-d bool on ``device``."""
+    check_flag(found_inf)
+    flag = found_inf.to(device=device, non_blocking=True)
+    return flag if flag.dtype == torch.bool else flag != 0
+
+
+@dataclass(frozen=True)
+class FixedScale(Policy):
+    """A constant loss scale: overflowing steps are still detected and skipped, the scale never moves.
+
+    ``update`` returns the state unchanged (no op).
+
+    Example:
+        >>> import torch
+        >>> policy = FixedScale(128.0)
+        >>> float(policy.update(policy.init(), torch.tensor(True)).scale)
+        128.0
+    """
+
+    scale: float = 2.0**16
+
+    def __post_init__(self) -> None:
+        checked_scale(f"{type(self).__name__}(scale={self.scale!r})", self.scale, name="scale")
+
+    def init(self, device: torch.device | str | None = None) -> ScaleState:
+        """A state holding the fixed scale on ``device`` (default: CPU)."""
+        zero = torch.zeros((), dtype=torch.int32, device=device)
+        return ScaleState(
+            scale=torch.full((), self.scale, dtype=torch.float32, device=device),
+            growth_tracker=zero,
+            hysteresis_left=torch.ones((), dtype=torch.int32, device=device),
+            floor_hits=zero.clone(),
+        )
+
+    def update(self, state: ScaleState, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> ScaleState:
+        """The same state: a fixed scale ignores overflow (found_inf's type is still checked)."""
+        check_flag(found_inf)
+        return state
+
+
+# --- state records: moved, saved and loaded field by field (never a hand-written field list) -----------------
+
+
+def move_state(state: Any, device: torch.device | str) -> Any:
+    """Any state record with every field on ``device`` (a copy only where it moves)."""
+    return dataclasses.replace(state, **{f.name: getattr(state, f.name).to(device) for f in dataclasses.fields(state)})
+
+
+def state_to_dict(state: Any) -> dict[str, float | int | list]:
+    """Plain Python numbers for every field of a state record (one host read per field)."""
+    return {f.name: getattr(state, f.name).tolist() for f in dataclasses.fields(state)}
+
+
+def _field_tensor(call: str, name: str, value: Any, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a tensor shaped, typed and placed like ``like``; finite, and in int32 for counters."""
+    try:
+        raw = torch.as_tensor(value, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{call}: state field {name!r} must be a number (or a list of numbers); got "
+                        f"{type(value).__name__} {value!r}.") from None
+    batched = like.dim() == 0 and raw.dim() == 1  # a batch of states: a rule evaluated over many at once
+    if tuple(raw.shape) != tuple(like.shape) and not batched:
+        raise ValueError(f"{call}: state field {name!r} must have shape {tuple(like.shape)} (or (n,) for a batch of "
+                         f"n states); got {tuple(raw.shape)}.")
+    values = raw.reshape(-1).tolist()
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{call}: state field {name!r} must be finite; got {value!r}.")
+    if not like.is_floating_point() and not all(v == int(v) and -INT32_MAX - 1 <= v <= INT32_MAX for v in values):
+        raise ValueError(f"{call}: state field {name!r} is a counter: it must hold integers in the int32 range; "
+                         f"got {value!r}.")
+    return raw.to(like.dtype).to(like.device)
+
+
+def state_from_dict(template: Any, values: dict[str, Any], call: str = "load_state_dict") -> Any:
+    """A state shaped like ``template`` (dtype, device) holding ``values``: every field required, finite, of the
+    right shape; counters int32 integers. The scale's own check is :class:`~lossscale.state.LossScale`'s."""
+    if not isinstance(values, dict):
+        raise TypeError(f"{call}: the loss-scale state must be a dict of its fields; got {type(values).__name__}.")
+    names = [f.name for f in dataclasses.fields(template)]
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise StateDictError(f"{call}: the loss-scale state is missing {missing}; expected the fields {names}")
+    fields = {n: _field_tensor(call, n, values[n], getattr(template, n)) for n in names}
+    batches = {tuple(t.shape) for n, t in fields.items() if getattr(template, n).dim() == 0}
+    if len(batches) > 1:
+        raise ValueError(f"{call}: the state's scalar fields must all be scalars or all batches of one length; got "
+                         f"shapes { {n: tuple(t.shape) for n, t in fields.items()} }.")
+    return dataclasses.replace(template, **fields)
