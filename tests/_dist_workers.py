@@ -5,7 +5,7 @@ from a fork server that imported torch once, not from the pytest process) and ru
 test. A scenario is a function ``(rank, world_size, *args) -> picklable`` run on every rank at once;
 the parent compares what the ranks return. A rank that raises sends its
 traceback, the parent fails the test with it and restarts the pool (the other rank may be stuck in
-a collective). The ranks join with ``lossscale.distributed.init_from_env`` on torchrun's variables
+a collective). The ranks join with ``lossscale.ops.distributed.init_from_env`` on torchrun's variables
 (loopback only) and turn warnings into errors, as pytest does in the parent.
 """
 
@@ -107,7 +107,7 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> N
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        from lossscale.distributed import init_from_env
+        from lossscale.ops.distributed import init_from_env
 
         joined = init_from_env("gloo", timeout_s=30.0)
         if joined != (rank, world_size):
@@ -205,8 +205,8 @@ SCALER_INJECT = {2: {1: INF}, 5: {1: NAN}, 6: {0: INF, 1: INF}}
 
 
 def helpers(rank: int, world_size: int) -> dict:
-    """The lossscale.distributed helpers on real ranks."""
-    from lossscale import distributed as ld
+    """The lossscale.ops.distributed helpers on real ranks."""
+    from lossscale.ops import distributed as ld
 
     out: dict[str, Any] = {"init_again": ld.init_from_env(), "main": ld.is_main_process(), "active": ld.active()}
     # reduce_found_inf: a 0/1 flag on every rank, whatever the local counts.
@@ -230,7 +230,7 @@ def helpers(rank: int, world_size: int) -> dict:
 def scaler_plain(rank: int, world_size: int, opt_name: str, unscale_first: bool) -> dict:
     """Plain data parallel without DDP: gradients averaged by all_reduce_grads_, then GradScaler."""
     from lossscale import DynamicScale, GradScaler, HostReadCounter
-    from lossscale.distributed import all_reduce_grads_
+    from lossscale.ops.distributed import all_reduce_grads_
 
     model = make_model()
     opt = OPTIMIZERS[opt_name](model.parameters())
@@ -272,7 +272,7 @@ def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer
-    from lossscale.clip import PerTensorClip
+    from lossscale.ops.clip import PerTensorClip
 
     model = DDP(make_model())
     clips = {None: {}, "norm": {"clip_grad_norm": 0.3}, "value": {"clip_grad_value": 0.05},
@@ -354,7 +354,7 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from lossscale import DynamicScale, GradScaler, HostReadCounter, LossScaleOptimizer
-    from lossscale.clip import PerTensorClip, squared_norms
+    from lossscale.ops.clip import PerTensorClip, squared_norms
 
     model = make_model()
     reference = copy.deepcopy(model)

@@ -14,7 +14,3 @@ class NotingScale(DynamicScale):
     def update(self, state, found_inf, amax=None):
         self.EVENTS.append("policy")
         return super().update(state, found_inf, amax)
-
-    def update_known_clean(self, state, found_inf):
-        self.EVENTS.append("policy")
-        return super().update_known_clean(state, found_inf)

@@ -82,7 +82,7 @@ POSITIVE = [0.0, -1.0, nan, inf, "1", True]
 OPTIMIZER = ctor_cases("LossScaleOptimizer", lso, {
     "policy": [("dynamic", TypeError), (object(), TypeError), (3, TypeError)],
     "overflow_mode": CHOICE, "clip_grad_norm": POSITIVE, "clip_grad_value": POSITIVE,
-    "clip_grad_norm_per_param": POSITIVE, "accumulation_steps": INT1, "ema": [("ema", TypeError), (0.99, TypeError)],
+    "accumulation_steps": INT1, "ema": [("ema", TypeError), (0.99, TypeError)],
     "weight_decay": [-1.0, nan, inf, "0.1", True], "skip_mode": [("none", ValueError), (None, ValueError)],
     "check_when_unscaled": CHOICE, "underflow_stride": [0, -1, 1.5, "4"],
     "saturation_dtype": [(torch.int32, ValueError), ("float16", TypeError), (None, TypeError)],

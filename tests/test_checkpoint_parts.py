@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lossscale import EMA, DynamicScale, LossScaleOptimizer, PrecisionSchedule
-from lossscale.layerwise import LayerScales
+from lossscale.addons.layerwise import LayerScales
 
 
 def _model():

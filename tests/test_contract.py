@@ -19,7 +19,7 @@ import torch
 
 from lossscale import HostReadCounter, presets
 from lossscale.compat import ascend, keras, mindspore, nnabla
-from lossscale.policy import state_from_dict, state_to_dict
+from lossscale.policies.base import state_from_dict, state_to_dict
 
 PATTERN = [False, True, False, False, True, True, False, False, False, True, False, False, False, False, True,
            False, False]

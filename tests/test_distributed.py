@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from _dist_workers import CKPT_INJECT, DDP_SKIPPED, FSDP_INJECT_STEP, SCALER_INJECT, RankPool
 from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
-from lossscale import distributed as ld
-from lossscale.clip import clip_per_tensor_, global_norm_squared, squared_norms
+from lossscale.ops import distributed as ld
+from lossscale.ops.clip import clip_per_tensor_, global_norm_squared, squared_norms
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
 

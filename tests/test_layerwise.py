@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lossscale import DynamicScale, HostReadCounter
-from lossscale.layerwise import LayerScales
+from lossscale.addons.layerwise import LayerScales
 
 BLOCKS, WIDTH = 12, 32
 

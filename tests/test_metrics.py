@@ -1,4 +1,4 @@
-"""lossscale.metrics: StepResults as one dict per step (one host read), logged to CSV and TensorBoard."""
+"""lossscale.reporting: StepResults as one dict per step (one host read), logged to CSV and TensorBoard."""
 
 import csv
 import importlib.util
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer, StepResult
-from lossscale.metrics import COLUMNS, StepLogger, step_record
+from lossscale.reporting import COLUMNS, StepLogger, step_record
 
 EXPECTED_COLUMNS = ("step", "stepped", "found_inf", "scale", "next_scale", "grad_norm", "accumulating", "precision",
                     "switched", "underflow", "skipped", "skipped_steps")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lossscale import DynamicScale, FixedScale, GradScaler, LossScale, LossScaleOptimizer
-from lossscale import step as stages
+from lossscale import stages
 from lossscale.compat import ascend, mindspore
 
 from _noting_policy import NotingScale
@@ -126,14 +126,10 @@ def test_param_groups_state_and_defaults_are_the_inner_optimizers():
     assert inner.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
-def test_options_after_the_optimizer_are_keyword_only_and_old_positions_warn():
+def test_options_after_the_optimizer_are_keyword_only():
     model = _model()
-    with pytest.warns(DeprecationWarning, match=r"policy=\.\.\., overflow_mode=\.\.\."):
-        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), FixedScale(4.0), "saturation")
-    assert float(opt.scale) == 4.0 and opt.overflow_mode == "saturation"
-    with pytest.warns(DeprecationWarning, match="clipnorm"):
-        old = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), clip_grad_norm_per_param=1.0)
-    assert old.options.transform_unscaled is not None
+    with pytest.raises(TypeError):
+        LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), FixedScale(4.0))
 
 
 def test_step_with_a_closure_runs_it_first_and_reports_its_loss():
@@ -243,8 +239,8 @@ def test_guard_turns_a_corrupted_scale_into_an_overflow_and_never_a_non_finite_i
     assert 0 < float(inv) < float("inf")
 
 
-DOCTESTED = ["lossscale.policy", "lossscale.dynamic", "lossscale.presets", "lossscale.predictive", "lossscale.metrics",
-             "lossscale.state", "lossscale.scale_value", "lossscale.compat.ascend", "lossscale.compat.mindspore",
+DOCTESTED = ["lossscale.policies.base", "lossscale.policies.dynamic", "lossscale.presets", "lossscale.policies.predictive", "lossscale.reporting",
+             "lossscale.state", "lossscale.checks", "lossscale.compat.ascend", "lossscale.compat.mindspore",
              "lossscale.compat.nnabla", "lossscale.compat.keras"]
 
 

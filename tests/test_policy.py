@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossscale import DynamicScale, FixedScale, FloorError, HostReadCounter
-from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, state_from_dict, state_to_dict
+from lossscale.policies.base import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, state_from_dict, state_to_dict
 from oracles import DynamicOracle, TorchOracle
 
 flags = st.lists(st.booleans(), min_size=1, max_size=3000)
@@ -75,45 +75,6 @@ def test_torch_rule_equals_torch_kernel_bit_for_bit(overflows, interval, init, f
             return
         assert state.scale.item() == t_scale.item()
         assert int(state.growth_tracker) == int(t_tracker)
-
-
-@pytest.mark.parametrize("hysteresis", [1, 2])
-@pytest.mark.parametrize("floor, init, factors", [(1.0, 16.0, (2.0, 0.5)), (2.0**-3, 1e38, (1.5, 0.25)),
-                                                  (2.0**-126, 2.0**-120, (2.0, 0.5))])
-def test_update_known_clean_is_update_on_every_clean_step(hysteresis, floor, init, factors):
-    """The host-read shortcut (four ops for torch's rule) leaves every field as the full update would, from
-    every state the run reaches: after backoffs, at the floor (floor_hits > 0), at growth, near max_scale."""
-    policy = DynamicScale(init_scale=init, growth_factor=factors[0], backoff_factor=factors[1],
-                          growth_interval=2, hysteresis=hysteresis, min_scale=floor)
-    rng = torch.Generator().manual_seed(hysteresis)
-    overflows = (torch.rand(600, generator=rng) < torch.linspace(0.9, 0.1, 600)).tolist()  # floor first, then growth
-    state, checked_at_floor = policy.init(), 0
-    for o in overflows:
-        found = torch.tensor(float(o))
-        full = policy.update(state, found)
-        if not o:
-            checked_at_floor += int(state.floor_hits) > 0
-            for found_clean in (found, torch.tensor(False), torch.tensor(0)):
-                short = policy.update_known_clean(state, found_clean)
-                assert [(f.tolist(), f.dtype) for f in vars(short).values()] == [
-                    (f.tolist(), f.dtype) for f in vars(full).values()]
-        state = full
-    assert checked_at_floor > 0  # the sequence reached the floor and left it
-
-
-def test_owner_takes_the_shortcut_only_when_told_the_step_was_clean():
-    from lossscale import LossScale
-    calls = []
-
-    class Counting(DynamicScale):
-        def update_known_clean(self, state, found_inf):
-            calls.append(float(found_inf))
-            return super().update_known_clean(state, found_inf)
-
-    owner = LossScale(Counting(init_scale=8.0, growth_interval=1))
-    owner.update(torch.tensor(0.0))
-    owner.update(torch.tensor(0.0), clean_on_host=True)
-    assert calls == [0.0] and float(owner.scale) == 32.0
 
 
 def test_found_inf_may_be_a_count_or_bool():

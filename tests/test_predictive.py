@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossscale import HostReadCounter
-from lossscale.policy import state_from_dict, state_to_dict
-from lossscale.predictive import PredictiveScale
-from lossscale.underflow import underflow_share
+from lossscale.policies.base import state_from_dict, state_to_dict
+from lossscale.policies.predictive import PredictiveScale
+from lossscale.ops.underflow import underflow_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import _streams as streams  # noqa: E402  (the seeded stream generator the benchmark uses)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossscale import DynamicScale, FloorError, LossScaleOptimizer, presets
-from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
+from lossscale.policies.base import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
 from oracles import DynamicOracle, f32
 
 
@@ -239,7 +239,7 @@ def test_validation_names_the_preset_the_argument_and_the_value(name, kwargs, ne
     assert err.value.args[0].startswith(f"presets.{name}(")
 
 
-@pytest.mark.parametrize("module", ["lossscale.presets", "lossscale.compat.ascend", "lossscale.compat.mindspore",
+@pytest.mark.parametrize("module", ["lossscale.policies.presets", "lossscale.compat.ascend", "lossscale.compat.mindspore",
                                     "lossscale.compat.nnabla", "lossscale.compat.keras"])
 def test_docstring_examples_run(module):
     import doctest

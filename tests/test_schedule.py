@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lossscale import DynamicScale, FixedScale, LossScaleOptimizer, PrecisionSchedule
-from lossscale.compat._ascend_precision import ExperimentalConfig, TellMeStepOrLossHook
-from lossscale.schedule import ScheduleConfig, ScheduleState, advance, check_attachable
+from lossscale.compat.ascend import ExperimentalConfig, TellMeStepOrLossHook
+from lossscale.addons.schedule import ScheduleConfig, ScheduleState, advance, check_attachable
 
 ALLOWED_PARTS = ("'fast' (float16)", "'fast1' (bfloat16)", "'step'", "[0.2, 0.9]", "'loss'", "[1.01, 1.5]")
 

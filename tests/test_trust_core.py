@@ -12,7 +12,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 from lossscale.compat import ascend, mindspore, nnabla
-from lossscale.step import NoGradientsError
+from lossscale.stages import NoGradientsError
 
 BAD_SCALES = [0.0, 1e-46, 2.0**-140, math.inf, math.nan, -8.0, torch.tensor(0.0), torch.tensor(1e-40),
               torch.tensor(math.inf), torch.tensor(math.nan)]
@@ -178,7 +178,7 @@ def _step_with_a_scale_corrupted_in_memory(front_end: str, fused: bool, clip: bo
     if front_end == "GradScaler":
         scaler = GradScaler(init_scale=1024.0)
         scaler.scale(loss).backward()
-        scaler._owner.scale.fill_(bad)
+        scaler.loss_scale.scale.fill_(bad)
         if clip:
             scaler.unscale_(adamw)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -187,7 +187,7 @@ def _step_with_a_scale_corrupted_in_memory(front_end: str, fused: bool, clip: bo
     else:
         opt = LossScaleOptimizer(adamw, policy=DynamicScale(init_scale=1024.0), clip_grad_norm=1.0 if clip else None)
         opt.backward(loss)
-        opt._owner.scale.fill_(bad)
+        opt.loss_scale.scale.fill_(bad)
         found = opt.step().found_inf
     state = [t for s in adamw.state.values() for t in s.values() if t.is_floating_point()]
     return before, [p.detach() for p in model.parameters()], state, found

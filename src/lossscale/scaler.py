@@ -112,7 +112,7 @@ class GradScaler:
         return self._loss_scale
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
-        """The scale on ``device``, copied once per device and value (the owner may change it)."""
+        """The scale on ``device``, copied once per device and value (its value may change)."""
         scale = self._loss_scale.scale
         if self._replicas.get(scale.device) is not scale:
             self._replicas = {scale.device: scale}
@@ -150,7 +150,7 @@ class GradScaler:
         if not self._enabled:
             return
         stages.check_optimizer("GradScaler.unscale_(optimizer)", optimizer)
-        owner = self._require_state("unscale_()")
+        loss_scale = self._require_state("unscale_()")
         record = self._per_optimizer_states[id(optimizer)]
         if record["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() was already called for this optimizer since the last update(); "
@@ -158,8 +158,8 @@ class GradScaler:
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() was called after step() for this optimizer; step() already unscaled the "
                                "gradients, so call unscale_() before step(), then update().")
-        found_inf = stages.guarded_found(owner.scale)
-        inv_scale = stages.inverse_(owner.scale, found_inf)
+        found_inf = stages.guarded_found(loss_scale.scale)
+        inv_scale = stages.inverse_(loss_scale.scale, found_inf)
         found = self._unscale_grads_(optimizer, inv_scale, found_inf, False)  # starts from the guard's verdict
         record["found_inf_per_device"] = self._agreed(found)
         record["stage"] = OptState.UNSCALED
@@ -224,7 +224,7 @@ class GradScaler:
             return ScalerStep(overflow=overflow, value=value)
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)  # guards the scale the kernel divides by, too
-            # a tensor of the kernel's own, as torch hands it: the optimizer never holds the owner's scale
+            # a tensor of the kernel's own, as torch hands it: the optimizer never holds the LossScale's tensor
             grad_scale = self._loss_scale.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = None  # unscale_() already divided the gradients
@@ -239,27 +239,27 @@ class GradScaler:
         tensor on an accelerator). No host read otherwise, unless the policy raises at its floor."""
         if not self._enabled:
             return
-        owner = self._require_state("update()")
+        loss_scale = self._require_state("update()")
         if new_scale is not None:
-            owner.set_scale(new_scale, f"GradScaler.update(new_scale={new_scale!r})", "new_scale")
+            loss_scale.set_scale(new_scale, f"GradScaler.update(new_scale={new_scale!r})", "new_scale")
         else:
             seen = [r for r in self._per_optimizer_states.values() if r["stage"] is not OptState.READY]
             if not seen:
                 raise RuntimeError("update() was called without unscale_() or step() since the last update(); call "
                                    "scaler.step(optimizer) (which unscales) before update().")
-            self._advance(owner, seen)
+            self._advance(loss_scale, seen)
         self._loss_finite = None
         self._reset_records()
 
-    def _advance(self, owner: LossScale, seen: list[dict]) -> None:
+    def _advance(self, loss_scale: LossScale, seen: list[dict]) -> None:
         """The policy's update from the records unscaled or stepped this iteration (+ amax, loss finiteness)."""
         found_inf = self._found_inf_sum(seen, "GradScaler.update()")  # a count, as policies take it
         amax = None
-        if owner.policy.observes_amax:
-            maxima = [a.to(owner.device) for a in self._amax_seen]
-            amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=owner.device)
+        if loss_scale.policy.observes_amax:
+            maxima = [a.to(loss_scale.device) for a in self._amax_seen]
+            amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=loss_scale.device)
             stages.agree_amax_(amax, self.process_group)
-        owner.update(found_inf, amax, self._loss_finite)
+        loss_scale.update(found_inf, amax, self._loss_finite)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a host read); 1.0 when disabled."""
@@ -436,7 +436,7 @@ class GradScaler:
         groups = stages.grouped_gradients(optimizer, "GradScaler.step(optimizer)", required=False)
         found: dict[torch.device, torch.Tensor] = {}
         for (device, dtype), group in groups.items():
-            if not found:  # the first flag is born with the scale's verdict
+            if not found:  # the first flag starts from the scale's verdict
                 found[device] = stages.guarded_found(self._loss_scale.scale, device)
             elif device not in found:
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)

@@ -92,7 +92,7 @@ class EMA:
 
 
 def _check_config(call: str, momentum: Any, overwrite_every: Any) -> None:
-    """momentum a number in [0, 1); overwrite_every None or an int >= 1 (the one check of both doors)."""
+    """momentum a number in [0, 1); overwrite_every None or an int >= 1 (the check used by the constructor and the loader)."""
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
         raise ArgumentTypeError(f"{call}(momentum={momentum!r}): momentum must be a number in [0, 1); got "
                                 f"{type(momentum).__name__}.")
