@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import alternate, emit, machine, table  # noqa: E402
 
-from lossscale.layerwise import LayerScales  # noqa: E402
+from lossscale.addons.layerwise import LayerScales  # noqa: E402
 
 
 class _Attenuate(torch.autograd.Function):

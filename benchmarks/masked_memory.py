@@ -38,7 +38,7 @@ WAYS = ["host", "masked, chunked", "masked, whole"]
 def child(total: int, opt_name: str, way: str, steps: int) -> dict:
     """One configuration in this process: peak RSS growth over the steps (KiB), snapshot bytes, ms/step."""
     from lossscale import FixedScale, LossScaleOptimizer
-    from lossscale._masked import MaskedSkip
+    from lossscale.ops.masked import MaskedSkip
 
     params = [torch.nn.Parameter(torch.randn(total // 100) * 0.02) for _ in range(100)]
     for p in params:

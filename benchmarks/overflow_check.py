@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import alternate, emit, machine, table  # noqa: E402
 
-from lossscale.overflow import check_, unscale_and_check_  # noqa: E402
+from lossscale.ops.overflow import check_, unscale_and_check_  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

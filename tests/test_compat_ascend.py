@@ -98,9 +98,9 @@ def test_load_state_dict_restores_the_managers_scale():
     assert float(manager.get_loss_scale()) == 2.0**10 and manager.scale_state is opt.scale_state
 
 
-def test_reexports_the_precision_mode_api():
-    assert ascend.ExperimentalConfig.__module__ == "lossscale.compat._ascend_precision"
-    assert ascend.TellMeStepOrLossHook.__module__ == "lossscale.compat._ascend_precision"
+def test_exports_the_precision_mode_api():
+    assert ascend.ExperimentalConfig.__module__ == "lossscale.compat.ascend"
+    assert ascend.TellMeStepOrLossHook.__module__ == "lossscale.compat.ascend"
     assert {"ExperimentalConfig", "TellMeStepOrLossHook"} <= set(ascend.__all__)
 
 

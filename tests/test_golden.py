@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from lossscale import presets
-from lossscale.policy import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, ScaleState
+from lossscale.checks import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
+from lossscale.policies.base import ScaleState
 from oracles import DynamicOracle, f32
 
 GOLDEN_DIR = Path(__file__).parent / "golden"

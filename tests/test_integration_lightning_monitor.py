@@ -10,7 +10,7 @@ from _lightning_models import LIGHTNING_WARNINGS, TORCH_ARGS, Tiny, fit, torch_p
 from lightning.pytorch.loggers.logger import Logger
 
 import lossscale
-from lossscale._host import read_scalars as _read
+from lossscale.reporting import read_scalars as _read
 from lossscale.integrations.lightning import LossScaleMonitor, LossScalePrecision, MixedPrecision
 
 pytestmark = [pytest.mark.filterwarnings(w) for w in LIGHTNING_WARNINGS]  # the reasons are in _lightning_models
@@ -64,10 +64,10 @@ def test_logs_the_underflow_the_wrapper_measures_under_loss_scale_precision() ->
 
 
 def test_reads_the_host_only_when_it_logs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lossscale.integrations import _lightning_monitor
+    from lossscale.integrations import lightning
 
     reads: list[dict[str, Any]] = []  # the monitor's one batched read (tolist) per log
-    monkeypatch.setattr(_lightning_monitor, "read_scalars", lambda v: reads.append(v) or _read(v))
+    monkeypatch.setattr(lightning, "read_scalars", lambda v: reads.append(v) or _read(v))
     with lossscale.HostReadCounter() as without:
         fit(plugin(), logger=MemoryLogger(), log_every_n_steps=3, epochs=2)
     logger = MemoryLogger()

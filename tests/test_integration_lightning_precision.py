@@ -138,7 +138,7 @@ def test_set_scale_through_lightnings_optimizer_proxy_reaches_the_wrapper() -> N
 
 
 def test_the_lightning_module_is_found_inside_a_strategy_wrapper() -> None:
-    from lossscale.integrations._lightning_precision import _lightning_module
+    from lossscale.integrations.lightning import _lightning_module
 
     module = Tiny()
     wrapped = nn.Module()

@@ -6,7 +6,7 @@ presets of other frameworks), ``overflow_mode="saturation"``, ``step()`` returni
 attribution on demand, and found_inf reduced over ``torch.distributed`` so every rank decides alike.
 Intended differences from torch: the scale never goes below the policy's floor (2**-126 by default,
 where torch's reaches 0 after 142 overflows in a row and then divides by zero), and every scale set
-from outside is validated (:func:`~lossscale.scale_value.checked_scale`).
+from outside is validated (:func:`~lossscale.checks.checked_scale`).
 """
 
 from __future__ import annotations

@@ -10,5 +10,7 @@ Import each from its module; none is re-exported from ``lossscale``:
 - ``lossscale.compat.keras``: ``LossScaleOptimizer``.
 
 Each module's docstring is its translation table (foreign name and default -> core knob); the rules
-are :mod:`lossscale.presets`; ``docs/compat.md`` lists every table and every deviation.
+are the presets (:mod:`lossscale.policies.presets`, also ``lossscale.presets``); ``docs/compat.md`` lists
+every table and every deviation. No facade keeps a copy of the scale: each reads and writes the
+:class:`~lossscale.LossScale` it holds or shares with its optimizer.
 """

@@ -1,4 +1,4 @@
-"""Argument checks the facades share: each error echoes the call, states the rule and shows the value."""
+"""Argument checks that several facades share: each error echoes the call, states the rule and shows the value."""
 
 from __future__ import annotations
 
@@ -7,18 +7,23 @@ from typing import Any
 
 import torch
 
-from lossscale._validate import check_int_in_range
-from lossscale.state import checked_state_dict
+from lossscale.checks import check_int_in_range, checked_state_dict
 
-__all__ = ["check_optimizer", "checked_counters", "checked_state_dict", "checked_tensors",
-           "overflow_from_finite_grads"]
+__all__ = ["COUNTER_MAX", "check_optimizer", "checked_counters", "checked_tensors"]
 
-COUNTER_MAX = 2**62  # a saved step counter: far beyond any run, and exact in int64
+#: The largest saved step counter a facade loads: far beyond any run, and exact in int64.
+COUNTER_MAX = 2**62
 
 
 def checked_counters(call: str, state_dict: Any, keys: Iterable[str], counters: Iterable[str]) -> dict[str, Any]:
-    """``state_dict`` if it holds ``keys`` and each of ``counters`` is an int in [0, 2**62] (not a bool, not a
-    float: 2.5 steps is refused, never truncated); checked before anything is loaded."""
+    """``state_dict`` if it is a dict holding ``keys`` and each of ``counters`` is an int in [0, 2**62].
+
+    A bool or a float is refused (2.5 steps is refused, never truncated). Checked before anything is loaded.
+
+    Raises:
+        TypeError: not a dict, or a counter that is not an int.
+        ValueError: a key is missing, or a counter is out of range.
+    """
     checked_state_dict(call, state_dict, keys)
     for name in counters:
         check_int_in_range(call, f"state_dict[{name!r}]", state_dict[name], 0, COUNTER_MAX)
@@ -26,7 +31,7 @@ def checked_counters(call: str, state_dict: Any, keys: Iterable[str], counters: 
 
 
 def check_optimizer(call: str, name: str, value: Any) -> None:
-    """``value`` is a ``torch.optim.Optimizer`` (the facade wraps it), else a TypeError naming ``name``."""
+    """Raise a TypeError naming ``name`` unless ``value`` is a ``torch.optim.Optimizer`` (the facade wraps it)."""
     if not isinstance(value, torch.optim.Optimizer):
         raise TypeError(f"{call}({name}={value!r}): {name} must be a torch.optim.Optimizer; got "
                         f"{type(value).__name__}.")
@@ -43,30 +48,3 @@ def checked_tensors(call: str, name: str, value: Any, *, none_items: bool) -> li
             raise TypeError(f"{call}({name}={shown}): {name}[{i}] must be a tensor{' or None' if none_items else ''}"
                             f"; got {item!r} ({type(item).__name__}).")
     return out
-
-
-def overflow_from_finite_grads(finite_grads: Any, scale: torch.Tensor) -> torch.Tensor:
-    """Ascend/TF1: the overflow flag (0-d bool) of one step's ``finite_grads``; no host read.
-
-    Rule: a Python bool or a one-value bool tensor is TF1's ``finite_grads`` (True: every gradient is
-    finite); a one-value floating tensor is an NPU float status (0: no overflow; anything else, NaN
-    included: overflow). A state loaded batched (a scale of shape (N,)) takes N verdicts. Anything else
-    is refused rather than cast (a 2-value tensor would turn a scalar scale into a vector).
-    """
-    call = f"update_loss_scale(finite_grads={finite_grads!r})"
-    device = scale.device
-    if isinstance(finite_grads, bool):
-        return torch.tensor(not finite_grads, device=device)
-    if not isinstance(finite_grads, torch.Tensor) or not (finite_grads.dtype == torch.bool
-                                                          or finite_grads.is_floating_point()):
-        kind = type(finite_grads).__name__ if not isinstance(finite_grads, torch.Tensor) else finite_grads.dtype
-        raise TypeError(f"{call}: finite_grads must be a bool, a bool tensor (True when every gradient is finite) "
-                        f"or a floating NPU float status tensor (0 when nothing overflowed); got {kind}.")
-    if finite_grads.numel() == 1:
-        flag = finite_grads.reshape(scale.shape if scale.numel() == 1 else ()).to(device)
-    elif finite_grads.shape == scale.shape:  # a batched state (one verdict per entry), as tests replay it
-        flag = finite_grads.to(device)
-    else:
-        raise ValueError(f"{call}: finite_grads must hold one value (one step's verdict for all gradients); got "
-                         f"shape {tuple(finite_grads.shape)}. Reduce it first, e.g. finite_grads.all().")
-    return ~flag if flag.dtype == torch.bool else flag != 0

@@ -1,4 +1,5 @@
-"""Ascend (npu_bridge) loss scaling for PyTorch: the TF1 managers and ``NPULossScaleOptimizer``.
+"""Ascend (npu_bridge) loss scaling for PyTorch: the TF1 managers, ``NPULossScaleOptimizer`` and the
+precision mode (``ExperimentalConfig``, ``TellMeStepOrLossHook``).
 
 A translation table onto the core; the rule is :func:`lossscale.presets.ascend`.
 
@@ -12,22 +13,39 @@ incr_ratio=2, decr_ratio=0.8)``                              ``hysteresis=decr_e
                                                              growth only while ``S < 3.4e38 / incr_ratio``
 ``FixedLossScaleManager(loss_scale)`` (>= 1)                 ``FixedScale(loss_scale)``
 ``manager.get_loss_scale()`` (a float32 variable)            the 0-d float32 scale tensor (no host read)
-``manager.update_loss_scale(finite_grads)``                  ``policy.update(state, ~finite_grads)`` (no host read);
+``manager.update_loss_scale(finite_grads)``                  ``LossScale.update(~finite_grads)`` (no host read);
                                                              a float tensor is an NPU float status: 0 = finite
 ``NPULossScaleOptimizer(opt, loss_scale_manager,             ``LossScaleOptimizer(opt, policy=manager.loss_scale)``:
-is_distributed=False)``                                      one owner of the scale, shared by both
+is_distributed=False)``                                      the manager's LossScale, shared by both
 ``compute_gradients(loss)`` (scales the loss)                ``opt.backward(loss)`` (or ``opt.scale_loss(loss)``)
 ``apply_gradients(grads_and_vars)`` (unscale, skip on         ``opt.step()`` -> :class:`~lossscale.StepResult`
 overflow, update the manager)
 ``is_distributed=True``: float status all-reduced (HCCL)     found_inf reduced over the torch.distributed world
 NPU float status: Inf/NaN mode, or saturation mode            ``overflow_mode="inf_nan"`` (default) or
 (results clamped to +-65504)                                 ``"saturation"`` (scaled ``|g| >= 65504`` overflows)
-``ExperimentalConfig``, ``TellMeStepOrLossHook``              re-exported from ``lossscale.compat._ascend_precision``
 ==========================================================  =====================================================
 
 Under torch.distributed every lossscale optimizer agrees on overflow across ranks, so
 ``is_distributed=False`` does not make ranks decide alone (they would drift apart); ``True`` asks
 for a process group and fails clearly without one.
+
+The precision mode (``accelerate_train_mode``) becomes a :class:`~lossscale.PrecisionSchedule`. On
+Ascend the config goes to ``NPURunConfig`` and the hook to the estimator, and the session links them; in
+PyTorch there is no session: ``config.schedule(hook)`` builds the schedule and binds the hook to it, and
+the loop calls the hook once per step.
+
+============================================================  ==========================================================
+Ascend (TF adapter)                                            lossscale
+============================================================  ==========================================================
+``ExperimentalConfig(accelerate_train_mode="fast|step|0.9")``  same; validated at construction like PrecisionSchedule
+``TellMeStepOrLossHook(step=global_step, total_step=N)``       ``TellMeStepOrLossHook(step=0, total_step=N)``; each step
+                                                               ``hook(step=steps_completed)``
+``TellMeStepOrLossHook(loss=loss, final_loss=L)``              ``TellMeStepOrLossHook(final_loss=L)``; each step
+                                                               ``hook(loss=loss)``
+``NPURunConfig(experimental_config=cfg)`` + ``hooks=[hook]``   ``LossScaleOptimizer(..., schedule=cfg.schedule(hook))``
+                                                               and ``with schedule.autocast(device):`` around forward
+type ``fast`` / ``fast1``                                      autocast to float16 (scaled) / bfloat16 (not scaled)
+============================================================  ==========================================================
 
 Example::
 
@@ -37,21 +55,37 @@ Example::
     opt.backward(loss_fn(model(x), y))
     opt.step()                  # skipped on overflow; manager.get_loss_scale() follows
     opt.zero_grad()
+
+With the precision mode::
+
+    config = ExperimentalConfig(accelerate_train_mode="fast|step|0.9")
+    hook = TellMeStepOrLossHook(step=0, total_step=100)
+    schedule = config.schedule(hook)                # PrecisionSchedule('fast|step|0.9', total_steps=100)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), schedule=schedule)
+    for step in range(100):
+        with schedule.autocast("cpu"):
+            loss = loss_fn(model(x), y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        hook(step=step + 1)                         # a Lightning callback: hook(step=trainer.global_step)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lossscale import presets
-from lossscale._validate import check_choice, check_scale
-from lossscale.compat._checks import check_optimizer, checked_state_dict, overflow_from_finite_grads
+from lossscale.addons.schedule import PrecisionSchedule, parse_mode
+from lossscale.checks import FLOAT32_MAX, check_choice, check_int_at_least, check_scale, checked_state_dict
+from lossscale.compat._checks import check_optimizer
+from lossscale.ops.overflow import OverflowMode
 from lossscale.optimizer import LossScaleOptimizer
-from lossscale.overflow import OverflowMode
-from lossscale.policy import FLOAT32_MAX, FixedScale, ScaleState
+from lossscale.policies.base import FixedScale, Policy, ScaleState
 from lossscale.state import LossScale
 
 __all__ = [
@@ -63,14 +97,48 @@ __all__ = [
 ]
 
 
-class _LossScaleManager:
-    """A policy's :class:`~lossscale.state.LossScale` with TF1's method names. The optimizer built on the
-    manager shares that owner, so a scale set through either is what both read at once."""
+# --- the loss-scale managers -------------------------------------------------------------------------------
 
-    loss_scale: LossScale
+
+def overflow_from_finite_grads(finite_grads: Any, scale: torch.Tensor) -> torch.Tensor:
+    """The overflow flag (0-d bool) of one step's TF1 ``finite_grads``; no host read.
+
+    Rule: a Python bool or a one-value bool tensor is TF1's ``finite_grads`` (True: every gradient is
+    finite); a one-value floating tensor is an NPU float status (0: no overflow; anything else, NaN
+    included: overflow). A state loaded batched (a scale of shape (N,)) takes N verdicts. Anything else
+    is refused rather than cast (a 2-value tensor would turn a scalar scale into a vector).
+    """
+    call = f"update_loss_scale(finite_grads={finite_grads!r})"
+    device = scale.device
+    if isinstance(finite_grads, bool):
+        return torch.tensor(not finite_grads, device=device)
+    if not isinstance(finite_grads, torch.Tensor) or not (finite_grads.dtype == torch.bool
+                                                          or finite_grads.is_floating_point()):
+        kind = type(finite_grads).__name__ if not isinstance(finite_grads, torch.Tensor) else finite_grads.dtype
+        raise TypeError(f"{call}: finite_grads must be a bool, a bool tensor (True when every gradient is finite) "
+                        f"or a floating NPU float status tensor (0 when nothing overflowed); got {kind}.")
+    if finite_grads.numel() == 1:
+        flag = finite_grads.reshape(scale.shape if scale.numel() == 1 else ()).to(device)
+    elif finite_grads.shape == scale.shape:  # a batched state (one verdict per entry), as tests replay it
+        flag = finite_grads.to(device)
+    else:
+        raise ValueError(f"{call}: finite_grads must hold one value (one step's verdict for all gradients); got "
+                         f"shape {tuple(finite_grads.shape)}. Reduce it first, e.g. finite_grads.all().")
+    return ~flag if flag.dtype == torch.bool else flag != 0
+
+
+class _LossScaleManager:
+    """A :class:`~lossscale.LossScale` of ``policy`` with TF1's method names.
+
+    The optimizer built on the manager shares this LossScale, so a scale set through either is what both
+    read at once.
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        self.loss_scale = LossScale(policy)
 
     @property
-    def policy(self) -> Any:
+    def policy(self) -> Policy:
         """The rule (frozen)."""
         return self.loss_scale.policy
 
@@ -92,9 +160,10 @@ class _LossScaleManager:
         return {"policy_state": self.loss_scale.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (validated first)."""
-        checked_state_dict(f"{type(self).__name__}.load_state_dict", state_dict, ("policy_state",))
-        self.loss_scale.load_state_dict(state_dict["policy_state"], f"{type(self).__name__}.load_state_dict")
+        """Restore what :meth:`state_dict` saved; the whole dict is checked before anything changes."""
+        call = f"{type(self).__name__}.load_state_dict"
+        checked_state_dict(call, state_dict, ("policy_state",))
+        self.loss_scale.load_state_dict(state_dict["policy_state"], call=call)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.policy!r})"
@@ -118,9 +187,8 @@ class ExponentialUpdateLossScaleManager(_LossScaleManager):
 
     def __init__(self, init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_inf: int = 2,
                  incr_ratio: float = 2, decr_ratio: float = 0.8) -> None:
-        self.loss_scale = LossScale(presets.build_as("ExponentialUpdateLossScaleManager", presets.ascend,
-                                                     init_loss_scale, incr_every_n_steps, decr_every_n_nan_or_inf,
-                                                     incr_ratio, decr_ratio))
+        super().__init__(presets.ascend(init_loss_scale, incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio,
+                                        decr_ratio, call="ExponentialUpdateLossScaleManager"))
 
 
 class FixedLossScaleManager(_LossScaleManager):
@@ -133,13 +201,13 @@ class FixedLossScaleManager(_LossScaleManager):
 
     def __init__(self, loss_scale: float) -> None:
         check_scale("FixedLossScaleManager", "loss_scale", loss_scale, low=1.0, high=FLOAT32_MAX)
-        self.loss_scale = LossScale(FixedScale(float(loss_scale)))
+        super().__init__(FixedScale(float(loss_scale)))
 
 
 class NPULossScaleOptimizer(LossScaleOptimizer):
     """A torch optimizer wrapped with an Ascend loss-scale manager: scale, unscale, skip on overflow.
 
-    The core :class:`~lossscale.LossScaleOptimizer` with the manager as its policy: ``backward(loss)``
+    The core :class:`~lossscale.LossScaleOptimizer` on the manager's LossScale: ``backward(loss)``
     scales by ``manager.get_loss_scale()``, ``step()`` unscales, checks, skips on overflow and updates
     the manager, and returns a :class:`~lossscale.StepResult`.
 
@@ -150,6 +218,10 @@ class NPULossScaleOptimizer(LossScaleOptimizer):
             initialized process group).
         overflow_mode: ``"inf_nan"`` (default) or ``"saturation"`` (hardware that clamps to +-65504).
         **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments (clipping, accumulation, ...).
+
+    Raises:
+        TypeError: ``opt`` is not a torch optimizer, or ``loss_scale_manager`` not one of the managers above.
+        ValueError: ``is_distributed`` is not a bool, or True without an initialized process group.
     """
 
     def __init__(self, opt: torch.optim.Optimizer, loss_scale_manager: _LossScaleManager,
@@ -174,4 +246,117 @@ class NPULossScaleOptimizer(LossScaleOptimizer):
         return self.loss_scale_manager.get_loss_scale()
 
 
-from lossscale.compat._ascend_precision import ExperimentalConfig, TellMeStepOrLossHook  # noqa: E402
+# --- the precision mode ------------------------------------------------------------------------------------
+
+
+def _is_number(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float))
+
+
+class TellMeStepOrLossHook:
+    """Feeds a precision schedule each step: the step form ``(step=, total_step=)`` or the loss form
+    ``(loss=, final_loss=)``.
+
+    ``step`` is where the run starts (0, or the step a resumed run is at); ``loss``, if given, is the latest loss
+    and is reported when the hook is bound. ``total_step`` and ``final_loss`` become the schedule's
+    ``total_steps`` and ``target_loss``. Calling the hook is ``schedule.update(step=, loss=)``: ``step`` = steps
+    completed, ``loss`` = the last step's loss (a tensor is read on the host: one host read).
+
+    Args:
+        step: Steps completed when the run starts (step form; default 0).
+        total_step: Length of the run in steps (step form).
+        loss: Latest loss when the run starts (loss form; optional).
+        final_loss: Target loss, > 0 (loss form).
+
+    Raises:
+        ValueError: both forms or neither given, or a bad ``step``, ``total_step`` or ``final_loss``.
+    """
+
+    def __init__(self, step: int | None = None, total_step: int | None = None, loss: Any = None,
+                 final_loss: float | None = None) -> None:
+        call = (f"TellMeStepOrLossHook(step={step!r}, total_step={total_step!r}, loss={loss!r}, "
+                f"final_loss={final_loss!r})")
+        rule = ("give step= and total_step= (for a 'step' trigger) or loss= and final_loss= (for a 'loss' "
+                "trigger), not both")
+        step_form = step is not None or total_step is not None
+        loss_form = loss is not None or final_loss is not None
+        if step_form == loss_form:
+            raise ValueError(f"{call}: {rule}; got {'both' if step_form else 'neither'}.")
+        if step_form:
+            check_int_at_least("TellMeStepOrLossHook", "total_step", total_step, 1)
+            step = 0 if step is None else step
+            check_int_at_least("TellMeStepOrLossHook", "step", step, 0)
+        elif not _is_number(final_loss) or not (0 < final_loss < float("inf")):  # type: ignore[operator]
+            raise ValueError(f"{call}: final_loss must be a finite number > 0 (the schedule switches back at "
+                             f"a loss <= final_loss * ratio); got {final_loss!r}.")
+        self.trigger = "step" if step_form else "loss"
+        self.step, self.total_step, self.loss, self.final_loss = step, total_step, loss, final_loss
+        self.schedule: PrecisionSchedule | None = None
+
+    def __repr__(self) -> str:
+        if self.trigger == "step":
+            return f"TellMeStepOrLossHook(step={self.step!r}, total_step={self.total_step!r})"
+        return f"TellMeStepOrLossHook(final_loss={self.final_loss!r})"
+
+    def bind(self, schedule: PrecisionSchedule) -> None:
+        """Feed ``schedule`` from now on (done by :meth:`ExperimentalConfig.schedule`); reports the start values.
+
+        Raises:
+            RuntimeError: the hook already feeds a schedule.
+        """
+        if self.schedule is not None:
+            raise RuntimeError(f"{self!r}.bind(...): this hook already feeds {self.schedule!r}; make one hook per "
+                               f"schedule.")
+        self.schedule = schedule
+        if self.trigger == "step" and self.step:
+            schedule.update(step=self.step)
+        if self.loss is not None:
+            schedule.update(step=schedule.step, loss=self.loss)
+
+    def __call__(self, step: int | None = None, loss: Any = None) -> None:
+        """``schedule.update(step=step, loss=loss)``: call once per optimizer step."""
+        if self.schedule is None:
+            raise RuntimeError(f"{self!r}(...): the hook feeds no schedule yet; call "
+                               f"ExperimentalConfig(accelerate_train_mode=...).schedule(hook) first.")
+        self.schedule.update(step=step, loss=loss)
+
+
+@dataclass(frozen=True)
+class ExperimentalConfig:
+    """Ascend's ``ExperimentalConfig``, reduced to ``accelerate_train_mode`` (None: off).
+
+    The mode is checked at construction exactly as :class:`~lossscale.PrecisionSchedule` checks it.
+    """
+
+    accelerate_train_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.accelerate_train_mode is not None:
+            parse_mode(f"ExperimentalConfig(accelerate_train_mode={self.accelerate_train_mode!r})",
+                       self.accelerate_train_mode)
+
+    def schedule(self, hook: TellMeStepOrLossHook) -> PrecisionSchedule:
+        """The :class:`~lossscale.PrecisionSchedule` for this mode, with ``hook`` bound to feed it.
+
+        Raises:
+            TypeError: ``hook`` is not a :class:`TellMeStepOrLossHook`.
+            ValueError: the mode is None (off), or the hook's form does not match the mode's trigger.
+        """
+        call = f"{self!r}.schedule({hook!r})"
+        if not isinstance(hook, TellMeStepOrLossHook):
+            raise TypeError(f"{call}: hook must be a TellMeStepOrLossHook.")
+        mode = self.accelerate_train_mode
+        if mode is None:
+            raise ValueError(f"{call}: accelerate_train_mode is None (off), so there is no schedule; set a mode "
+                             f"such as 'fast|step|0.9', or leave LossScaleOptimizer(schedule=...) unset.")
+        trigger = parse_mode(call, mode)[1]
+        if trigger != hook.trigger:
+            form = "step=..., total_step=..." if trigger == "step" else "loss=..., final_loss=..."
+            raise ValueError(f"{call}: the {trigger!r} trigger is fed by TellMeStepOrLossHook({form}); got a hook "
+                             f"of the {hook.trigger!r} form.")
+        if trigger == "step":
+            schedule = PrecisionSchedule(mode, total_steps=hook.total_step)
+        else:
+            schedule = PrecisionSchedule(mode, target_loss=float(hook.final_loss))  # type: ignore[arg-type]
+        hook.bind(schedule)
+        return schedule

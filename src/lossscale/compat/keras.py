@@ -46,26 +46,179 @@ Deviations of the rule: see :func:`lossscale.presets.keras` (no growth into inf,
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from lossscale import presets
-from lossscale.clip import PerTensorClip
-from lossscale.compat._checks import check_optimizer, checked_counters
-from lossscale.compat._keras_apply import KerasVariables, checked_grads, keras_ema_rules, split_pairs, write_grads
-from lossscale.compat._keras_args import BASE_KWARGS, KerasEMA, validated
+from lossscale.addons.ema import EMA
+from lossscale.checks import ArgumentTypeError, check_choice, check_int_at_least
+from lossscale.compat._checks import check_optimizer, checked_counters, checked_tensors
+from lossscale.ops.clip import PerTensorClip
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
-from lossscale.result import StepResult
+from lossscale.reporting import StepResult
 
 __all__ = ["LossScaleOptimizer", "BASE_KWARGS"]
 
 _CALL = "LossScaleOptimizer"
 _COUNTERS = ("iterations", "applied")  # saved step counts, checked before a load changes anything
 
+#: The base optimizer keyword arguments this facade accepts, with Keras's defaults.
+BASE_KWARGS: dict[str, Any] = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "clipvalue": None,
+    "global_clipnorm": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+    "name": None,
+}
 
-class LossScaleOptimizer(KerasVariables):
+
+# --- the base keyword arguments: Keras's defaults, checked with Keras's rules --------------------------------
+
+
+def _check_optional_positive(name: str, value: Any, low: float = 0.0, inclusive: bool = False) -> None:
+    """None, or a finite number > ``low`` (>= with ``inclusive``)."""
+    if value is None:
+        return
+    rule = f">= {low:g}" if inclusive else f"> {low:g}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"{_CALL}({name}={value!r}): {name} must be None or a finite number {rule}; got "
+                                f"{type(value).__name__}.")
+    if not math.isfinite(value) or value < low or (value == low and not inclusive):
+        raise ValueError(f"{_CALL}({name}={value!r}): {name} must be None or a finite number {rule}; got {value!r}.")
+
+
+def _checked_base_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``BASE_KWARGS`` updated with ``kwargs``, each checked (None, R's NULL, means Keras's default).
+
+    Raises:
+        TypeError: an unknown keyword, or a value of the wrong type.
+        ValueError: a value out of range, or more than one of clipnorm, clipvalue and global_clipnorm.
+    """
+    unknown = sorted(set(kwargs) - set(BASE_KWARGS))
+    if unknown:
+        raise TypeError(f"{_CALL}({', '.join(f'{k}={kwargs[k]!r}' for k in unknown)}): unexpected keyword argument(s) "
+                        f"{', '.join(unknown)}; the base optimizer arguments are {', '.join(BASE_KWARGS)}.")
+    args = {**BASE_KWARGS, **kwargs}
+    for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
+        _check_optional_positive(name, args[name])
+    _check_optional_positive("weight_decay", args["weight_decay"], inclusive=True)
+    clips = [n for n in ("clipnorm", "clipvalue", "global_clipnorm") if args[n] is not None]
+    if len(clips) > 1:
+        raise ValueError(f"{_CALL}({', '.join(f'{n}={args[n]!r}' for n in clips)}): only one of clipnorm, clipvalue "
+                         f"and global_clipnorm can be set; got {len(clips)}.")
+    for name in ("use_ema", "ema_momentum"):  # R's NULL (None) means Keras's default
+        if args[name] is None:
+            args[name] = BASE_KWARGS[name]
+    check_choice(_CALL, "use_ema", args["use_ema"], (True, False))
+    m = args["ema_momentum"]
+    rule = f"{_CALL}(ema_momentum={m!r}): ema_momentum must be None or a number in [0, 1]"
+    if isinstance(m, bool) or not isinstance(m, (int, float)):
+        raise TypeError(f"{rule}; got {type(m).__name__}.")
+    if not 0.0 <= m <= 1.0:
+        raise ValueError(f"{rule}; got {m!r}.")
+    if args["name"] is not None and not isinstance(args["name"], str):
+        raise TypeError(f"{_CALL}(name={args['name']!r}): name must be a str or None; got "
+                        f"{type(args['name']).__name__}.")
+    if args["ema_overwrite_frequency"] is not None:
+        check_int_at_least(_CALL, "ema_overwrite_frequency", args["ema_overwrite_frequency"], 1)
+    if args["gradient_accumulation_steps"] is not None:
+        check_int_at_least(_CALL, "gradient_accumulation_steps", args["gradient_accumulation_steps"], 2)
+    return args
+
+
+class _KerasEMA(EMA):
+    """Keras's moving average of the weights: momentum in [0, 1] (the core :class:`~lossscale.EMA` takes
+    [0, 1)), and Keras's rules after each step.
+
+    Rules, after the core has advanced the average (masks, no host read)::
+
+        if stepped and this is the first applied step: average = weights     # Keras's momentum 0 at iteration 0
+        if stepped and applied % overwrite_frequency == 0: weights = average
+
+    Momentum 1 keeps the average at the first applied step's weights.
+    """
+
+    def __init__(self, momentum: float) -> None:
+        super().__init__(0.0)
+        self.momentum = float(momentum)
+
+    @torch.no_grad()
+    def after_step(self, stepped: torch.Tensor, first: torch.Tensor, applied: torch.Tensor,
+                   overwrite_frequency: int | None) -> None:
+        """Apply Keras's rules above; ``applied`` counts applied steps, this one included."""
+        copy = (stepped & first).to(self.shadow[0].dtype)
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], copy)
+        if overwrite_frequency:
+            due = stepped & (applied % overwrite_frequency == 0)
+            torch._foreach_lerp_([p.detach() for p in self.params], self.shadow, due.to(self.shadow[0].dtype))
+
+
+# --- what apply() does around the core step ------------------------------------------------------------------
+
+
+def _checked_grads(call: str, grads: Any, variables: Sequence[torch.Tensor],
+                   known: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``grads`` as a list, one per variable (None allowed), shapes matching, not all None (Keras's
+    "No gradients provided for any variable"); every variable a parameter of the inner optimizer.
+
+    Raises:
+        TypeError: ``grads`` is not a list of tensors (and None).
+        ValueError: a count, a shape or a variable does not match, or every gradient is None.
+    """
+    grads = checked_tensors(call, "grads", grads, none_items=True)
+    if len(grads) != len(variables):
+        raise ValueError(f"{call}(grads, trainable_variables): got {len(grads)} gradients for {len(variables)} "
+                         f"variables; pass one gradient (or None) per variable.")
+    ids = {id(p) for p in known}
+    stray = [i for i, v in enumerate(variables) if id(v) not in ids]
+    if stray:
+        raise ValueError(f"{call}(grads, trainable_variables): variable {stray[0]} is not a parameter of the inner "
+                         f"optimizer; pass the parameters it was built with.")
+    for i, (v, g) in enumerate(zip(variables, grads)):
+        if g is not None and g.shape != v.shape:
+            raise ValueError(f"{call}(grads, trainable_variables): grads[{i}] has shape {tuple(g.shape)}, its "
+                             f"variable {tuple(v.shape)}; pass one gradient per variable, in order.")
+    if all(g is None for g in grads):
+        raise ValueError(f"{call}(grads=[None] * {len(grads)}): No gradients provided for any variable (as Keras "
+                         f"says); nothing would be applied and the scale would count a clean step.")
+    return grads
+
+
+@torch.no_grad()
+def _write_grads(grads: Sequence[torch.Tensor | None], variables: Sequence[torch.Tensor], divisor: float) -> None:
+    """Add ``g / divisor`` to each variable's ``.grad`` (a copy: the caller's tensor is never written)."""
+    for v, g in zip(variables, grads):
+        if g is None:
+            continue
+        g = g.detach().to(device=v.device, dtype=v.dtype)
+        g = g / divisor if divisor != 1 else g.clone()
+        if v.grad is None:
+            v.grad = g
+        else:
+            v.grad.add_(g)
+
+
+def _split_pairs(call: str, grads_and_vars: Iterable[Any]) -> tuple[list[Any], list[Any]]:
+    """``(grads, vars)`` from Keras's ``(gradient, variable)`` pairs; a TypeError for anything else."""
+    pairs = list(grads_and_vars)
+    if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+        raise TypeError(f"{call}(grads_and_vars=...): grads_and_vars must hold (gradient, variable) pairs; got "
+                        f"{[type(p).__name__ for p in pairs][:4]}.")
+    return [g for g, _ in pairs], [v for _, v in pairs]
+
+
+# --- the optimizer -------------------------------------------------------------------------------------------
+
+
+class LossScaleOptimizer:
     """Keras 3's dynamic loss scaling around a torch optimizer: ``scale_loss``, then ``apply(grads)``.
 
     Usage, as in a Keras custom training step::
@@ -84,6 +237,10 @@ class LossScaleOptimizer(KerasVariables):
         dynamic_growth_steps: Clean steps between doublings of the scale.
         **base_kwargs: Any of :data:`BASE_KWARGS`, with Keras's meaning (see the module docstring).
 
+    Raises:
+        TypeError: ``inner_optimizer`` is not a torch optimizer, an unknown keyword, or a value of the wrong type.
+        ValueError: a value out of range (each error names the argument and shows the value).
+
     Example:
         >>> import torch
         >>> w = torch.nn.Parameter(torch.zeros(2))
@@ -97,15 +254,15 @@ class LossScaleOptimizer(KerasVariables):
     def __init__(self, inner_optimizer: torch.optim.Optimizer, initial_scale: float = 32768,
                  dynamic_growth_steps: int = 2000, **base_kwargs: Any) -> None:
         check_optimizer(_CALL, "inner_optimizer", inner_optimizer)
-        args = validated(base_kwargs)
-        policy = presets.build_as(_CALL, presets.keras, initial_scale, dynamic_growth_steps)
+        args = _checked_base_kwargs(base_kwargs)
+        policy = presets.keras(initial_scale, dynamic_growth_steps, call=_CALL)
         self.inner_optimizer = inner_optimizer
         self.initial_scale = initial_scale
         self.dynamic_growth_steps = dynamic_growth_steps
         for name, value in args.items():
             setattr(self, name, value)
         self.name = args["name"] if args["name"] is not None else "loss_scale_optimizer"
-        self.ema = KerasEMA(args["ema_momentum"]) if args["use_ema"] else None
+        self.ema = _KerasEMA(args["ema_momentum"]) if args["use_ema"] else None
         self._opt = _CoreOptimizer(
             inner_optimizer, policy=policy,
             clip_grad_norm=args["global_clipnorm"], clip_grad_value=args["clipvalue"],
@@ -116,7 +273,6 @@ class LossScaleOptimizer(KerasVariables):
         self._iterations = torch.zeros((), dtype=torch.int64, device=device)
         self._applied = torch.zeros((), dtype=torch.int64, device=device)
         self.last_result: StepResult | None = None
-
 
     @property
     def dynamic_scale(self) -> torch.Tensor:
@@ -133,11 +289,30 @@ class LossScaleOptimizer(KerasVariables):
         """``apply()`` calls whose gradients were not discarded for overflow (0-d int64 tensor)."""
         return self._iterations
 
+    @property
+    def learning_rate(self) -> float:
+        """The inner optimizer's learning rate (of its first param group); setting it sets every group's."""
+        return self.inner_optimizer.param_groups[0]["lr"]
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        for group in self.inner_optimizer.param_groups:
+            group["lr"] = value
+
+    @property
+    def variables(self) -> list[torch.Tensor]:
+        """The parameters the inner optimizer updates."""
+        return [p for g in self.inner_optimizer.param_groups for p in g["params"]]
+
     def scale_loss(self, loss: Any) -> torch.Tensor:
         """``loss * dynamic_scale`` (times ``loss_scale_factor`` when set). No host read.
 
         A Python or NumPy real number is taken as a float32 loss on the scale's device, as Keras's
-        ``ops.multiply`` takes it."""
+        ``ops.multiply`` takes it.
+
+        Raises:
+            TypeError: ``loss`` is neither a tensor nor a real number.
+        """
         if not isinstance(loss, torch.Tensor):
             if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
                 raise TypeError(f"{_CALL}.scale_loss(loss={loss!r}): loss must be a tensor or a real number; got "
@@ -155,9 +330,9 @@ class LossScaleOptimizer(KerasVariables):
         steps, advances the average, and grows the scale every ``dynamic_growth_steps`` clean steps.
         """
         variables = self.variables if trainable_variables is None else list(trainable_variables)
-        grads = checked_grads(f"{_CALL}.apply", grads, variables, self.variables)
+        grads = _checked_grads(f"{_CALL}.apply", grads, variables, self.variables)
         self._opt.zero_grad(set_to_none=True)  # a no-op inside an accumulation window
-        write_grads(grads, variables, self._opt.accumulation_steps * (self.loss_scale_factor or 1.0))
+        _write_grads(grads, variables, self._opt.accumulation_steps * (self.loss_scale_factor or 1.0))
         first = self._applied == 0
         result = self._opt.step()
         self.last_result = result
@@ -168,11 +343,11 @@ class LossScaleOptimizer(KerasVariables):
         self._iterations += stepped
         self._applied += stepped
         if self.ema is not None:
-            keras_ema_rules(self.ema, result.stepped, first, self._applied, self.ema_overwrite_frequency)
+            self.ema.after_step(result.stepped, first, self._applied, self.ema_overwrite_frequency)
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
         """``apply(grads, vars)`` for a list of ``(grad, var)`` pairs."""
-        self.apply(*split_pairs(f"{_CALL}.apply_gradients", grads_and_vars))
+        self.apply(*_split_pairs(f"{_CALL}.apply_gradients", grads_and_vars))
 
     def finalize_variable_values(self, var_list: Sequence[torch.Tensor] | None = None) -> None:
         """Copy the moving average into the weights (when ``use_ema``), as Keras does at the end of ``fit``."""
@@ -180,12 +355,12 @@ class LossScaleOptimizer(KerasVariables):
             self.ema.copy_to(var_list)
 
     def state_dict(self) -> dict[str, Any]:
-        """The core optimizer's state plus ``iterations`` and ``applied`` (``_COUNTERS``)."""
+        """The core optimizer's state plus ``iterations`` and ``applied`` (reads them on the host)."""
         return {"core": self._opt.state_dict(), "iterations": int(self._iterations),
                 "applied": int(self._applied)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
+        """Restore what :meth:`state_dict` saved; the counters are checked before anything changes."""
         checked_counters(f"{_CALL}.load_state_dict", state_dict, ("core", "iterations", "applied"), _COUNTERS)
         self._opt.load_state_dict(state_dict["core"])
         self._iterations.fill_(state_dict["iterations"])

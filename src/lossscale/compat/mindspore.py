@@ -16,13 +16,13 @@ place, returns ``overflow``                                 place (another dtype
 ``amp.DynamicLossScaleManager(init_loss_scale=2**24,        the same rule in float64 products (MindSpore keeps a
 scale_factor=2, scale_window=2000)``                        Python float), state in float32
 ``manager.get_loss_scale()``                                a Python float (reads the scale on the host)
-``manager.update_loss_scale(overflow)``                     ``policy.update``; RuntimeError after 1000 overflows
-                                                            in a row, as MindSpore's ``bad_step_max``
+``manager.update_loss_scale(overflow)``                     ``LossScale.update``; RuntimeError after 1000
+                                                            overflows in a row, as MindSpore's ``bad_step_max``
 ``manager.get_update_cell()``                               ``DynamicLossScaleUpdateCell(current scale, f, W)``
 ``amp.FixedLossScaleManager(loss_scale=128.0,               ``FixedScale(loss_scale)``; ``get_update_cell()`` is
 drop_overflow_update=True)``                                ``None`` when ``drop_overflow_update`` is False
-``nn.TrainOneStepWithLossScaleCell(network, optimizer,      ``LossScaleOptimizer(optimizer, policy=<the cell>)``;
-scale_sense)``; ``scale_sense`` a cell or a Tensor          a Tensor gives ``FixedScale``
+``nn.TrainOneStepWithLossScaleCell(network, optimizer,      ``LossScaleOptimizer(optimizer, policy=<the cell's
+scale_sense)``; ``scale_sense`` a cell or a Tensor          LossScale>)``; a Tensor gives ``FixedScale``
 ``train_cell(*inputs) -> (loss, overflow, loss_scale)``     forward, scaled backward, unscale, check, step unless
                                                             overflow; ``loss_scale`` is the scale this step used
 ``train_cell.set_sense_scale(sens)``                        sets the scale (one host read)
@@ -38,23 +38,17 @@ where ours stops, and with a factor that is not a power of two ours rounds to fl
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from lossscale import presets
-from lossscale._validate import check_choice, check_scale
-from lossscale.policy import FLOAT32_MAX, FixedScale
+from lossscale.checks import FLOAT32_MAX, check_choice, check_scale, checked_scale, checked_state_dict
+from lossscale.compat._checks import check_optimizer, checked_counters
+from lossscale.optimizer import LossScaleOptimizer
+from lossscale.policies.base import FixedScale, Policy, ScaleState
+from lossscale.reporting import StepResult
 from lossscale.state import LossScale
-from lossscale.compat._mindspore_cells import (
-    DynamicLossScaleUpdateCell,
-    FixedLossScaleUpdateCell,
-    _check_rule,
-    _flag,
-    _StatefulRule,
-)
-from lossscale.compat._checks import checked_counters
-from lossscale.compat._mindspore_train import TrainOneStepWithLossScaleCell
 
 __all__ = [
     "DynamicLossScaleUpdateCell",
@@ -68,7 +62,136 @@ __all__ = [
 BAD_STEP_MAX = 1000
 
 
-class DynamicLossScaleManager(_StatefulRule):
+def _flag(overflow: Any, device: torch.device, call: str = "DynamicLossScaleUpdateCell") -> torch.Tensor:
+    """One step's overflow verdict as a 0-d bool tensor: a bool or a one-value tensor (no host read)."""
+    if isinstance(overflow, torch.Tensor):
+        if overflow.numel() != 1:
+            raise ValueError(f"{call}(overflow={overflow!r}): overflow must hold one value (one step's verdict); "
+                             f"got shape {tuple(overflow.shape)}.")
+        return overflow.to(device=device, dtype=torch.bool).reshape(())
+    if isinstance(overflow, bool):
+        return torch.tensor(overflow, device=device)
+    raise TypeError(f"{call}(overflow={overflow!r}): overflow must be a bool or a bool tensor; got "
+                    f"{type(overflow).__name__}.")
+
+
+def _check_loss_scale(call: str, loss_scale: Any) -> None:
+    """The cell's ``loss_scale`` is MindSpore's float32 Parameter: a 1-element float32 tensor, updated in
+    place, so another dtype is refused rather than rounded (an int64 scale would truncate ``S / 3``)."""
+    if not isinstance(loss_scale, torch.Tensor):
+        raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's "
+                        f"loss_scale Parameter); got {type(loss_scale).__name__}.")
+    if loss_scale.numel() != 1:
+        raise ValueError(f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's "
+                         f"loss_scale Parameter); got shape {tuple(loss_scale.shape)}.")
+    if loss_scale.dtype != torch.float32:
+        raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a float32 tensor (MindSpore's "
+                        f"loss_scale Parameter is float32, and it is updated in place); got {loss_scale.dtype}. "
+                        f"Create it as torch.tensor(2.0**24) or convert it with .float().")
+
+
+class _LossScaleHolder:
+    """A :class:`~lossscale.LossScale` of ``policy`` (``loss_scale``), with ``state_dict``/``load_state_dict``."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.loss_scale = LossScale(policy)
+
+    @property
+    def policy(self) -> Policy:
+        """The rule (frozen)."""
+        return self.loss_scale.policy
+
+    @property
+    def scale_state(self) -> ScaleState:
+        """The whole state record (for a cell: its counters; the live scale is the tensor it updates)."""
+        return self.loss_scale.state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scale and counters as plain numbers (reads them on the host)."""
+        return {"policy_state": self.loss_scale.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; the whole dict is checked before anything changes."""
+        call = f"{type(self).__name__}.load_state_dict"
+        checked_state_dict(call, state_dict, ("policy_state",))
+        self.loss_scale.load_state_dict(state_dict["policy_state"], call=call)
+
+
+# --- update cells ------------------------------------------------------------------------------------------
+
+
+class DynamicLossScaleUpdateCell(_LossScaleHolder):
+    """The loss-scale update cell: ``cell(loss_scale, overflow)`` updates ``loss_scale`` in place.
+
+    Rule: :func:`lossscale.presets.mindspore`. The cell keeps the counters; the scale is the tensor passed
+    in, as MindSpore's cell reads and assigns the ``loss_scale`` Parameter. No host read.
+
+    Example:
+        >>> import torch
+        >>> cell = DynamicLossScaleUpdateCell(loss_scale_value=2**12, scale_factor=2, scale_window=1000)
+        >>> scale = torch.tensor(2.0**12)
+        >>> cell(scale, torch.tensor(True))
+        tensor(True)
+        >>> float(scale)
+        2048.0
+    """
+
+    def __init__(self, loss_scale_value: float, scale_factor: float, scale_window: int) -> None:
+        call = "DynamicLossScaleUpdateCell"
+        check_scale(call, "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)  # the preset's name differs
+        super().__init__(presets.mindspore(loss_scale_value, scale_factor, scale_window, call=call))
+        self.loss_scale_value = loss_scale_value
+        self.scale_factor = scale_factor
+        self.scale_window = scale_window
+
+    def get_loss_scale(self) -> float:
+        """``loss_scale_value``, as MindSpore's cell returns it (the live scale is the tensor it updates)."""
+        return self.loss_scale_value
+
+    @torch.no_grad()
+    def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
+        """Update ``loss_scale`` (float32, shape () or (1,)) in place from ``overflow``; return ``overflow``.
+
+        No host read.
+        """
+        _check_loss_scale("DynamicLossScaleUpdateCell", loss_scale)
+        if self.loss_scale.device != loss_scale.device:
+            self.loss_scale.to(loss_scale.device)
+        self.loss_scale.follow(loss_scale)
+        self.loss_scale.update(_flag(overflow, loss_scale.device))
+        loss_scale.copy_(self.loss_scale.scale.reshape(loss_scale.shape))
+        return overflow
+
+    def __repr__(self) -> str:
+        return (f"DynamicLossScaleUpdateCell(loss_scale_value={self.loss_scale_value!r}, "
+                f"scale_factor={self.scale_factor!r}, scale_window={self.scale_window!r})")
+
+
+class FixedLossScaleUpdateCell(_LossScaleHolder):
+    """An update cell that keeps the scale: ``cell(loss_scale, overflow)`` returns ``overflow``."""
+
+    def __init__(self, loss_scale_value: float) -> None:
+        check_scale("FixedLossScaleUpdateCell", "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)
+        super().__init__(FixedScale(float(loss_scale_value)))
+        self.loss_scale_value = loss_scale_value
+
+    def get_loss_scale(self) -> float:
+        """``loss_scale_value``."""
+        return self.loss_scale_value
+
+    def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
+        """Return ``overflow``; the scale does not move."""
+        _check_loss_scale("FixedLossScaleUpdateCell", loss_scale)
+        return overflow
+
+    def __repr__(self) -> str:
+        return f"FixedLossScaleUpdateCell(loss_scale_value={self.loss_scale_value!r})"
+
+
+# --- managers ----------------------------------------------------------------------------------------------
+
+
+class DynamicLossScaleManager(_LossScaleHolder):
     """MindSpore's host-side dynamic manager: ``get_loss_scale()``, ``update_loss_scale(overflow)``.
 
     The rule of :func:`lossscale.presets.mindspore` with float64 products, as MindSpore computes it on
@@ -85,11 +208,10 @@ class DynamicLossScaleManager(_StatefulRule):
     """
 
     def __init__(self, init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_window: int = 2000) -> None:
-        _check_rule("DynamicLossScaleManager", "init_loss_scale", init_loss_scale, scale_factor, scale_window)
+        rule = presets.mindspore(init_loss_scale, scale_factor, scale_window, call="DynamicLossScaleManager")
+        super().__init__(dataclasses.replace(rule, arithmetic="float64"))
         self.scale_factor = scale_factor
         self.scale_window = scale_window
-        self.loss_scale = LossScale(dataclasses.replace(
-            presets.mindspore(init_loss_scale, scale_factor, scale_window), arithmetic="float64"))
         self.bad_steps = 0
 
     def get_loss_scale(self) -> float:
@@ -112,7 +234,7 @@ class DynamicLossScaleManager(_StatefulRule):
         if self.bad_steps > BAD_STEP_MAX:
             # MindSpore raises before advancing cur_iter, so its next clean step grows: count as if ready to.
             ready = dict(self.loss_scale.state_dict(), growth_tracker=self.scale_window - 1)
-            self.loss_scale.load_state_dict(ready, "DynamicLossScaleManager.update_loss_scale")
+            self.loss_scale.load_state_dict(ready, call="DynamicLossScaleManager.update_loss_scale")
             raise RuntimeError(
                 f"DynamicLossScaleManager.update_loss_scale(overflow=True): {self.bad_steps} overflows in a row "
                 f"exceed MindSpore's limit of {BAD_STEP_MAX} (the scale is {self.get_loss_scale()!r}). The "
@@ -127,23 +249,25 @@ class DynamicLossScaleManager(_StatefulRule):
         return DynamicLossScaleUpdateCell(self.get_loss_scale(), self.scale_factor, self.scale_window)
 
     def state_dict(self) -> dict[str, Any]:
+        """The scale and counters, and the overflows in a row (``bad_steps``)."""
         return {**super().state_dict(), "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; the whole dict is checked before anything changes."""
         checked_counters("DynamicLossScaleManager.load_state_dict", state_dict, ("policy_state", "bad_steps"),
                          ("bad_steps",))
         super().load_state_dict(state_dict)
         self.bad_steps = state_dict["bad_steps"]
 
 
-class FixedLossScaleManager(_StatefulRule):
+class FixedLossScaleManager(_LossScaleHolder):
     """A constant scale (>= 1); ``drop_overflow_update`` says whether overflowing steps are skipped."""
 
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
         check_scale("FixedLossScaleManager", "loss_scale", loss_scale, low=1.0, high=FLOAT32_MAX)
         check_choice("FixedLossScaleManager", "drop_overflow_update", drop_overflow_update, (True, False))
+        super().__init__(FixedScale(float(loss_scale)))
         self.drop_overflow_update = drop_overflow_update
-        self.loss_scale = LossScale(FixedScale(float(loss_scale)))
 
     def get_loss_scale(self) -> float:
         """``loss_scale``, the fixed value."""
@@ -159,3 +283,95 @@ class FixedLossScaleManager(_StatefulRule):
     def get_update_cell(self) -> FixedLossScaleUpdateCell | None:
         """A :class:`FixedLossScaleUpdateCell`, or None when overflowing steps are not dropped."""
         return FixedLossScaleUpdateCell(self.get_loss_scale()) if self.drop_overflow_update else None
+
+
+# --- the training step -------------------------------------------------------------------------------------
+
+
+class TrainOneStepWithLossScaleCell:
+    """One training step with loss scaling: ``train_cell(*inputs) -> (loss, overflow, loss_scale)``.
+
+    Runs ``network(*inputs)`` (which returns the loss), the backward pass of ``loss * scale``, unscales,
+    checks for overflow, steps ``optimizer`` unless it overflowed, and updates the scale through the update
+    cell. The returned ``overflow`` and ``loss_scale`` are tensors (no host read): ``loss_scale`` is the
+    scale this step's gradients carried; :attr:`scale_sense` is the live one. With an update cell the
+    optimizer uses the cell's LossScale, so the cell's counters and the optimizer's scale are one state.
+
+    Args:
+        network: A module (or callable) returning the loss (MindSpore's ``WithLossCell``).
+        optimizer: A torch optimizer over the network's parameters.
+        scale_sense: A :class:`DynamicLossScaleUpdateCell`/:class:`FixedLossScaleUpdateCell`, or a tensor of
+            shape () or (1,) holding a fixed scale.
+        **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments (``skip_mode``, clipping, ...).
+
+    Raises:
+        TypeError: ``network`` is not callable, ``optimizer`` not a torch optimizer, or ``scale_sense`` neither
+            an update cell nor a tensor.
+        ValueError: ``scale_sense`` is a tensor of another shape, or not a valid scale.
+    """
+
+    def __init__(self, network: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
+                 scale_sense: Any, **kwargs: Any) -> None:
+        call = "TrainOneStepWithLossScaleCell"
+        if not callable(network):
+            raise TypeError(f"{call}(network={network!r}): network must be a callable returning the loss.")
+        check_optimizer(call, "optimizer", optimizer)
+        self.network = network
+        self.optimizer = optimizer
+        self.loss_scaling_manager = None
+        if isinstance(scale_sense, (DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell)):
+            self.loss_scaling_manager = scale_sense
+            loss_scale = scale_sense.loss_scale  # shared: the cell's scale is the optimizer's
+        elif isinstance(scale_sense, torch.Tensor):
+            if tuple(scale_sense.shape) not in ((), (1,)):
+                raise ValueError(f"{call}(scale_sense=tensor of shape {tuple(scale_sense.shape)}): the shape of "
+                                 f"scale_sense must be (1,) or (); got {tuple(scale_sense.shape)}.")
+            loss_scale = LossScale(FixedScale(checked_scale(f"{call}(scale_sense={scale_sense!r})", scale_sense)))
+        else:
+            raise TypeError(f"{call}(scale_sense={scale_sense!r}): scale_sense must be an update cell "
+                            f"(DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell) or a tensor; got "
+                            f"{type(scale_sense).__name__}.")
+        self._opt = LossScaleOptimizer(optimizer, policy=loss_scale, **kwargs)
+
+    @property
+    def scale_sense(self) -> torch.Tensor:
+        """The current loss scale, a 0-d float32 tensor (no host read)."""
+        return self._opt.scale
+
+    @property
+    def scale_state(self) -> ScaleState:
+        """The whole state record (scale and counters)."""
+        return self._opt.scale_state
+
+    def set_sense_scale(self, sens: torch.Tensor) -> None:
+        """Set the loss scale to ``sens`` (a 1-element tensor, checked: one host read); the counters carry on."""
+        if not isinstance(sens, torch.Tensor) or sens.numel() != 1:
+            error = ValueError if isinstance(sens, torch.Tensor) else TypeError
+            raise error(f"TrainOneStepWithLossScaleCell.set_sense_scale(sens={sens!r}): sens must be a "
+                        f"1-element tensor; got {type(sens).__name__} of shape {tuple(getattr(sens, 'shape', ()))}.")
+        self._opt.loss_scale.set_scale(sens, call=f"TrainOneStepWithLossScaleCell.set_sense_scale({sens!r})")
+
+    def __call__(self, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step: ``(loss, overflow, loss_scale)``, all tensors (no host read)."""
+        result = self.step(*inputs)
+        return self._last_loss, result.found_inf, result.scale
+
+    def step(self, *inputs: Any) -> StepResult:
+        """Like calling the cell, returning the whole :class:`~lossscale.StepResult`."""
+        self._opt.zero_grad()
+        loss = self.network(*inputs)
+        self._opt.backward(loss)
+        self._last_loss = loss.detach()
+        return self._opt.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's and the scale's state (see :meth:`lossscale.LossScaleOptimizer.state_dict`)."""
+        return self._opt.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self._opt.load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("TrainOneStepWithLossScaleCell is not pickled directly; save train_cell.state_dict() with "
+                        "torch.save.")

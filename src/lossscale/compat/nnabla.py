@@ -45,11 +45,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lossscale import presets
-from lossscale._validate import ArgumentTypeError, check_choice, check_int_at_least
+from lossscale.checks import ArgumentTypeError, check_choice, check_int_at_least
 from lossscale.compat._checks import checked_tensors
-from lossscale.distributed import all_reduce_grads_
+from lossscale.ops.distributed import all_reduce_grads_
 from lossscale.optimizer import LossScaleOptimizer
-from lossscale.result import StepResult
+from lossscale.reporting import StepResult
 
 __all__ = ["DynamicLossScalingUpdater", "MAX_RETRIES"]
 
@@ -88,6 +88,12 @@ class DynamicLossScalingUpdater:
         grads: Parameters (their ``.grad``) or gradient tensors to all-reduce over ``comm``.
         **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments (``overflow_mode``, ...).
 
+    Raises:
+        TypeError: ``loss`` or ``data_feeder`` is not callable, ``comm`` not a ProcessGroup, ``grads`` not a
+            list of tensors, or a number of the wrong type.
+        ValueError: a number out of range, ``comm`` without ``grads``, or ``weight_decay`` with
+            ``skip_mode="fused"``.
+
     Example:
         >>> import torch
         >>> w = torch.nn.Parameter(torch.ones(1))
@@ -123,7 +129,7 @@ class DynamicLossScalingUpdater:
                              f"skip_mode='host' (the default here) or 'masked'.")
         if weight_decay:
             kwargs.setdefault("skip_mode", "host")
-        policy = presets.build_as(call, presets.nnabla, scale, scaling_factor, N)
+        policy = presets.nnabla(scale, scaling_factor, N, call=call)
         self.solver = solver
         self.loss = loss
         self.data_feeder = data_feeder
@@ -139,12 +145,13 @@ class DynamicLossScalingUpdater:
 
     @property
     def scale(self) -> float:
-        """The current loss scale (reads it on the host)."""
+        """The current loss scale (reads it on the host). Assigning it sets the scale through the checked
+        setter :meth:`lossscale.LossScale.set_scale`; the counters carry on."""
         return float(self._opt.scale)
 
     @scale.setter
     def scale(self, value: float) -> None:
-        self._opt.loss_scale.set_scale(value, f"DynamicLossScalingUpdater.scale = {value!r}")
+        self._opt.loss_scale.set_scale(value, call=f"DynamicLossScalingUpdater.scale = {value!r}")
 
     @property
     def scale_state(self) -> Any:

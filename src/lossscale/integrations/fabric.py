@@ -15,8 +15,8 @@ require("lightning.fabric", "lightning", "fabric")
 
 from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPrecision  # noqa: E402
 
-from lossscale.integrations._amp import make_scaler, scaler_result  # noqa: E402
-from lossscale.result import StepResult  # noqa: E402
+from lossscale.integrations._scaler import make_scaler, scaler_result  # noqa: E402
+from lossscale.reporting import StepResult  # noqa: E402
 from lossscale.scaler import GradScaler  # noqa: E402
 
 __all__ = ["MixedPrecision"]

@@ -1,5 +1,5 @@
 """What the GradScaler-backed AMP plugins (Lightning's and Fabric's ``MixedPrecision``) share: building the
-scaler from the plugin's arguments, and turning one scaler iteration into a :class:`~lossscale.StepResult`."""
+scaler from the plugin's arguments, and turning one scaler step into a :class:`~lossscale.StepResult`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from lossscale.result import StepResult
-from lossscale.scaler import GradScaler, ScalerStep
+from lossscale.reporting import ScalerStep, StepResult
+from lossscale.scaler import GradScaler
 
 __all__ = ["make_scaler", "scaler_result"]
 
@@ -19,6 +19,10 @@ def make_scaler(call: str, precision: Any, device: Any, scaler: Any, scaler_kwar
     Rule: precision is ``"16-mixed"`` (bfloat16 needs no scaling: use the framework's own plugin);
     ``scaler`` is a :class:`~lossscale.GradScaler` or None, and then ``scaler_kwargs`` build one
     (``GradScaler(device=device, **scaler_kwargs)``); passing both is refused.
+
+    Raises:
+        ValueError: another precision, or both ``scaler`` and ``scaler_kwargs``.
+        TypeError: ``device`` is not a string, or ``scaler`` not a :class:`~lossscale.GradScaler`.
     """
     if precision != "16-mixed":
         raise ValueError(f"{call}(precision={precision!r}): precision must be '16-mixed' (float16 autocast with "
