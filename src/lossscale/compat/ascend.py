@@ -1,43 +1,31 @@
 """Ascend (npu_bridge) loss scaling for PyTorch: the TF1 managers, ``NPULossScaleOptimizer`` and the
-precision mode (``ExperimentalConfig``, ``TellMeStepOrLossHook``).
-
-A translation table onto the core; the rule is :func:`lossscale.presets.ascend`.
+precision mode. The rule is :func:`lossscale.presets.ascend`.
 
 ==========================================================  =====================================================
 Ascend / TF1 (npu_bridge)                                    lossscale
 ==========================================================  =====================================================
 ``ExponentialUpdateLossScaleManager(init_loss_scale,         ``presets.ascend(...)``: ``DynamicScale`` with
-incr_every_n_steps, decr_every_n_nan_or_inf=2,               ``growth_interval=incr_every_n_steps``,
-incr_ratio=2, decr_ratio=0.8)``                              ``hysteresis=decr_every_n_nan_or_inf`` counted
-                                                             ``"cumulative"``, ``min_scale=1``, float32 products,
-                                                             growth only while ``S < 3.4e38 / incr_ratio``
+incr_every_n_steps, decr_every_n_nan_or_inf=2,               ``growth_interval=incr_every_n_steps``, cumulative
+incr_ratio=2, decr_ratio=0.8)``                              ``hysteresis=decr_every_n_nan_or_inf``, floor 1,
+                                                             float32 products, no growth into inf
 ``FixedLossScaleManager(loss_scale)`` (>= 1)                 ``FixedScale(loss_scale)``
 ``manager.get_loss_scale()`` (a float32 variable)            the 0-d float32 scale tensor (no host read)
 ``manager.update_loss_scale(finite_grads)``                  ``LossScale.update(~finite_grads)`` (no host read);
-                                                             a float tensor is an NPU float status: 0 = finite
-``NPULossScaleOptimizer(opt, loss_scale_manager,             ``LossScaleOptimizer(opt, policy=manager.loss_scale)``:
-is_distributed=False)``                                      the manager's LossScale, shared by both
-``compute_gradients(loss)`` (scales the loss)                ``opt.backward(loss)`` (or ``opt.scale_loss(loss)``)
-``apply_gradients(grads_and_vars)`` (unscale, skip on         ``opt.step()`` -> :class:`~lossscale.StepResult`
-overflow, update the manager)
+                                                             an NPU float status (0 = finite) is accepted too
+``NPULossScaleOptimizer(opt, loss_scale_manager,             ``LossScaleOptimizer(opt, policy=manager.loss_scale)``
+is_distributed=False)``
+``compute_gradients(loss)``, ``apply_gradients(...)``        ``opt.backward(loss)``, ``opt.step()``
 ``is_distributed=True``: float status all-reduced (HCCL)     found_inf reduced over the torch.distributed world
-NPU float status: Inf/NaN mode, or saturation mode            ``overflow_mode="inf_nan"`` (default) or
-(results clamped to +-65504)                                 ``"saturation"`` (scaled ``|g| >= 65504`` overflows)
+NPU Inf/NaN mode, saturation mode (clamped to +-65504)       ``overflow_mode="inf_nan"`` (default), ``"saturation"``
 ==========================================================  =====================================================
 
-Under torch.distributed every lossscale optimizer agrees on overflow across ranks, so
-``is_distributed=False`` does not make ranks decide alone (they would drift apart); ``True`` asks
-for a process group and fails clearly without one.
-
-The precision mode (``accelerate_train_mode``) becomes a :class:`~lossscale.PrecisionSchedule`. On
-Ascend the config goes to ``NPURunConfig`` and the hook to the estimator, and the session links them; in
-PyTorch there is no session: ``config.schedule(hook)`` builds the schedule and binds the hook to it, and
-the loop calls the hook once per step.
+The precision mode becomes a :class:`~lossscale.PrecisionSchedule`: ``config.schedule(hook)`` builds it and
+binds the hook, which the loop calls once per step.
 
 ============================================================  ==========================================================
 Ascend (TF adapter)                                            lossscale
 ============================================================  ==========================================================
-``ExperimentalConfig(accelerate_train_mode="fast|step|0.9")``  same; validated at construction like PrecisionSchedule
+``ExperimentalConfig(accelerate_train_mode="fast|step|0.9")``  same; checked like PrecisionSchedule
 ``TellMeStepOrLossHook(step=global_step, total_step=N)``       ``TellMeStepOrLossHook(step=0, total_step=N)``; each step
                                                                ``hook(step=steps_completed)``
 ``TellMeStepOrLossHook(loss=loss, final_loss=L)``              ``TellMeStepOrLossHook(final_loss=L)``; each step
@@ -46,29 +34,6 @@ Ascend (TF adapter)                                            lossscale
                                                                and ``with schedule.autocast(device):`` around forward
 type ``fast`` / ``fast1``                                      autocast to float16 (scaled) / bfloat16 (not scaled)
 ============================================================  ==========================================================
-
-Example::
-
-    manager = ExponentialUpdateLossScaleManager(init_loss_scale=2**32, incr_every_n_steps=1000,
-                                                decr_every_n_nan_or_inf=2, decr_ratio=0.5)
-    opt = NPULossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), manager)
-    opt.backward(loss_fn(model(x), y))
-    opt.step()                  # skipped on overflow; manager.get_loss_scale() follows
-    opt.zero_grad()
-
-With the precision mode::
-
-    config = ExperimentalConfig(accelerate_train_mode="fast|step|0.9")
-    hook = TellMeStepOrLossHook(step=0, total_step=100)
-    schedule = config.schedule(hook)                # PrecisionSchedule('fast|step|0.9', total_steps=100)
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), schedule=schedule)
-    for step in range(100):
-        with schedule.autocast("cpu"):
-            loss = loss_fn(model(x), y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        hook(step=step + 1)                         # a Lightning callback: hook(step=trainer.global_step)
 """
 
 from __future__ import annotations
@@ -81,12 +46,11 @@ import torch.distributed as dist
 
 from lossscale import presets
 from lossscale.addons.schedule import PrecisionSchedule, parse_mode
-from lossscale.checks import FLOAT32_MAX, check_choice, check_int_at_least, check_scale, checked_state_dict
-from lossscale.compat._checks import check_optimizer
+from lossscale.checks import FLOAT32_MAX, check_choice, check_int_at_least, check_scale
+from lossscale.compat._common import LossScaleHolder, check_optimizer
 from lossscale.ops.overflow import OverflowMode
 from lossscale.optimizer import LossScaleOptimizer
-from lossscale.policies.base import FixedScale, Policy, ScaleState
-from lossscale.state import LossScale
+from lossscale.policies.base import FixedScale
 
 __all__ = [
     "ExponentialUpdateLossScaleManager",
@@ -97,17 +61,9 @@ __all__ = [
 ]
 
 
-# --- the loss-scale managers -------------------------------------------------------------------------------
-
-
 def overflow_from_finite_grads(finite_grads: Any, scale: torch.Tensor) -> torch.Tensor:
-    """The overflow flag (0-d bool) of one step's TF1 ``finite_grads``; no host read.
-
-    Rule: a Python bool or a one-value bool tensor is TF1's ``finite_grads`` (True: every gradient is
-    finite); a one-value floating tensor is an NPU float status (0: no overflow; anything else, NaN
-    included: overflow). A state loaded batched (a scale of shape (N,)) takes N verdicts. Anything else
-    is refused rather than cast (a 2-value tensor would turn a scalar scale into a vector).
-    """
+    """The overflow flag of one step's ``finite_grads``: a bool, a bool tensor (True: all finite) or an NPU float
+    status (0: no overflow; anything else, NaN included: overflow). One value, or one per entry of a batched scale."""
     call = f"update_loss_scale(finite_grads={finite_grads!r})"
     device = scale.device
     if isinstance(finite_grads, bool):
@@ -119,7 +75,7 @@ def overflow_from_finite_grads(finite_grads: Any, scale: torch.Tensor) -> torch.
                         f"or a floating NPU float status tensor (0 when nothing overflowed); got {kind}.")
     if finite_grads.numel() == 1:
         flag = finite_grads.reshape(scale.shape if scale.numel() == 1 else ()).to(device)
-    elif finite_grads.shape == scale.shape:  # a batched state (one verdict per entry), as tests replay it
+    elif finite_grads.shape == scale.shape:
         flag = finite_grads.to(device)
     else:
         raise ValueError(f"{call}: finite_grads must hold one value (one step's verdict for all gradients); got "
@@ -127,57 +83,25 @@ def overflow_from_finite_grads(finite_grads: Any, scale: torch.Tensor) -> torch.
     return ~flag if flag.dtype == torch.bool else flag != 0
 
 
-class _LossScaleManager:
-    """A :class:`~lossscale.LossScale` of ``policy`` with TF1's method names.
-
-    The optimizer built on the manager shares this LossScale, so a scale set through either is what both
-    read at once.
-    """
-
-    def __init__(self, policy: Policy) -> None:
-        self.loss_scale = LossScale(policy)
-
-    @property
-    def policy(self) -> Policy:
-        """The rule (frozen)."""
-        return self.loss_scale.policy
+class _LossScaleManager(LossScaleHolder):
+    """A :class:`~lossscale.LossScale` with TF1's method names, shared with the optimizer built on it."""
 
     def get_loss_scale(self) -> torch.Tensor:
         """The current loss scale: a 0-d float32 tensor (no host read)."""
         return self.loss_scale.scale
 
-    @property
-    def scale_state(self) -> ScaleState:
-        """The whole state record (scale and counters)."""
-        return self.loss_scale.state
-
     def update_loss_scale(self, finite_grads: Any) -> None:
         """Advance the rule with one step's ``finite_grads`` (True: no overflow). No host read."""
         self.loss_scale.update(overflow_from_finite_grads(finite_grads, self.loss_scale.scale))
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scale and counters as plain numbers (reads them on the host)."""
-        return {"policy_state": self.loss_scale.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved; the whole dict is checked before anything changes."""
-        call = f"{type(self).__name__}.load_state_dict"
-        checked_state_dict(call, state_dict, ("policy_state",))
-        self.loss_scale.load_state_dict(state_dict["policy_state"], call=call)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.policy!r})"
 
 
 class ExponentialUpdateLossScaleManager(_LossScaleManager):
-    """Grows the scale by ``incr_ratio`` after ``incr_every_n_steps`` finite steps in a row and shrinks it by
-    ``decr_ratio`` (floor 1) after ``decr_every_n_nan_or_inf`` non-finite steps since the last change.
-
-    The rule is :func:`lossscale.presets.ascend`; the counters are not reset by a clean step, only by a
-    change of scale (TF1's ``num_bad_steps``).
+    """TF1's dynamic manager, :func:`lossscale.presets.ascend`.
 
     Example:
-        >>> import torch
         >>> m = ExponentialUpdateLossScaleManager(init_loss_scale=1024, incr_every_n_steps=2)
         >>> for finite in [False, True, False]:
         ...     m.update_loss_scale(finite)
@@ -192,7 +116,7 @@ class ExponentialUpdateLossScaleManager(_LossScaleManager):
 
 
 class FixedLossScaleManager(_LossScaleManager):
-    """A constant loss scale (>= 1, as TF1 requires); overflowing steps are still skipped by the optimizer.
+    """A constant loss scale (>= 1); the optimizer still skips overflowing steps.
 
     Example:
         >>> float(FixedLossScaleManager(128).get_loss_scale())
@@ -205,23 +129,27 @@ class FixedLossScaleManager(_LossScaleManager):
 
 
 class NPULossScaleOptimizer(LossScaleOptimizer):
-    """A torch optimizer wrapped with an Ascend loss-scale manager: scale, unscale, skip on overflow.
-
-    The core :class:`~lossscale.LossScaleOptimizer` on the manager's LossScale: ``backward(loss)``
-    scales by ``manager.get_loss_scale()``, ``step()`` unscales, checks, skips on overflow and updates
-    the manager, and returns a :class:`~lossscale.StepResult`.
+    """The core :class:`~lossscale.LossScaleOptimizer` on an Ascend manager's LossScale.
 
     Args:
         opt: The torch optimizer to wrap.
         loss_scale_manager: An :class:`ExponentialUpdateLossScaleManager` or :class:`FixedLossScaleManager`.
-        is_distributed: True to agree on overflow across the torch.distributed world (requires an
-            initialized process group).
-        overflow_mode: ``"inf_nan"`` (default) or ``"saturation"`` (hardware that clamps to +-65504).
-        **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments (clipping, accumulation, ...).
+        is_distributed: True requires an initialized torch.distributed process group. Ranks agree on overflow
+            under torch.distributed either way.
+        overflow_mode: ``"inf_nan"`` (default) or ``"saturation"``.
+        **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments.
 
     Raises:
         TypeError: ``opt`` is not a torch optimizer, or ``loss_scale_manager`` not one of the managers above.
         ValueError: ``is_distributed`` is not a bool, or True without an initialized process group.
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.ones(1))
+        >>> opt = NPULossScaleOptimizer(torch.optim.SGD([w], lr=0.1), FixedLossScaleManager(128))
+        >>> opt.backward((2 * w).sum())
+        >>> (bool(opt.step().stepped), round(float(w.detach()), 4))
+        (True, 0.8)
     """
 
     def __init__(self, opt: torch.optim.Optimizer, loss_scale_manager: _LossScaleManager,
@@ -246,27 +174,15 @@ class NPULossScaleOptimizer(LossScaleOptimizer):
         return self.loss_scale_manager.get_loss_scale()
 
 
-# --- the precision mode ------------------------------------------------------------------------------------
-
-
-def _is_number(x: Any) -> bool:
-    return not isinstance(x, bool) and isinstance(x, (int, float))
-
-
 class TellMeStepOrLossHook:
-    """Feeds a precision schedule each step: the step form ``(step=, total_step=)`` or the loss form
-    ``(loss=, final_loss=)``.
-
-    ``step`` is where the run starts (0, or the step a resumed run is at); ``loss``, if given, is the latest loss
-    and is reported when the hook is bound. ``total_step`` and ``final_loss`` become the schedule's
-    ``total_steps`` and ``target_loss``. Calling the hook is ``schedule.update(step=, loss=)``: ``step`` = steps
-    completed, ``loss`` = the last step's loss (a tensor is read on the host: one host read).
+    """Feeds a precision schedule: ``hook(step=, loss=)`` is ``schedule.update(step=, loss=)`` (a loss tensor is
+    read on the host).
 
     Args:
         step: Steps completed when the run starts (step form; default 0).
-        total_step: Length of the run in steps (step form).
+        total_step: The schedule's ``total_steps`` (step form).
         loss: Latest loss when the run starts (loss form; optional).
-        final_loss: Target loss, > 0 (loss form).
+        final_loss: The schedule's ``target_loss``, > 0 (loss form).
 
     Raises:
         ValueError: both forms or neither given, or a bad ``step``, ``total_step`` or ``final_loss``.
@@ -286,7 +202,8 @@ class TellMeStepOrLossHook:
             check_int_at_least("TellMeStepOrLossHook", "total_step", total_step, 1)
             step = 0 if step is None else step
             check_int_at_least("TellMeStepOrLossHook", "step", step, 0)
-        elif not _is_number(final_loss) or not (0 < final_loss < float("inf")):  # type: ignore[operator]
+        elif (isinstance(final_loss, bool) or not isinstance(final_loss, (int, float))
+              or not 0 < final_loss < float("inf")):
             raise ValueError(f"{call}: final_loss must be a finite number > 0 (the schedule switches back at "
                              f"a loss <= final_loss * ratio); got {final_loss!r}.")
         self.trigger = "step" if step_form else "loss"
@@ -299,11 +216,7 @@ class TellMeStepOrLossHook:
         return f"TellMeStepOrLossHook(final_loss={self.final_loss!r})"
 
     def bind(self, schedule: PrecisionSchedule) -> None:
-        """Feed ``schedule`` from now on (done by :meth:`ExperimentalConfig.schedule`); reports the start values.
-
-        Raises:
-            RuntimeError: the hook already feeds a schedule.
-        """
+        """Feed ``schedule`` from now on, starting with ``step`` and ``loss``; a RuntimeError if already bound."""
         if self.schedule is not None:
             raise RuntimeError(f"{self!r}.bind(...): this hook already feeds {self.schedule!r}; make one hook per "
                                f"schedule.")
@@ -314,7 +227,6 @@ class TellMeStepOrLossHook:
             schedule.update(step=schedule.step, loss=self.loss)
 
     def __call__(self, step: int | None = None, loss: Any = None) -> None:
-        """``schedule.update(step=step, loss=loss)``: call once per optimizer step."""
         if self.schedule is None:
             raise RuntimeError(f"{self!r}(...): the hook feeds no schedule yet; call "
                                f"ExperimentalConfig(accelerate_train_mode=...).schedule(hook) first.")
@@ -323,10 +235,7 @@ class TellMeStepOrLossHook:
 
 @dataclass(frozen=True)
 class ExperimentalConfig:
-    """Ascend's ``ExperimentalConfig``, reduced to ``accelerate_train_mode`` (None: off).
-
-    The mode is checked at construction exactly as :class:`~lossscale.PrecisionSchedule` checks it.
-    """
+    """Ascend's ``ExperimentalConfig``, reduced to ``accelerate_train_mode`` (None: off), checked at construction."""
 
     accelerate_train_mode: str | None = None
 

@@ -1,52 +1,37 @@
 """Keras 3's ``LossScaleOptimizer`` for PyTorch, with the base optimizer arguments Keras refuses on it.
-
-A translation table onto the core :class:`~lossscale.LossScaleOptimizer`; the rule is
-:func:`lossscale.presets.keras`.
+The rule is :func:`lossscale.presets.keras`.
 
 ==========================================================  ===================================================
 Keras 3                                                      lossscale
 ==========================================================  ===================================================
 ``LossScaleOptimizer(inner_optimizer, initial_scale=2**15,   ``LossScaleOptimizer(inner, policy=presets.keras(
-dynamic_growth_steps=2000)``                                 initial_scale, dynamic_growth_steps))``; ``inner`` is
-                                                             a torch optimizer
+dynamic_growth_steps=2000)``                                 initial_scale, dynamic_growth_steps))``
 ``scale_loss(loss)``                                         ``loss * dynamic_scale`` (``* loss_scale_factor``)
-``apply(grads, trainable_variables=None)``                   grads (scaled) written to ``.grad``, then ``step()``:
-                                                             skip on inf/NaN, unscale, apply, update the scale
+``apply(grads, trainable_variables=None)``                   scaled grads written to ``.grad``, then ``step()``
 ``apply_gradients(grads_and_vars)``                          ``apply(grads, vars)``
 ``dynamic_scale`` (a float32 Variable)                       the 0-d float32 scale tensor (no host read)
 ``iterations``                                               0-d int64 tensor: ``apply()`` calls not skipped
 ``learning_rate``                                            the inner optimizer's ``lr`` (every param group)
-``weight_decay``                                             ``weight_decay``: ``p -= p * wd * lr`` before applied
-                                                             steps (decoupled, as Keras)
+``weight_decay``                                             ``weight_decay``: ``p -= p * wd * lr`` (decoupled)
 ``clipnorm``                                                 ``transform_unscaled=PerTensorClip(clipnorm)``
-                                                             (``clip_by_norm`` per variable)
 ``clipvalue``                                                ``clip_grad_value``
-``global_clipnorm``                                          ``clip_grad_norm`` (torch's rule: ``max / (norm +
-                                                             1e-6)``; Keras divides by the norm alone)
-``use_ema, ema_momentum=0.99``                               ``EMA(ema_momentum)``, advanced on applied steps; the
-                                                             first applied step copies the weights (Keras's
-                                                             momentum 0 at iteration 0); momentum in [0, 1], 1
-                                                             freezes the average; None (R's NULL) = default
+``global_clipnorm``                                          ``clip_grad_norm``
+``use_ema, ema_momentum=0.99``                               ``EMA(ema_momentum)`` on applied steps; the first
+                                                             applied step copies the weights
 ``name=None``                                                ``name`` (default ``"loss_scale_optimizer"``)
-``ema_overwrite_frequency``                                  weights overwritten by the average when the applied
-                                                             step count is a multiple of it
-``loss_scale_factor``                                        a static extra factor: ``scale_loss`` multiplies by it,
-                                                             ``apply`` divides the gradients by it
-``gradient_accumulation_steps`` (>= 2)                       ``accumulation_steps``: gradients averaged over that
-                                                             many ``apply()`` calls, one step (or skip) at the end
+``ema_overwrite_frequency``                                  weights = average every that many applied steps
+``loss_scale_factor``                                        ``scale_loss`` multiplies by it, ``apply`` divides by it
+``gradient_accumulation_steps`` (>= 2)                       ``accumulation_steps`` (averaged over that many calls)
 ``finalize_variable_values(var_list)``                       copies the average into the weights when ``use_ema``
 ==========================================================  ===================================================
 
-Keras 3 raises when these base arguments are given to its ``LossScaleOptimizer`` ("set them on the
-inner optimizer"); here they act on the unscaled gradients, after the overflow check, with Keras's
-meaning. With ``gradient_accumulation_steps`` the overflow check covers the whole window (Keras would
-check each call), and the average moves once per applied step (Keras moves it on every call).
-Deviations of the rule: see :func:`lossscale.presets.keras` (no growth into inf, floor 2**-126).
+The base arguments act on the unscaled gradients, after the overflow check. Deviations: ``global_clipnorm``
+divides by ``norm + 1e-6`` (torch's rule); with ``gradient_accumulation_steps`` the check covers the whole
+window and the average moves once per applied step; the rule's own are in :func:`lossscale.presets.keras`.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Iterable, Sequence
 
@@ -54,8 +39,9 @@ import torch
 
 from lossscale import presets
 from lossscale.addons.ema import EMA
-from lossscale.checks import ArgumentTypeError, check_choice, check_int_at_least
-from lossscale.compat._checks import check_optimizer, checked_counters, checked_tensors
+from lossscale.checks import check_choice, check_int_at_least
+from lossscale.compat._common import (OptimizerHolder, check_optimizer, check_optional_number, checked_counters,
+                                      checked_tensors)
 from lossscale.ops.clip import PerTensorClip
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
 from lossscale.reporting import StepResult
@@ -63,7 +49,6 @@ from lossscale.reporting import StepResult
 __all__ = ["LossScaleOptimizer", "BASE_KWARGS"]
 
 _CALL = "LossScaleOptimizer"
-_COUNTERS = ("iterations", "applied")  # saved step counts, checked before a load changes anything
 
 #: The base optimizer keyword arguments this facade accepts, with Keras's defaults.
 BASE_KWARGS: dict[str, Any] = {
@@ -80,41 +65,21 @@ BASE_KWARGS: dict[str, Any] = {
 }
 
 
-# --- the base keyword arguments: Keras's defaults, checked with Keras's rules --------------------------------
-
-
-def _check_optional_positive(name: str, value: Any, low: float = 0.0, inclusive: bool = False) -> None:
-    """None, or a finite number > ``low`` (>= with ``inclusive``)."""
-    if value is None:
-        return
-    rule = f">= {low:g}" if inclusive else f"> {low:g}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentTypeError(f"{_CALL}({name}={value!r}): {name} must be None or a finite number {rule}; got "
-                                f"{type(value).__name__}.")
-    if not math.isfinite(value) or value < low or (value == low and not inclusive):
-        raise ValueError(f"{_CALL}({name}={value!r}): {name} must be None or a finite number {rule}; got {value!r}.")
-
-
 def _checked_base_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``BASE_KWARGS`` updated with ``kwargs``, each checked (None, R's NULL, means Keras's default).
-
-    Raises:
-        TypeError: an unknown keyword, or a value of the wrong type.
-        ValueError: a value out of range, or more than one of clipnorm, clipvalue and global_clipnorm.
-    """
+    """``BASE_KWARGS`` updated with ``kwargs``, each checked; None (R's NULL) means Keras's default."""
     unknown = sorted(set(kwargs) - set(BASE_KWARGS))
     if unknown:
         raise TypeError(f"{_CALL}({', '.join(f'{k}={kwargs[k]!r}' for k in unknown)}): unexpected keyword argument(s) "
                         f"{', '.join(unknown)}; the base optimizer arguments are {', '.join(BASE_KWARGS)}.")
     args = {**BASE_KWARGS, **kwargs}
     for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
-        _check_optional_positive(name, args[name])
-    _check_optional_positive("weight_decay", args["weight_decay"], inclusive=True)
+        check_optional_number(_CALL, name, args[name])
+    check_optional_number(_CALL, "weight_decay", args["weight_decay"], inclusive=True)
     clips = [n for n in ("clipnorm", "clipvalue", "global_clipnorm") if args[n] is not None]
     if len(clips) > 1:
         raise ValueError(f"{_CALL}({', '.join(f'{n}={args[n]!r}' for n in clips)}): only one of clipnorm, clipvalue "
                          f"and global_clipnorm can be set; got {len(clips)}.")
-    for name in ("use_ema", "ema_momentum"):  # R's NULL (None) means Keras's default
+    for name in ("use_ema", "ema_momentum"):
         if args[name] is None:
             args[name] = BASE_KWARGS[name]
     check_choice(_CALL, "use_ema", args["use_ema"], (True, False))
@@ -135,15 +100,10 @@ def _checked_base_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 class _KerasEMA(EMA):
-    """Keras's moving average of the weights: momentum in [0, 1] (the core :class:`~lossscale.EMA` takes
-    [0, 1)), and Keras's rules after each step.
+    """Keras's moving average of the weights: momentum in [0, 1], and after the core's update (no host read)::
 
-    Rules, after the core has advanced the average (masks, no host read)::
-
-        if stepped and this is the first applied step: average = weights     # Keras's momentum 0 at iteration 0
+        if stepped and this is the first applied step: average = weights
         if stepped and applied % overwrite_frequency == 0: weights = average
-
-    Momentum 1 keeps the average at the first applied step's weights.
     """
 
     def __init__(self, momentum: float) -> None:
@@ -153,7 +113,7 @@ class _KerasEMA(EMA):
     @torch.no_grad()
     def after_step(self, stepped: torch.Tensor, first: torch.Tensor, applied: torch.Tensor,
                    overwrite_frequency: int | None) -> None:
-        """Apply Keras's rules above; ``applied`` counts applied steps, this one included."""
+        """The rules above; ``applied`` counts applied steps, this one included."""
         copy = (stepped & first).to(self.shadow[0].dtype)
         torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], copy)
         if overwrite_frequency:
@@ -161,18 +121,10 @@ class _KerasEMA(EMA):
             torch._foreach_lerp_([p.detach() for p in self.params], self.shadow, due.to(self.shadow[0].dtype))
 
 
-# --- what apply() does around the core step ------------------------------------------------------------------
-
-
 def _checked_grads(call: str, grads: Any, variables: Sequence[torch.Tensor],
                    known: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    """``grads`` as a list, one per variable (None allowed), shapes matching, not all None (Keras's
-    "No gradients provided for any variable"); every variable a parameter of the inner optimizer.
-
-    Raises:
-        TypeError: ``grads`` is not a list of tensors (and None).
-        ValueError: a count, a shape or a variable does not match, or every gradient is None.
-    """
+    """``grads`` as a list, one per variable (None allowed), shapes matching, not all None; every variable
+    a parameter of the inner optimizer. Else a TypeError or ValueError."""
     grads = checked_tensors(call, "grads", grads, none_items=True)
     if len(grads) != len(variables):
         raise ValueError(f"{call}(grads, trainable_variables): got {len(grads)} gradients for {len(variables)} "
@@ -215,31 +167,20 @@ def _split_pairs(call: str, grads_and_vars: Iterable[Any]) -> tuple[list[Any], l
     return [g for g, _ in pairs], [v for _, v in pairs]
 
 
-# --- the optimizer -------------------------------------------------------------------------------------------
-
-
-class LossScaleOptimizer:
+class LossScaleOptimizer(OptimizerHolder):
     """Keras 3's dynamic loss scaling around a torch optimizer: ``scale_loss``, then ``apply(grads)``.
 
-    Usage, as in a Keras custom training step::
-
-        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), global_clipnorm=1.0)
-        loss = loss_fn(model(x), y)
-        grads = torch.autograd.grad(opt.scale_loss(loss), list(model.parameters()))
-        opt.apply(grads)                     # or opt.apply_gradients(zip(grads, model.parameters()))
-
-    Host reads: none per step with an optimizer that takes ``grad_scale``/``found_inf`` (``fused=True``),
-    one (the skip decision) otherwise; the core's rules apply.
+    Host reads: none per step with an optimizer that takes ``grad_scale``/``found_inf``, else one.
 
     Args:
         inner_optimizer: The torch optimizer to wrap.
         initial_scale: First loss scale.
         dynamic_growth_steps: Clean steps between doublings of the scale.
-        **base_kwargs: Any of :data:`BASE_KWARGS`, with Keras's meaning (see the module docstring).
+        **base_kwargs: Any of :data:`BASE_KWARGS`, with Keras's meaning.
 
     Raises:
         TypeError: ``inner_optimizer`` is not a torch optimizer, an unknown keyword, or a value of the wrong type.
-        ValueError: a value out of range (each error names the argument and shows the value).
+        ValueError: a value out of range.
 
     Example:
         >>> import torch
@@ -263,12 +204,12 @@ class LossScaleOptimizer:
             setattr(self, name, value)
         self.name = args["name"] if args["name"] is not None else "loss_scale_optimizer"
         self.ema = _KerasEMA(args["ema_momentum"]) if args["use_ema"] else None
-        self._opt = _CoreOptimizer(
+        super().__init__(_CoreOptimizer(
             inner_optimizer, policy=policy,
             clip_grad_norm=args["global_clipnorm"], clip_grad_value=args["clipvalue"],
             transform_unscaled=None if args["clipnorm"] is None else PerTensorClip(args["clipnorm"]),
             accumulation_steps=args["gradient_accumulation_steps"] or 1,
-            ema=self.ema, weight_decay=args["weight_decay"])
+            ema=self.ema, weight_decay=args["weight_decay"]))
         device = self._opt.scale.device
         self._iterations = torch.zeros((), dtype=torch.int64, device=device)
         self._applied = torch.zeros((), dtype=torch.int64, device=device)
@@ -278,11 +219,6 @@ class LossScaleOptimizer:
     def dynamic_scale(self) -> torch.Tensor:
         """The current loss scale, a 0-d float32 tensor (no host read)."""
         return self._opt.scale
-
-    @property
-    def scale_state(self) -> Any:
-        """The whole state record (scale and counters)."""
-        return self._opt.scale_state
 
     @property
     def iterations(self) -> torch.Tensor:
@@ -301,18 +237,11 @@ class LossScaleOptimizer:
 
     @property
     def variables(self) -> list[torch.Tensor]:
-        """The parameters the inner optimizer updates."""
         return [p for g in self.inner_optimizer.param_groups for p in g["params"]]
 
     def scale_loss(self, loss: Any) -> torch.Tensor:
-        """``loss * dynamic_scale`` (times ``loss_scale_factor`` when set). No host read.
-
-        A Python or NumPy real number is taken as a float32 loss on the scale's device, as Keras's
-        ``ops.multiply`` takes it.
-
-        Raises:
-            TypeError: ``loss`` is neither a tensor nor a real number.
-        """
+        """``loss * dynamic_scale`` (times ``loss_scale_factor`` when set); a real number becomes a float32
+        tensor. No host read."""
         if not isinstance(loss, torch.Tensor):
             if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
                 raise TypeError(f"{_CALL}.scale_loss(loss={loss!r}): loss must be a tensor or a real number; got "
@@ -324,14 +253,10 @@ class LossScaleOptimizer:
     @torch.no_grad()
     def apply(self, grads: Sequence[torch.Tensor | None],
               trainable_variables: Sequence[torch.Tensor] | None = None) -> None:
-        """Apply scaled ``grads`` to ``trainable_variables`` (default: every parameter of the inner optimizer).
-
-        Skips the step and halves the scale if any gradient is inf or NaN; otherwise unscales, clips, decays,
-        steps, advances the average, and grows the scale every ``dynamic_growth_steps`` clean steps.
-        """
+        """Write scaled ``grads`` to ``trainable_variables`` (default: the inner optimizer's) and step the core."""
         variables = self.variables if trainable_variables is None else list(trainable_variables)
         grads = _checked_grads(f"{_CALL}.apply", grads, variables, self.variables)
-        self._opt.zero_grad(set_to_none=True)  # a no-op inside an accumulation window
+        self._opt.zero_grad(set_to_none=True)
         _write_grads(grads, variables, self._opt.accumulation_steps * (self.loss_scale_factor or 1.0))
         first = self._applied == 0
         result = self._opt.step()
@@ -346,11 +271,10 @@ class LossScaleOptimizer:
             self.ema.after_step(result.stepped, first, self._applied, self.ema_overwrite_frequency)
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
-        """``apply(grads, vars)`` for a list of ``(grad, var)`` pairs."""
         self.apply(*_split_pairs(f"{_CALL}.apply_gradients", grads_and_vars))
 
     def finalize_variable_values(self, var_list: Sequence[torch.Tensor] | None = None) -> None:
-        """Copy the moving average into the weights (when ``use_ema``), as Keras does at the end of ``fit``."""
+        """Copy the moving average into the weights (when ``use_ema``)."""
         if self.ema is not None:
             self.ema.copy_to(var_list)
 
@@ -360,8 +284,8 @@ class LossScaleOptimizer:
                 "applied": int(self._applied)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved; the counters are checked before anything changes."""
-        checked_counters(f"{_CALL}.load_state_dict", state_dict, ("core", "iterations", "applied"), _COUNTERS)
+        checked_counters(f"{_CALL}.load_state_dict", state_dict, ("core", "iterations", "applied"),
+                         ("iterations", "applied"))
         self._opt.load_state_dict(state_dict["core"])
         self._iterations.fill_(state_dict["iterations"])
         self._applied.fill_(state_dict["applied"])
@@ -369,6 +293,3 @@ class LossScaleOptimizer:
     def __repr__(self) -> str:
         return (f"LossScaleOptimizer({self.inner_optimizer!r}, initial_scale={self.initial_scale!r}, "
                 f"dynamic_growth_steps={self.dynamic_growth_steps!r})")
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("LossScaleOptimizer is not pickled directly; save opt.state_dict() with torch.save.")

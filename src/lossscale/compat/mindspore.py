@@ -1,38 +1,33 @@
 """MindSpore loss scaling for PyTorch: update cells, managers and ``TrainOneStepWithLossScaleCell``.
+The rule is :func:`lossscale.presets.mindspore`.
 
-A translation table onto the core; the rule is :func:`lossscale.presets.mindspore`.
-
-=========================================================  ======================================================
+=========================================================  =====================================================
 MindSpore                                                   lossscale
-=========================================================  ======================================================
-``nn.DynamicLossScaleUpdateCell(loss_scale_value,           ``presets.mindspore(loss_scale_value, scale_factor,
-scale_factor, scale_window)``                               scale_window)``: growth on the W-th clean step,
-                                                            ``S * float32(1/f)``, floor 1, float32 products
-``cell(loss_scale, overflow)``: updates the Parameter in     same, on a 0-d (or shape (1,)) float32 tensor, in
-place, returns ``overflow``                                 place (another dtype is refused); no host read
-``cell.get_loss_scale()``                                   ``loss_scale_value``, the value it was built with (as
-                                                            MindSpore: the live scale is the tensor passed in)
+=========================================================  =====================================================
+``nn.DynamicLossScaleUpdateCell(loss_scale_value,           ``presets.mindspore(...)``: growth on the W-th clean
+scale_factor, scale_window)``                               step, ``S * float32(1/f)``, floor 1, float32 products
+``cell(loss_scale, overflow)`` updates the Parameter in     same, on a float32 tensor of shape () or (1,); no
+place, returns ``overflow``                                 host read
+``cell.get_loss_scale()``                                   ``loss_scale_value``, as built (as MindSpore)
 ``nn.FixedLossScaleUpdateCell(loss_scale_value)``           ``FixedScale``; the call returns ``overflow``
-``amp.DynamicLossScaleManager(init_loss_scale=2**24,        the same rule in float64 products (MindSpore keeps a
-scale_factor=2, scale_window=2000)``                        Python float), state in float32
-``manager.get_loss_scale()``                                a Python float (reads the scale on the host)
+``amp.DynamicLossScaleManager(init_loss_scale=2**24,        the same rule in float64 products, state in float32
+scale_factor=2, scale_window=2000)``
+``manager.get_loss_scale()``                                a Python float (a host read)
 ``manager.update_loss_scale(overflow)``                     ``LossScale.update``; RuntimeError after 1000
-                                                            overflows in a row, as MindSpore's ``bad_step_max``
+                                                            overflows in a row (``bad_step_max``)
 ``manager.get_update_cell()``                               ``DynamicLossScaleUpdateCell(current scale, f, W)``
 ``amp.FixedLossScaleManager(loss_scale=128.0,               ``FixedScale(loss_scale)``; ``get_update_cell()`` is
-drop_overflow_update=True)``                                ``None`` when ``drop_overflow_update`` is False
+drop_overflow_update=True)``                                None when ``drop_overflow_update`` is False
 ``nn.TrainOneStepWithLossScaleCell(network, optimizer,      ``LossScaleOptimizer(optimizer, policy=<the cell's
 scale_sense)``; ``scale_sense`` a cell or a Tensor          LossScale>)``; a Tensor gives ``FixedScale``
-``train_cell(*inputs) -> (loss, overflow, loss_scale)``     forward, scaled backward, unscale, check, step unless
-                                                            overflow; ``loss_scale`` is the scale this step used
+``train_cell(*inputs) -> (loss, overflow, loss_scale)``     one step; ``loss_scale`` is the scale it used
 ``train_cell.set_sense_scale(sens)``                        sets the scale (one host read)
-=========================================================  ======================================================
+=========================================================  =====================================================
 
-Deviations: a scale that MindSpore's cell would grow into float32 inf (and keep: ``max(inf / f, 1)``)
-stays at its last finite value here; the manager's Python-float scale grows past float32's range
-where ours stops, and with a factor that is not a power of two ours rounds to float32 at each step.
+Deviations: the scale stops at float32's largest finite value, where MindSpore's cell grows into inf and its
+manager's Python float grows on; a ``scale_factor`` that is not a power of two rounds to float32 each step.
 ``TrainOneStepWithLossScaleCell`` does not average gradients over devices (wrap the network in
-``DistributedDataParallel``); overflow is agreed across ranks under torch.distributed.
+``DistributedDataParallel``).
 """
 
 from __future__ import annotations
@@ -43,10 +38,10 @@ from typing import Any, Callable
 import torch
 
 from lossscale import presets
-from lossscale.checks import FLOAT32_MAX, check_choice, check_scale, checked_scale, checked_state_dict
-from lossscale.compat._checks import check_optimizer, checked_counters
+from lossscale.checks import FLOAT32_MAX, check_choice, check_scale, checked_scale
+from lossscale.compat._common import LossScaleHolder, OptimizerHolder, check_optimizer, checked_counters
 from lossscale.optimizer import LossScaleOptimizer
-from lossscale.policies.base import FixedScale, Policy, ScaleState
+from lossscale.policies.base import FixedScale
 from lossscale.reporting import StepResult
 from lossscale.state import LossScale
 
@@ -76,55 +71,20 @@ def _flag(overflow: Any, device: torch.device, call: str = "DynamicLossScaleUpda
 
 
 def _check_loss_scale(call: str, loss_scale: Any) -> None:
-    """The cell's ``loss_scale`` is MindSpore's float32 Parameter: a 1-element float32 tensor, updated in
-    place, so another dtype is refused rather than rounded (an int64 scale would truncate ``S / 3``)."""
+    """The cell's ``loss_scale``: a 1-element float32 tensor (MindSpore's Parameter, updated in place)."""
+    rule = f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's loss_scale Parameter)"
     if not isinstance(loss_scale, torch.Tensor):
-        raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's "
-                        f"loss_scale Parameter); got {type(loss_scale).__name__}.")
+        raise TypeError(f"{rule}; got {type(loss_scale).__name__}.")
     if loss_scale.numel() != 1:
-        raise ValueError(f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's "
-                         f"loss_scale Parameter); got shape {tuple(loss_scale.shape)}.")
+        raise ValueError(f"{rule}; got shape {tuple(loss_scale.shape)}.")
     if loss_scale.dtype != torch.float32:
         raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a float32 tensor (MindSpore's "
                         f"loss_scale Parameter is float32, and it is updated in place); got {loss_scale.dtype}. "
                         f"Create it as torch.tensor(2.0**24) or convert it with .float().")
 
 
-class _LossScaleHolder:
-    """A :class:`~lossscale.LossScale` of ``policy`` (``loss_scale``), with ``state_dict``/``load_state_dict``."""
-
-    def __init__(self, policy: Policy) -> None:
-        self.loss_scale = LossScale(policy)
-
-    @property
-    def policy(self) -> Policy:
-        """The rule (frozen)."""
-        return self.loss_scale.policy
-
-    @property
-    def scale_state(self) -> ScaleState:
-        """The whole state record (for a cell: its counters; the live scale is the tensor it updates)."""
-        return self.loss_scale.state
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scale and counters as plain numbers (reads them on the host)."""
-        return {"policy_state": self.loss_scale.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved; the whole dict is checked before anything changes."""
-        call = f"{type(self).__name__}.load_state_dict"
-        checked_state_dict(call, state_dict, ("policy_state",))
-        self.loss_scale.load_state_dict(state_dict["policy_state"], call=call)
-
-
-# --- update cells ------------------------------------------------------------------------------------------
-
-
-class DynamicLossScaleUpdateCell(_LossScaleHolder):
-    """The loss-scale update cell: ``cell(loss_scale, overflow)`` updates ``loss_scale`` in place.
-
-    Rule: :func:`lossscale.presets.mindspore`. The cell keeps the counters; the scale is the tensor passed
-    in, as MindSpore's cell reads and assigns the ``loss_scale`` Parameter. No host read.
+class DynamicLossScaleUpdateCell(LossScaleHolder):
+    """The update cell: ``cell(loss_scale, overflow)`` updates ``loss_scale`` in place and returns ``overflow``.
 
     Example:
         >>> import torch
@@ -138,22 +98,19 @@ class DynamicLossScaleUpdateCell(_LossScaleHolder):
 
     def __init__(self, loss_scale_value: float, scale_factor: float, scale_window: int) -> None:
         call = "DynamicLossScaleUpdateCell"
-        check_scale(call, "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)  # the preset's name differs
+        check_scale(call, "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)
         super().__init__(presets.mindspore(loss_scale_value, scale_factor, scale_window, call=call))
         self.loss_scale_value = loss_scale_value
         self.scale_factor = scale_factor
         self.scale_window = scale_window
 
     def get_loss_scale(self) -> float:
-        """``loss_scale_value``, as MindSpore's cell returns it (the live scale is the tensor it updates)."""
+        """``loss_scale_value``, as MindSpore's cell returns it."""
         return self.loss_scale_value
 
     @torch.no_grad()
     def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
-        """Update ``loss_scale`` (float32, shape () or (1,)) in place from ``overflow``; return ``overflow``.
-
-        No host read.
-        """
+        """Update ``loss_scale`` (float32, shape () or (1,)) in place from ``overflow``; return ``overflow``."""
         _check_loss_scale("DynamicLossScaleUpdateCell", loss_scale)
         if self.loss_scale.device != loss_scale.device:
             self.loss_scale.to(loss_scale.device)
@@ -167,7 +124,7 @@ class DynamicLossScaleUpdateCell(_LossScaleHolder):
                 f"scale_factor={self.scale_factor!r}, scale_window={self.scale_window!r})")
 
 
-class FixedLossScaleUpdateCell(_LossScaleHolder):
+class FixedLossScaleUpdateCell(LossScaleHolder):
     """An update cell that keeps the scale: ``cell(loss_scale, overflow)`` returns ``overflow``."""
 
     def __init__(self, loss_scale_value: float) -> None:
@@ -176,11 +133,9 @@ class FixedLossScaleUpdateCell(_LossScaleHolder):
         self.loss_scale_value = loss_scale_value
 
     def get_loss_scale(self) -> float:
-        """``loss_scale_value``."""
         return self.loss_scale_value
 
     def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
-        """Return ``overflow``; the scale does not move."""
         _check_loss_scale("FixedLossScaleUpdateCell", loss_scale)
         return overflow
 
@@ -188,16 +143,9 @@ class FixedLossScaleUpdateCell(_LossScaleHolder):
         return f"FixedLossScaleUpdateCell(loss_scale_value={self.loss_scale_value!r})"
 
 
-# --- managers ----------------------------------------------------------------------------------------------
-
-
-class DynamicLossScaleManager(_LossScaleHolder):
-    """MindSpore's host-side dynamic manager: ``get_loss_scale()``, ``update_loss_scale(overflow)``.
-
-    The rule of :func:`lossscale.presets.mindspore` with float64 products, as MindSpore computes it on
-    Python floats. More than 1000 overflows in a row raise ``RuntimeError`` (after the scale was updated,
-    as MindSpore does); MindSpore then does not advance its step counter, so the next clean step grows the
-    scale at once, and so does this manager.
+class DynamicLossScaleManager(LossScaleHolder):
+    """MindSpore's host-side dynamic manager. After more than 1000 overflows in a row each one raises
+    ``RuntimeError`` (the scale is updated first) and the next clean step grows the scale, as in MindSpore.
 
     Example:
         >>> m = DynamicLossScaleManager(init_loss_scale=2**10, scale_window=2)
@@ -219,12 +167,8 @@ class DynamicLossScaleManager(_LossScaleHolder):
         return float(self.loss_scale.scale)
 
     def update_loss_scale(self, overflow: Any) -> None:
-        """Advance the rule with one step's ``overflow`` (a bool: MindSpore's manager runs on the host).
-
-        Raises:
-            RuntimeError: on the 1001st overflow in a row and every one after it.
-        """
-        if isinstance(overflow, torch.Tensor):  # the consecutive-overflow limit is counted on the host
+        """Advance the rule with one step's ``overflow``, a bool (a tensor is read on the host)."""
+        if isinstance(overflow, torch.Tensor):
             overflow = bool(_flag(overflow, overflow.device, "DynamicLossScaleManager.update_loss_scale"))
         if not isinstance(overflow, bool):
             raise TypeError(f"DynamicLossScaleManager.update_loss_scale(overflow={overflow!r}): overflow must be "
@@ -232,7 +176,6 @@ class DynamicLossScaleManager(_LossScaleHolder):
         self.loss_scale.update(torch.tensor(overflow, device=self.loss_scale.device))
         self.bad_steps = self.bad_steps + 1 if overflow else 0
         if self.bad_steps > BAD_STEP_MAX:
-            # MindSpore raises before advancing cur_iter, so its next clean step grows: count as if ready to.
             ready = dict(self.loss_scale.state_dict(), growth_tracker=self.scale_window - 1)
             self.loss_scale.load_state_dict(ready, call="DynamicLossScaleManager.update_loss_scale")
             raise RuntimeError(
@@ -241,7 +184,6 @@ class DynamicLossScaleManager(_LossScaleHolder):
                 f"gradients overflow at any scale: look for inf or NaN in the data, the loss or the model.")
 
     def get_drop_overflow_update(self) -> bool:
-        """True: overflowing steps are dropped."""
         return True
 
     def get_update_cell(self) -> DynamicLossScaleUpdateCell:
@@ -253,14 +195,13 @@ class DynamicLossScaleManager(_LossScaleHolder):
         return {**super().state_dict(), "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved; the whole dict is checked before anything changes."""
         checked_counters("DynamicLossScaleManager.load_state_dict", state_dict, ("policy_state", "bad_steps"),
                          ("bad_steps",))
         super().load_state_dict(state_dict)
         self.bad_steps = state_dict["bad_steps"]
 
 
-class FixedLossScaleManager(_LossScaleHolder):
+class FixedLossScaleManager(LossScaleHolder):
     """A constant scale (>= 1); ``drop_overflow_update`` says whether overflowing steps are skipped."""
 
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
@@ -270,14 +211,12 @@ class FixedLossScaleManager(_LossScaleHolder):
         self.drop_overflow_update = drop_overflow_update
 
     def get_loss_scale(self) -> float:
-        """``loss_scale``, the fixed value."""
         return float(self.loss_scale.scale)
 
     def update_loss_scale(self, overflow: Any) -> None:
         """Nothing: the scale is fixed."""
 
     def get_drop_overflow_update(self) -> bool:
-        """``drop_overflow_update``."""
         return self.drop_overflow_update
 
     def get_update_cell(self) -> FixedLossScaleUpdateCell | None:
@@ -285,30 +224,25 @@ class FixedLossScaleManager(_LossScaleHolder):
         return FixedLossScaleUpdateCell(self.get_loss_scale()) if self.drop_overflow_update else None
 
 
-# --- the training step -------------------------------------------------------------------------------------
-
-
-class TrainOneStepWithLossScaleCell:
+class TrainOneStepWithLossScaleCell(OptimizerHolder):
     """One training step with loss scaling: ``train_cell(*inputs) -> (loss, overflow, loss_scale)``.
 
-    Runs ``network(*inputs)`` (which returns the loss), the backward pass of ``loss * scale``, unscales,
-    checks for overflow, steps ``optimizer`` unless it overflowed, and updates the scale through the update
-    cell. The returned ``overflow`` and ``loss_scale`` are tensors (no host read): ``loss_scale`` is the
-    scale this step's gradients carried; :attr:`scale_sense` is the live one. With an update cell the
-    optimizer uses the cell's LossScale, so the cell's counters and the optimizer's scale are one state.
+    With an update cell the optimizer shares the cell's LossScale. No host read.
 
     Args:
         network: A module (or callable) returning the loss (MindSpore's ``WithLossCell``).
         optimizer: A torch optimizer over the network's parameters.
         scale_sense: A :class:`DynamicLossScaleUpdateCell`/:class:`FixedLossScaleUpdateCell`, or a tensor of
             shape () or (1,) holding a fixed scale.
-        **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments (``skip_mode``, clipping, ...).
+        **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments.
 
     Raises:
         TypeError: ``network`` is not callable, ``optimizer`` not a torch optimizer, or ``scale_sense`` neither
             an update cell nor a tensor.
         ValueError: ``scale_sense`` is a tensor of another shape, or not a valid scale.
     """
+
+    instance_name = "train_cell"
 
     def __init__(self, network: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
                  scale_sense: Any, **kwargs: Any) -> None:
@@ -321,7 +255,7 @@ class TrainOneStepWithLossScaleCell:
         self.loss_scaling_manager = None
         if isinstance(scale_sense, (DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell)):
             self.loss_scaling_manager = scale_sense
-            loss_scale = scale_sense.loss_scale  # shared: the cell's scale is the optimizer's
+            loss_scale = scale_sense.loss_scale
         elif isinstance(scale_sense, torch.Tensor):
             if tuple(scale_sense.shape) not in ((), (1,)):
                 raise ValueError(f"{call}(scale_sense=tensor of shape {tuple(scale_sense.shape)}): the shape of "
@@ -331,20 +265,15 @@ class TrainOneStepWithLossScaleCell:
             raise TypeError(f"{call}(scale_sense={scale_sense!r}): scale_sense must be an update cell "
                             f"(DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell) or a tensor; got "
                             f"{type(scale_sense).__name__}.")
-        self._opt = LossScaleOptimizer(optimizer, policy=loss_scale, **kwargs)
+        super().__init__(LossScaleOptimizer(optimizer, policy=loss_scale, **kwargs))
 
     @property
     def scale_sense(self) -> torch.Tensor:
         """The current loss scale, a 0-d float32 tensor (no host read)."""
         return self._opt.scale
 
-    @property
-    def scale_state(self) -> ScaleState:
-        """The whole state record (scale and counters)."""
-        return self._opt.scale_state
-
     def set_sense_scale(self, sens: torch.Tensor) -> None:
-        """Set the loss scale to ``sens`` (a 1-element tensor, checked: one host read); the counters carry on."""
+        """Set the loss scale to ``sens``, a 1-element tensor (one host read); the counters carry on."""
         if not isinstance(sens, torch.Tensor) or sens.numel() != 1:
             error = ValueError if isinstance(sens, torch.Tensor) else TypeError
             raise error(f"TrainOneStepWithLossScaleCell.set_sense_scale(sens={sens!r}): sens must be a "
@@ -352,7 +281,6 @@ class TrainOneStepWithLossScaleCell:
         self._opt.loss_scale.set_scale(sens, call=f"TrainOneStepWithLossScaleCell.set_sense_scale({sens!r})")
 
     def __call__(self, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One step: ``(loss, overflow, loss_scale)``, all tensors (no host read)."""
         result = self.step(*inputs)
         return self._last_loss, result.found_inf, result.scale
 
@@ -363,15 +291,3 @@ class TrainOneStepWithLossScaleCell:
         self._opt.backward(loss)
         self._last_loss = loss.detach()
         return self._opt.step()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's and the scale's state (see :meth:`lossscale.LossScaleOptimizer.state_dict`)."""
-        return self._opt.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        self._opt.load_state_dict(state_dict)
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("TrainOneStepWithLossScaleCell is not pickled directly; save train_cell.state_dict() with "
-                        "torch.save.")

@@ -21,11 +21,7 @@ __all__ = ["require"]
 
 
 def require(framework: str, extra: str, integration: str) -> ModuleType:
-    """Import ``framework`` for ``lossscale.integrations.<integration>``, or say which extra installs it.
-
-    Raises:
-        ImportError: ``framework`` (or one of its dependencies) cannot be imported.
-    """
+    """Import ``framework`` for ``lossscale.integrations.<integration>``; an ImportError names the extra."""
     try:
         return importlib.import_module(framework)
     except ImportError as err:

@@ -1,5 +1,4 @@
-"""What the GradScaler-backed AMP plugins (Lightning's and Fabric's ``MixedPrecision``) share: building the
-scaler from the plugin's arguments, and turning one scaler step into a :class:`~lossscale.StepResult`."""
+"""What Lightning's and Fabric's ``MixedPrecision`` plugins share: the scaler, and a step's StepResult."""
 
 from __future__ import annotations
 
@@ -14,14 +13,10 @@ __all__ = ["make_scaler", "scaler_result"]
 
 
 def make_scaler(call: str, precision: Any, device: Any, scaler: Any, scaler_kwargs: dict[str, Any]) -> GradScaler:
-    """Check a plugin's ``(precision, device, scaler, **scaler_kwargs)`` and return the scaler to use.
-
-    Rule: precision is ``"16-mixed"`` (bfloat16 needs no scaling: use the framework's own plugin);
-    ``scaler`` is a :class:`~lossscale.GradScaler` or None, and then ``scaler_kwargs`` build one
-    (``GradScaler(device=device, **scaler_kwargs)``); passing both is refused.
+    """``scaler``, or ``GradScaler(device=device, **scaler_kwargs)`` when it is None.
 
     Raises:
-        ValueError: another precision, or both ``scaler`` and ``scaler_kwargs``.
+        ValueError: a precision other than ``"16-mixed"``, or both ``scaler`` and ``scaler_kwargs``.
         TypeError: ``device`` is not a string, or ``scaler`` not a :class:`~lossscale.GradScaler`.
     """
     if precision != "16-mixed":
@@ -46,11 +41,8 @@ def make_scaler(call: str, precision: Any, device: Any, scaler: Any, scaler_kwar
 
 def scaler_result(decision: ScalerStep, scale: torch.Tensor | None, scaler: GradScaler, step: int,
                   grad_norm: torch.Tensor | None = None) -> StepResult:
-    """The StepResult of one ``scaler.step(opt); scaler.update()`` whose gradients carried ``scale``.
-
-    No host read: the fields are the scaler's device tensors; ``next_scale`` is the scale after
-    ``update()``. A disabled scaler (or one that never scaled) reports a scale of 1.
-    """
+    """The StepResult of one ``scaler.step(opt); scaler.update()`` whose gradients carried ``scale`` (no host
+    read); a disabled scaler, or one that never scaled, reports a scale of 1."""
     after = scaler.get_scale_tensor()
     if scale is None or after is None or not scaler.is_enabled():
         scale = after = torch.ones((), dtype=torch.float32, device=decision.stepped.device)

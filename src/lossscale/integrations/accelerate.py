@@ -1,7 +1,5 @@
 """lossscale inside HF Accelerate: :class:`lossscale.GradScaler` in the ``Accelerator``'s scaler slot.
 
-Install with ``pip install 'lossscale[accelerate]'``; see docs/integrations.md.
-
 =================================  ============================================================
 Accelerate call                    what lossscale's scaler does there (as torch's scaler would)
 =================================  ============================================================
@@ -62,29 +60,22 @@ def _check(accelerator: Any, fp16_on_cpu: bool) -> None:
 
 
 def use_lossscale(accelerator: Accelerator, *, fp16_on_cpu: bool = False, **scaler_kwargs: Any) -> GradScaler:
-    """Install a :class:`lossscale.GradScaler` as ``accelerator.scaler`` and return it.
+    """Install ``GradScaler(device=accelerator.device.type, **scaler_kwargs)`` as ``accelerator.scaler``; return it.
 
     Call it right after ``Accelerator(mixed_precision="fp16", ...)`` and before ``prepare()``::
 
-        accelerator = Accelerator(mixed_precision="fp16", gradient_accumulation_steps=2)
         scaler = use_lossscale(accelerator, growth_interval=1000)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-
-    Rule: the scaler is ``GradScaler(device=accelerator.device.type, **scaler_kwargs)``; without
-    ``scaler_kwargs`` an Accelerator's ``GradScalerKwargs`` handler supplies them (both is refused).
-    With torch's arguments the run equals Accelerate's own scaler step for step.
 
     Args:
         accelerator: An ``Accelerator`` made with ``mixed_precision="fp16"``, not yet ``prepare()``-d.
-        fp16_on_cpu: On CPU Accelerate turns fp16 off (no autocast, no scaler); True turns float16
-            autocast back on there (``accelerator.native_amp = True``), with this scaler.
-        **scaler_kwargs: Arguments of ``GradScaler`` (``init_scale``, ``growth_interval``, ``policy``, ...).
+        fp16_on_cpu: True turns float16 autocast on for a CPU device, where Accelerate turns fp16 off.
+        **scaler_kwargs: Arguments of ``GradScaler``; or give them in the Accelerator's ``GradScalerKwargs``.
 
     Raises:
-        RuntimeError: Called after ``prepare()``.
-        ValueError: mixed_precision is not ``"fp16"``; fp16 dropped on CPU and ``fp16_on_cpu`` not set;
-            DeepSpeed or Megatron-LM, which keep their own scaler; ``scaler_kwargs`` and a
-            ``GradScalerKwargs`` handler both given.
+        TypeError: ``accelerator`` is not an ``Accelerator``, or ``fp16_on_cpu`` not a bool.
+        RuntimeError: called after ``prepare()``.
+        ValueError: mixed_precision is not ``"fp16"``; a CPU device without ``fp16_on_cpu``, or
+            ``fp16_on_cpu`` elsewhere; DeepSpeed or Megatron-LM; both ``scaler_kwargs`` and ``GradScalerKwargs``.
     """
     _check(accelerator, fp16_on_cpu)
     handler = accelerator.scaler_handler

@@ -1,7 +1,4 @@
-"""lossscale inside Lightning ``Fabric``: Fabric's own float16 AMP plugin with :class:`lossscale.GradScaler`.
-
-Install with ``pip install 'lossscale[lightning]'``; see docs/integrations.md.
-"""
+"""lossscale inside Lightning ``Fabric``: Fabric's own float16 AMP plugin with :class:`lossscale.GradScaler`."""
 
 from __future__ import annotations
 
@@ -23,21 +20,11 @@ __all__ = ["MixedPrecision"]
 
 
 class MixedPrecision(_FabricMixedPrecision):
-    """Fabric's float16 AMP plugin driving a :class:`lossscale.GradScaler`: ``Fabric(plugins=[...])`` alone.
+    """Fabric's float16 AMP plugin driving a :class:`lossscale.GradScaler`: ``Fabric(plugins=[MixedPrecision()])``.
 
-    Usage::
-
-        from lossscale.integrations.fabric import MixedPrecision
-        fabric = Fabric(accelerator="cuda", plugins=[MixedPrecision("16-mixed", "cuda")])
-
-    Everything is Fabric's plugin (autocast, ``scaler.scale(loss)`` in ``fabric.backward``, unscale in
-    ``fabric.clip_gradients``, ``scaler.step`` + ``update`` in ``optimizer.step()``), which returns
-    what the optimizer's ``step()`` returned, as with torch's scaler. Added: ``last_result``, the
-    :class:`~lossscale.StepResult` of the last optimizer step, built without a host read. The plugin
-    is stateful: put it (or its ``scaler``) in the state given to ``fabric.save``/``fabric.load``.
-
-    Fabric's ``clip_gradients`` raises on a non-finite norm unless ``error_if_nonfinite=False``: pass it,
-    so an overflowing step is skipped by the scaler rather than stopping the run.
+    Adds ``last_result``, the :class:`~lossscale.StepResult` of the last optimizer step (no host read). Put
+    the plugin (or its ``scaler``) in the state given to ``fabric.save``/``fabric.load``, and pass
+    ``fabric.clip_gradients(..., error_if_nonfinite=False)`` so that an overflowing step is skipped, not raised.
 
     Args:
         precision: ``"16-mixed"``.
@@ -54,8 +41,7 @@ class MixedPrecision(_FabricMixedPrecision):
         self._steps = 0
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """``scaler.step(optimizer)`` and ``update()``; returns the optimizer's own return value and records
-        the decision (step index = optimizer steps attempted through this plugin) in ``last_result``."""
+        """``scaler.step(optimizer)`` and ``update()``; returns what the optimizer returned."""
         if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError("AMP and the LBFGS optimizer are not compatible.")
         carried = self.scaler.get_scale_tensor()

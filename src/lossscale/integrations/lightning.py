@@ -7,9 +7,6 @@ name                            what it is
 ``LossScalePrecision``          a precision plugin for :class:`lossscale.LossScaleOptimizer`
 ``LossScaleMonitor``            a callback logging the scale, skipped steps and underflow
 ==============================  ===================================================================
-
-Install with ``pip install 'lossscale[lightning]'``; see docs/integrations.md. Without Lightning,
-importing this module raises an ImportError that names that extra.
 """
 
 from __future__ import annotations
@@ -39,30 +36,15 @@ from lossscale.scaler import GradScaler  # noqa: E402
 __all__ = ["LossScaleMonitor", "LossScalePrecision", "MixedPrecision"]
 
 
-# --- MixedPrecision: Lightning's AMP plugin with lossscale's GradScaler -------------------------------------
-
-
 class MixedPrecision(_LightningMixedPrecision):
-    """Lightning's float16 AMP plugin driving a :class:`lossscale.GradScaler`; use it alone in ``plugins=``.
+    """Lightning's float16 AMP plugin driving a :class:`lossscale.GradScaler`: ``Trainer(plugins=[MixedPrecision()])``.
 
-    Usage::
-
-        from lossscale.integrations.lightning import MixedPrecision
-        trainer = Trainer(plugins=[MixedPrecision("16-mixed", "cuda", growth_interval=1000)])
-
-    Everything is Lightning's plugin (autocast, ``scaler.scale(loss)`` in backward, unscale before
-    ``on_before_optimizer_step`` and clipping, ``scaler.step`` + ``update``); with torch's scaler
-    arguments the scale trajectory and weights equal Lightning's plugin with ``torch.amp.GradScaler``,
-    bit for bit. Added: ``last_result``, the :class:`~lossscale.StepResult` of the last optimizer step
-    (skipped or not, scale before and after, and the gradient norm when Lightning clipped by norm),
-    built without a host read.
-
-    Checkpoints: the class keeps Lightning's name, so its state is saved under the same key
-    (``"MixedPrecision"``) in torch's format plus ``policy_state``; a checkpoint written with
-    Lightning's plugin and torch's scaler resumes here, and one written here resumes there.
+    Adds ``last_result``, the :class:`~lossscale.StepResult` of the last optimizer step, with the gradient
+    norm when Lightning clipped by norm (no host read). Its state is saved under Lightning's key
+    (``"MixedPrecision"``) in torch's format plus ``policy_state``, so checkpoints resume either way.
 
     Args:
-        precision: ``"16-mixed"`` (the only precision that uses a scaler).
+        precision: ``"16-mixed"``.
         device: The autocast device type (``"cuda"``, ``"cpu"``, ...).
         scaler: An existing :class:`~lossscale.GradScaler`; or leave it out and pass ``scaler_kwargs``.
         **scaler_kwargs: Arguments of ``GradScaler`` (``init_scale``, ``growth_interval``, ``policy``, ...).
@@ -81,26 +63,22 @@ class MixedPrecision(_LightningMixedPrecision):
         self._grad_norm: torch.Tensor | None = None
 
     def _after_closure(self, model: Any, optimizer: Any) -> None:
-        """After backward and unscale: hooks and clipping (Lightning's), then note the scale the gradients carry."""
+        """Lightning's hooks and clipping, then note the scale the gradients carry."""
         self._grad_norm = None
         super()._after_closure(model, optimizer)
         self._carried = self.scaler.get_scale_tensor()
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
-        """Lightning's clip (``torch.nn.utils.clip_grad_norm_``), keeping the norm for ``last_result``."""
+        """Lightning's clip, keeping the norm for ``last_result``."""
         self._grad_norm = torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Lightning's step; returns what ``optimizer.step()`` returned (as with torch's scaler) and records
-        the decision in ``last_result``."""
+        """Lightning's step; returns what ``optimizer.step()`` returned."""
         out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        if not isinstance(out, ScalerStep):  # no step: the closure skipped backward
+        if not isinstance(out, ScalerStep):  # the closure skipped backward
             return out
         self.last_result = scaler_result(out, self._carried, self.scaler, model.trainer.global_step, self._grad_norm)
         return out.value
-
-
-# --- LossScalePrecision: a precision plugin for LossScaleOptimizer -------------------------------------------
 
 _PRECISIONS = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}
 
@@ -122,47 +100,31 @@ def _lightning_module(model: Any) -> pl.LightningModule:
 
 
 class LossScalePrecision(Precision):
-    """Lightning's precision slot driving :class:`~lossscale.LossScaleOptimizer`, returned from
-    ``configure_optimizers`` as in a plain loop.
+    """Lightning's precision plugin for a :class:`~lossscale.LossScaleOptimizer` returned from
+    ``configure_optimizers``.
 
-    Usage::
+    Rule, per optimizer step::
 
-        def configure_optimizers(self):
-            return LossScaleOptimizer(torch.optim.AdamW(self.parameters(), fused=True))
-        trainer = Trainer(plugins=[LossScalePrecision(torch.float16, "cuda")], accumulate_grad_batches=4,
-                          gradient_clip_val=1.0)
+        forward under autocast(device, dtype)            # or the wrapper's PrecisionSchedule at global_step
+        wrapper.scale_loss(loss).backward()
+        on_before_optimizer_step, configure_gradient_clipping     # gradients still scaled
+        last_result = wrapper.step()                     # unscale, check, clip, skip or apply, update the scale
 
-    Rule, per optimizer step (Lightning's order)::
-
-        forward under autocast(device, dtype)       # or the wrapper's PrecisionSchedule, fed trainer.global_step
-        backward: wrapper.scale_loss(loss).backward()      # Lightning has divided by accumulate_grad_batches
-        on_before_optimizer_step, configure_gradient_clipping   # the gradients are still SCALED here
-        last_result = wrapper.step()               # unscale + check + clip + skip/apply + policy, one pass
-
-    Lightning keeps counting ``global_step`` (attempted steps, skipped ones included, as with torch's
-    scaler), stepping LR schedulers and checkpointing (the wrapper's state is in the optimizer's).
-    ``last_result`` is the last :class:`~lossscale.StepResult`; in manual optimization ``opt.step()``
-    returns it too.
-
-    Clipping: ``gradient_clip_val`` with the ``"norm"`` algorithm becomes the wrapper's fused global-norm
-    clip (``clip_grad_norm``) when the wrapper has none; the same value is accepted; anything else
-    (another value, another kind, ``"value"`` without the wrapper's ``clip_grad_value``) is refused:
-    Lightning would clip the scaled gradients. Use ``last_result.grad_norm`` rather than the gradients in
-    ``on_before_optimizer_step``, which are still scaled there.
-
-    Accumulation: use ``Trainer(accumulate_grad_batches=n)``; a wrapper with ``accumulation_steps > 1`` is
-    refused in automatic optimization (Lightning would count its micro-batches as steps). In manual
-    optimization the wrapper's ``accumulation_steps`` is the way, and ``self.manual_backward(loss)``
-    scales with the one ``LossScaleOptimizer`` the Trainer holds.
+    Clipping: ``gradient_clip_val`` by norm becomes the wrapper's ``clip_grad_norm`` when the wrapper clips
+    nothing; the wrapper's own value is accepted; anything else is refused. Accumulation: use
+    ``Trainer(accumulate_grad_batches=n)``; a wrapper with ``accumulation_steps > 1`` is refused in automatic
+    optimization. ``global_step`` counts skipped steps too. In manual optimization ``manual_backward(loss)``
+    needs exactly one LossScaleOptimizer (else call ``opt.backward(loss)``).
 
     Args:
         dtype: The autocast dtype, ``torch.float16`` (default) or ``torch.bfloat16``; with a wrapper's
-            schedule it must be the schedule's low-precision dtype.
+            schedule, the schedule's low-precision dtype.
         device: The autocast device type (``"cuda"``, ``"cpu"``, ...).
 
     Raises:
         ValueError: another ``dtype``; at ``connect``, wiring that would scale, clip or count wrongly.
         TypeError: ``device`` is not a string; at ``connect``, an optimizer that is not a LossScaleOptimizer.
+        RuntimeError: ``manual_backward(loss)`` with several LossScaleOptimizers.
     """
 
     def __init__(self, dtype: torch.dtype = torch.float16, device: str = "cuda") -> None:
@@ -179,8 +141,6 @@ class LossScalePrecision(Precision):
         self._wrappers: list[LossScaleOptimizer] = []
         self._module: pl.LightningModule | None = None
 
-    # --- set-up: check the wiring once ---------------------------------------------------------------
-
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:
         """Find the wrappers and refuse wiring that would scale, clip or count wrongly."""
         wrong = [type(o).__name__ for o in optimizers if not isinstance(_unwrap(o), LossScaleOptimizer)]
@@ -193,7 +153,9 @@ class LossScalePrecision(Precision):
         trainer = self._module.trainer
         if self._module.automatic_optimization:
             self._check_accumulation(trainer.accumulate_grad_batches)
-            self._map_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+            if trainer.gradient_clip_val:
+                for w in self._wrappers:
+                    self._check_clip(w, trainer.gradient_clip_val, trainer.gradient_clip_algorithm, mapping=True)
         self._check_schedules()
         return model, optimizers, lr_schedulers
 
@@ -204,12 +166,6 @@ class LossScalePrecision(Precision):
                                  f"with Trainer(accumulate_grad_batches={accumulate_grad_batches}): in automatic "
                                  f"optimization Lightning counts every step() call as a step, so accumulate with "
                                  f"Trainer(accumulate_grad_batches=n) and leave the wrapper's accumulation_steps=1.")
-
-    def _map_clip(self, value: int | float | None, algorithm: Any) -> None:
-        if not value:
-            return
-        for w in self._wrappers:
-            self._check_clip(w, value, algorithm, mapping=True)
 
     @staticmethod
     def _check_clip(w: LossScaleOptimizer, value: int | float, algorithm: Any, mapping: bool = False) -> None:
@@ -253,8 +209,6 @@ class LossScalePrecision(Precision):
                                f"opt.backward(loss) on the right one instead.")
         return self._wrappers[0]
 
-    # --- the step --------------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         """Autocast to ``dtype``; with a schedule, the schedule's autocast at ``trainer.global_step``."""
@@ -269,7 +223,6 @@ class LossScalePrecision(Precision):
             yield
 
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        """``model.backward(wrapper.scale_loss(loss))``: the loss times the wrapper's scale."""
         model.backward(self._wrapper(optimizer, "backward").scale_loss(tensor), *args, **kwargs)
 
     def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
@@ -287,30 +240,22 @@ class LossScalePrecision(Precision):
         closure_result = closure()
         self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
-            return None  # training_step returned None: no backward, nothing to step (Lightning's AMP rule)
+            return None  # training_step returned None: nothing to step
         self.last_result = wrapper.step()
         return self.last_result
 
 
-# --- LossScaleMonitor: a callback logging the scale ----------------------------------------------------------
-
-
 class LossScaleMonitor(Callback):
-    """Logs ``<prefix>/scale``, ``<prefix>/skipped_steps`` and ``<prefix>/underflow`` to the Trainer's loggers.
+    """Logs ``<prefix>/scale``, ``<prefix>/skipped_steps`` and ``<prefix>/underflow`` to the Trainer's loggers,
+    read from the lossscale precision plugin's ``last_result``.
 
-    In the style of Lightning's ``LearningRateMonitor``: values go to ``logger.log_metrics`` at
-    Lightning's logging cadence (``Trainer(log_every_n_steps=...)``), at the step Lightning logs its own
-    metrics under. Works with the lossscale precision plugins, whose ``last_result`` it reads.
+    Rule, after each optimizer step::
 
-    Rule, after each optimizer step (a new ``last_result``)::
-
-        skipped_steps += result.skipped          # on the device: no host read
+        skipped_steps += result.skipped          # on the device
         if Lightning logs at this step:          # one host read for all values
             log(scale=result.scale, skipped_steps, underflow=result.underflow if measured)
 
-    ``scale`` is the scale the step's gradients carried (as :class:`~lossscale.StepLogger` writes it);
-    ``underflow`` appears when the plugin measures it (``LossScaleOptimizer(underflow_stride=n)``).
-    The running count is saved in the callback's checkpoint state (one host read at save).
+    ``skipped_steps`` is saved in the callback's checkpoint state.
 
     Args:
         prefix: The metric-name prefix (default ``"lossscale"``).
@@ -330,7 +275,6 @@ class LossScaleMonitor(Callback):
         self._seen: StepResult | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Refuse a Trainer without a logger or without a lossscale precision plugin."""
         if not trainer.loggers:
             raise RuntimeError("LossScaleMonitor: the Trainer has no logger (logger=False); give it one, e.g. "
                                "Trainer(logger=CSVLogger('logs')), or drop the callback.")
@@ -348,7 +292,7 @@ class LossScaleMonitor(Callback):
             return
         self._seen = result
         self._skipped = result.skipped.to(torch.int64) + self._skipped
-        if not trainer._logger_connector.should_update_logs:  # Lightning's own cadence (LearningRateMonitor's)
+        if not trainer._logger_connector.should_update_logs:  # Lightning's cadence, as in LearningRateMonitor
             return
         values: dict[str, Any] = {"scale": result.scale, "skipped_steps": self._skipped}
         if result.underflow is not None:
@@ -358,9 +302,8 @@ class LossScaleMonitor(Callback):
             logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     def state_dict(self) -> dict[str, Any]:
-        """The running count of skipped steps (a host read)."""
+        """The running count of skipped steps (one host read)."""
         return {"skipped_steps": int(self._skipped)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue the count from a checkpoint."""
         self._skipped = int(state_dict["skipped_steps"])
