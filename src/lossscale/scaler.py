@@ -58,7 +58,7 @@ class GradScaler:
         init_scale, growth_factor, backoff_factor, growth_interval: torch's arguments; build a
             :class:`DynamicScale` with torch's rule. Leave them at their defaults when passing ``policy``.
         enabled: False makes every call a no-op (``step`` still steps). Arguments are validated anyway.
-        policy: Any :class:`~lossscale.policy.Policy`, e.g. ``DynamicScale(hysteresis=2)`` or a preset.
+        policy: Any :class:`~lossscale.Policy`, e.g. ``DynamicScale(hysteresis=2)`` or a preset.
         overflow_mode: ``"inf_nan"`` (default) or ``"saturation"`` (scaled |g| >= finfo(saturation_dtype).max).
         saturation_dtype: The low-precision format whose max defines saturation (default float16).
         process_group: Where found_inf is reduced when torch.distributed is initialized (default: world).
@@ -213,7 +213,7 @@ class GradScaler:
         return ScalerStep(overflow=overflow, value=value)
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, record: dict, *args: Any, **kwargs: Any) -> ScalerStep:
-        """The optimizer unscales and skips in its kernel: a read-only check first unless unscale_() ran."""
+        """The optimizer unscales and skips in its kernel: a check first unless unscale_() ran."""
         if stages.takes_grad_scaler(optimizer):
             stages.warn_grad_scaler_deprecated()
             value = optimizer.step(*args, **dict(kwargs, grad_scaler=self))  # it unscales and skips itself
@@ -428,10 +428,10 @@ class GradScaler:
         return found  # torch's kernel and our checks set 1.0, never add: found_inf's copy, or 1.0, as torch's
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        """A read-only check of ``optimizer``'s gradients, recorded for it (found_inf per device), for a fused
-        optimizer that then divides them by the scale: a scale it must not divide by counts as an overflow
-        (:func:`~lossscale.step.guarded_found`, in the first device's flag). One read pass (``aminmax`` for
-        saturation or amax); no write, no host read."""
+        """The check of ``optimizer``'s gradients, recorded for it (found_inf per device), for a fused optimizer
+        that then divides them by the scale: a scale it must not divide by counts as an overflow
+        (:func:`~lossscale.stages.guarded_found`, in the first device's flag). One pass (torch's fused check,
+        multiplying by 1.0 in place; ``aminmax`` for saturation or amax); no host read."""
         record = self._per_optimizer_states[id(optimizer)]
         groups = stages.grouped_gradients(optimizer, "GradScaler.step(optimizer)", required=False)
         found: dict[torch.device, torch.Tensor] = {}

@@ -197,7 +197,7 @@ def inverse_(scale: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
 
 
 def agree_(found_inf: torch.Tensor, process_group: Any = None, *, is_flag: bool = False) -> torch.Tensor:
-    """found_inf as the group's 0/1 flag (see :func:`lossscale.distributed.reduce_found_inf`). One all-reduce
+    """found_inf as the group's 0/1 flag (see :func:`lossscale.ops.distributed.reduce_found_inf`). One all-reduce
     under torch.distributed, else a 0-d clamp (none when the caller knows it is a 0/1 flag already:
     ``is_flag``); no host read."""
     return _dist.reduce_found_inf(found_inf, process_group, is_flag=is_flag)
