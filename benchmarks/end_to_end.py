@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -23,9 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import alternate_samples, emit, machine, paired_ratio, summarize, table  # noqa: E402
 
 from lossscale import DynamicScale, FixedScale, LossScaleOptimizer  # noqa: E402
-from lossscale.demo.config import QUICK  # noqa: E402
-from lossscale.demo.data import VOCAB, load_corpus  # noqa: E402
-from lossscale.demo.model import CharTransformer  # noqa: E402
+from lossscale.demo.train import QUICK, CharTransformer, batch, load_corpus  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,13 +36,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = QUICK.replace(files=4, sequences=4, context=16) if args.tiny else QUICK
-    corpus = load_corpus(cfg.files, cfg.seed, cfg.context)
-    x, y = corpus.batch(cfg.seed, 0, 0, cfg.sequences, cfg.context)
+    cfg = dataclasses.replace(QUICK, files=4, sequences=4, context=16) if args.tiny else QUICK
+    x, y = batch(load_corpus(cfg).train, cfg, 0, 0)
 
     def build():
         torch.manual_seed(cfg.seed)
-        return CharTransformer(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.context)
+        return CharTransformer(cfg)
 
     setups = {}
     for name, dtype, policy in [("fp32", None, FixedScale(1.0)),

@@ -69,11 +69,11 @@ def step_time(total: int, rounds: int) -> dict[str, float]:
 
 def demo_comparison(steps: int | None, quick: bool) -> list[dict]:
     try:
-        from lossscale.demo import runs as demo_runs
         from lossscale.demo.cli import main as demo_main
+        from lossscale.demo.train import RUNS
     except ImportError:
         return []
-    if "fp16-predictive" not in getattr(demo_runs, "RUNS", {}):
+    if "fp16-predictive" not in RUNS:
         return []
     import json
     import tempfile
@@ -88,7 +88,7 @@ def demo_comparison(steps: int | None, quick: bool) -> list[dict]:
             return []
         with open(Path(out) / "results.json") as f:
             runs = json.load(f)["runs"]
-    return [{k: r.get(k) for k in ("name", "final_loss", "skipped_steps", "final_scale", "underflow", "seconds")}
+    return [{k: r.get(k) for k in ("name", "heldout_loss", "skipped_steps", "final_scale", "underflow", "seconds")}
             for r in runs]
 
 

@@ -1,279 +1,288 @@
-"""One demo run: train the character transformer, measure underflow, checkpoint, resume.
+"""One demo run: a small character-level transformer trained on Python's own standard-library sources.
 
-A step is ``accumulation`` micro-batches. A step's loss is the sum of its characters' cross-entropies
-divided by ``cfg.normalizer()``: 2**20 in the presets, the character count of a typical language-model
-batch, though a step computes only ``cfg.tokens_per_step()`` of them. (Each micro-batch's mean is multiplied
-by ``tokens_per_step / normalizer`` and divided by the number of ranks; ``LossScaleOptimizer(
-accumulation_steps=K)`` divides it by K.) So every backward pass carries gradient values as small as a
-large-batch run's, which is what float16 has to hold. AdamW's update does not depend on that factor when
-its ``eps`` is divided by the same factor, and it is: float32 and bfloat16 train exactly as with a plain mean.
-
-A run lasts until it has applied ``cfg.steps`` updates. A skipped step (an overflow) costs its compute and
-its batch is trained on at the next step, and the learning rate follows the applied updates; so every run
-sees the same batches in the same order at the same learning rates, and the runs differ by their precision
-and loss scale alone. A run that skips ``cfg.steps`` times stops there (at twice the steps), with fewer
-updates.
-
-Underflow (the ``underflow`` of ``results.json``) is measured, not assumed: at every ``measure_every``-th
-step (and the first and last), right after the first micro-batch's backward pass, the same micro-batch is
-run again in float32 on the same weights (``torch.autograd.grad``, which leaves the run's gradients alone).
-The share of parameter-gradient values that are nonzero in that float32 backward pass but exactly zero in
-the run's own (low-precision, scaled) backward pass is the share that flushed to zero.
+A step is ``cfg.accumulation`` micro-batches. Its loss is the sum of its characters' cross-entropies
+divided by ``cfg.loss_normalizer`` characters (as a large language-model batch would divide it), and
+AdamW's ``eps`` is multiplied by the same ``cfg.loss_factor``, so float32 trains as with a plain mean
+while float16 has to hold gradients as small as such a batch's. A run lasts until it has applied
+``cfg.steps`` updates (at most ``2 * cfg.steps`` steps): a skipped step's batch and learning rate are
+used again at the next step, so every run sees the same batches at the same learning rates.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import glob
 import math
 import os
+import random
+import sysconfig
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from lossscale import LossScaleOptimizer
-from lossscale import distributed as _dist
-from lossscale.demo.config import DemoConfig
-from lossscale.demo.data import VOCAB, Corpus
-from lossscale.demo.model import CharTransformer
-from lossscale.demo.runs import RunSpec
-from lossscale.metrics import StepLogger, step_record
+from lossscale import DynamicScale, FixedScale, LossScaleOptimizer, PrecisionSchedule, PredictiveScale, StepLogger
 
-__all__ = ["RunHistory", "train_run", "load_checkpoint", "heldout_loss", "CHECKPOINT_FORMAT"]
-
-CHECKPOINT_FORMAT = 1
+VOCAB = 128  # ASCII codes 0-126 as they are; 127 for every other character
 
 
-#: The library's underflow meter (``StepResult.underflow``) samples every 64th accumulated gradient value at
-#: every step; the demo's own measurement below re-runs a micro-batch in float32 at sampled steps.
-UNDERFLOW_METER_STRIDE = 64
+@dataclass(frozen=True)
+class Config:
+    """Everything that decides a run's numbers (the run's name aside).
 
-
-@dataclass
-class RunHistory:
-    """What a run has recorded so far (saved in its checkpoints; ``results.json`` is made from it).
-
-    Attributes:
-        rows: One :func:`lossscale.metrics.step_record` per step, with ``loss``: the mean training loss of
-            the step's micro-batches (rank 0's share under torchrun), as the run computed it.
-        heldout: ``[step, held-out loss]`` after that many steps.
-        underflow: ``[step, share of gradient values flushed to zero]`` at the measured steps.
-        underflow_peak_by_parameter: At the measured step with the most underflow, each parameter's share.
-        seconds: Training time so far (evaluation and measurement excluded).
-        switch_step: The step a precision schedule switched back to float32 at, if it did.
+    ``steps`` counts applied updates; ``files`` standard-library modules are read (a tenth held out);
+    ``eval_every`` and ``measure_every`` count steps between held-out evaluations and underflow
+    measurements (the first and last step always measured); ``init_scale`` and ``growth_interval`` set
+    the float16 runs' loss scale; a step's summed loss is divided by ``loss_normalizer`` characters
+    (0: by the step's own characters, a plain mean).
     """
 
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    heldout: list[list[float]] = field(default_factory=list)
-    underflow: list[list[float]] = field(default_factory=list)
-    underflow_peak_by_parameter: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-    switch_step: int | None = None
+    steps: int = 160
+    accumulation: int = 6
+    sequences: int = 64
+    context: int = 32
+    d_model: int = 16
+    layers: int = 1
+    heads: int = 2
+    files: int = 60
+    lr: float = 0.02
+    seed: int = 0
+    init_scale: float = 2.0**32
+    growth_interval: int = 20
+    loss_normalizer: int = 2**20
+    eval_every: int = 20
+    measure_every: int = 10
+    eval_characters: int = 32_768
+
+    @property
+    def loss_factor(self) -> float:
+        """``characters per step / loss_normalizer``: what a plain mean's loss and AdamW's eps are multiplied by."""
+        per_step = self.accumulation * self.sequences * self.context
+        return per_step / (self.loss_normalizer or per_step)
 
 
-def learning_rate(cfg: DemoConfig, step: int) -> float:
-    """Linear warm-up over the first 10% of ``cfg.steps`` updates, then cosine decay to 10% of ``cfg.lr``.
+DEFAULT = Config()
+QUICK = Config(steps=40, eval_every=10, measure_every=5)
 
-    ``step`` counts applied updates: a skipped step does not advance the schedule (DeepSpeed's engine
-    steps its scheduler only when the step was not an overflow), so a run that starts by skipping steps
-    still warms up, and every run ends at the same rate."""
+
+@dataclass(frozen=True)
+class Run:
+    """How a run trains: its autocast dtype (None: float32) or precision schedule, and its loss-scale policy."""
+
+    dtype: torch.dtype | None
+    policy: Callable[[Config], Any]
+    schedule: str | None = None
+
+    def autocast(self, device: str, schedule: PrecisionSchedule | None) -> Any:
+        """The forward pass's precision context at this step."""
+        if schedule is not None:
+            return schedule.autocast(device)
+        return torch.autocast(device, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+
+
+def _dynamic(cfg: Config) -> DynamicScale:
+    return DynamicScale(init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
+
+
+RUNS: dict[str, Run] = {
+    "fp32": Run(None, lambda cfg: FixedScale(1.0)),
+    "fp16-noscale": Run(torch.float16, lambda cfg: FixedScale(1.0)),
+    "fp16-dynamic": Run(torch.float16, _dynamic),
+    "fp16-predictive": Run(torch.float16, lambda cfg: PredictiveScale(init_scale=cfg.init_scale)),
+    "bf16": Run(torch.bfloat16, lambda cfg: FixedScale(1.0)),
+    "fast|step|0.9": Run(None, _dynamic, schedule="fast|step|0.9"),
+}
+QUICK_RUNS = ["fp32", "fp16-noscale", "fp16-dynamic", "fp16-predictive", "bf16"]
+
+
+class Corpus(NamedTuple):
+    """Character codes of the training and held-out files, and the files' names."""
+
+    train: torch.Tensor
+    heldout: torch.Tensor
+    train_files: list[str]
+    heldout_files: list[str]
+
+
+def load_corpus(cfg: Config) -> Corpus:
+    """``cfg.files`` top-level modules of the standard library, shuffled by ``cfg.seed``; the last tenth held out."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = sorted(glob.glob(os.path.join(root, "*.py")))
+    random.Random(cfg.seed).shuffle(paths)
+    chosen = paths[: max(2, cfg.files)]
+    held = max(1, len(chosen) // 10)
+
+    def encode(group: list[str]) -> torch.Tensor:
+        text = "\n".join(Path(p).read_text(encoding="utf-8", errors="replace") for p in group)
+        return torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32).long().clamp_max(VOCAB - 1)
+
+    corpus = Corpus(encode(chosen[:-held]), encode(chosen[-held:]), chosen[:-held], chosen[-held:])
+    if min(len(corpus.train), len(corpus.heldout)) <= cfg.context + 1:
+        raise ValueError(f"the {len(chosen)} standard-library files at {root} hold too few characters for "
+                         f"--context {cfg.context}; read more --files or use a shorter --context.")
+    return corpus
+
+
+def batch(text: torch.Tensor, cfg: Config, update: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-character targets, ``[sequences, context]`` each: a function of (seed, update, micro) alone."""
+    gen = torch.Generator().manual_seed(hash((cfg.seed, update, micro)) % 2**63)
+    starts = torch.randint(0, len(text) - cfg.context - 1, (cfg.sequences,), generator=gen)
+    window = text[starts[:, None] + torch.arange(cfg.context + 1)]
+    return window[:, :-1], window[:, 1:]
+
+
+class _Block(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.fc, self.out = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        attended = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class CharTransformer(nn.Module):
+    """``[batch, time]`` character codes to ``[batch, time, VOCAB]`` logits: GPT-2's layout and initialisation,
+    no dropout (a run is a deterministic function of its seed)."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.token, self.position = nn.Embedding(VOCAB, cfg.d_model), nn.Embedding(cfg.context, cfg.d_model)
+        self.blocks = nn.Sequential(*(_Block(cfg.d_model, cfg.heads) for _ in range(cfg.layers)))
+        self.ln, self.head = nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, VOCAB)
+        for name, p in self.named_parameters():  # normal(0, 0.02); residual projections / sqrt(2 * layers)
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        x = self.token(codes) + self.position(torch.arange(codes.shape[1], device=codes.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def learning_rate(cfg: Config, update: int) -> float:
+    """Linear warm-up over the first 10% of ``cfg.steps`` updates, then cosine decay to 10% of ``cfg.lr``."""
     warmup = max(1, cfg.steps // 10)
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    if update < warmup:
+        return cfg.lr * (update + 1) / warmup
+    progress = (update - warmup) / max(1, cfg.steps - warmup)
     return cfg.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * progress)))
 
 
 @torch.no_grad()
-def heldout_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: str) -> float:
-    """Mean cross-entropy (nats per character) on the held-out batches, in float32."""
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
-    for x, y in batches:
-        logits = model(x.to(device)).float()
-        total += F.cross_entropy(logits.view(-1, VOCAB), y.to(device).reshape(-1), reduction="sum").double().cpu()
-        count += y.numel()
-    return float(total) / count
+def heldout_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Mean cross-entropy in nats per character, computed in float32."""
+    return F.cross_entropy(model(x).float().view(-1, VOCAB), y.reshape(-1)).item()
 
 
-def _underflow_shares(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float]]:
-    """Share of this micro-batch's float32 gradient values that the run's own backward pass left at exactly 0,
-    overall and per parameter (where a parameter has any)."""
+def flushed_share(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float]]:
+    """Share of the gradient values of a float32 backward pass of ``(x, y)`` that are nonzero there but exactly
+    zero in ``p.grad`` (the run's own backward pass of the same micro-batch), overall and by parameter."""
     names, params = zip(*model.named_parameters())
     with torch.autocast(x.device.type, enabled=False):
-        reference = F.cross_entropy(model(x).float().view(-1, VOCAB), y.reshape(-1))
-    ref_grads = torch.autograd.grad(reference, params)
-    live = torch.stack([(ref != 0).sum() for ref in ref_grads])
-    flushed = torch.stack([((ref != 0) & (p.grad == 0)).sum() if p.grad is not None else (ref != 0).sum()
-                           for p, ref in zip(params, ref_grads)])
-    live_n, flushed_n = live.tolist(), flushed.tolist()  # one host read each
-    by_param = {n: f / lv for n, f, lv in zip(names, flushed_n, live_n) if f}
-    return sum(flushed_n) / max(1, sum(live_n)), by_param
+        reference = torch.autograd.grad(F.cross_entropy(model(x).view(-1, VOCAB), y.reshape(-1)), params)
+    live = [int((r != 0).sum()) for r in reference]
+    flushed = [int(((r != 0) & (p.grad == 0)).sum()) for p, r in zip(params, reference)]
+    return sum(flushed) / max(1, sum(live)), {n: f / lv for n, f, lv in zip(names, flushed, live) if f}
 
 
-def _save(path: str, payload: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp"
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+def train_run(name: str, cfg: Config, corpus: Corpus | None = None, device: str = "cpu", csv_path: str | None = None,
+              on_step: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Train run ``name`` of :data:`RUNS` from scratch; returns its numbers and curves (an entry of results.json).
 
-
-def load_checkpoint(path: str, spec: RunSpec, cfg: DemoConfig, device: str = "cpu") -> dict[str, Any] | None:
-    """The checkpoint of run ``spec`` at ``path`` (None if there is none); a ValueError if it was written by
-    another run or with other settings (it could not continue the same trajectory)."""
-    if not os.path.exists(path):
-        return None
-    saved = torch.load(path, map_location=device, weights_only=True)
-    if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT or saved.get("run") != spec.name:
-        raise ValueError(f"--resume: {path} is not a checkpoint of run {spec.name!r}; delete it or point --out "
-                         f"elsewhere.")
-    if saved["config"] != cfg.as_dict():
-        diff = [f"{k} {saved['config'].get(k)!r} -> {v!r}" for k, v in cfg.as_dict().items()
-                if saved["config"].get(k) != v]
-        raise ValueError(f"--resume: {path} was written with other settings ({'; '.join(diff)}); resume with "
-                         f"the same options, or start afresh without --resume.")
-    return saved
-
-
-@dataclasses.dataclass
-class _Trainer:
-    """What one run trains with: the model, its optimizer wrapper and schedule, where it runs."""
-
-    spec: RunSpec
-    cfg: DemoConfig
-    corpus: Corpus
-    model: CharTransformer
-    opt: LossScaleOptimizer
-    schedule: Any
-    device: str
-    rank: int
-    world_size: int
-
-    def micro_batches(self, step: int, position: int, history: RunHistory,
-                      measure: bool) -> tuple[Any, torch.Tensor, float]:
-        """One optimizer step on the batches of update ``position``: every micro-batch's forward and scaled
-        backward, the underflow re-run on the first one when ``measure``, the ranks' gradient sum, then
-        ``opt.step()``. Returns (result, loss sum, seconds spent measuring)."""
-        cfg, opt, model = self.cfg, self.opt, self.model
-        loss_sum = torch.zeros((), device=self.device)
-        paused = 0.0
-        opt.zero_grad()
-        for micro in range(cfg.accumulation):
-            x, y = (t.to(self.device) for t in self.corpus.batch(cfg.seed, position, micro, cfg.sequences,
-                                                                  cfg.context, self.rank))
-            with self.spec.autocast(self.device, self.schedule):
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
-            opt.backward(loss * (cfg.loss_factor(self.world_size) / self.world_size))  # / accumulation inside
-            loss_sum += loss.detach()
-            if measure and micro == 0:
-                began = time.perf_counter()
-                share, by_param = _underflow_shares(model, x, y)
-                if share > max((u for _, u in history.underflow), default=0.0):
-                    history.underflow_peak_by_parameter = by_param
-                history.underflow.append([step, share])
-                paused += time.perf_counter() - began
-            if micro == cfg.accumulation - 1 and self.world_size > 1:
-                for p in model.parameters():  # the ranks' shares of the global batch, summed
-                    if p.grad is not None:
-                        _dist.all_reduce_sum_(p.grad)
-            result = opt.step()
-        return result, loss_sum, paused
-
-    def one_step(self, step: int, applied: int, history: RunHistory, logger: StepLogger) -> dict[str, Any]:
-        """Step ``step`` on the batches of update ``applied``, at that update's learning rate and precision;
-        records it in ``history`` and ``logger`` (one host read) and returns its row."""
-        began = time.perf_counter()
-        if self.schedule is not None:
-            self.schedule.update(step=applied)
-        for group in self.opt.param_groups:
-            group["lr"] = learning_rate(self.cfg, applied)
-        measure = step % self.cfg.measure_every == 0 or applied == self.cfg.steps - 1
-        result, loss_sum, paused = self.micro_batches(step, applied, history, measure)
-        row = logger.write(step_record(result, loss=loss_sum / self.cfg.accumulation))
-        history.rows.append(row)
-        if row["switched"]:
-            history.switch_step = step
-        history.seconds += time.perf_counter() - began - paused
-        return row
-
-    def restore(self, saved: dict[str, Any] | None) -> tuple[RunHistory, int]:
-        """Model and optimizer state from a checkpoint; the history and the next step (fresh: empty, 0)."""
-        if saved is None:
-            return RunHistory(), 0
-        self.model.load_state_dict(saved["model"])
-        self.opt.load_state_dict(saved["optimizer"])
-        return RunHistory(**saved["history"]), int(saved["step"])
-
-    def save(self, path: str | None, done: int, history: RunHistory) -> None:
-        """A checkpoint after ``done`` steps (rank 0 only; nothing without a path)."""
-        if path is None or self.rank != 0:
-            return
-        _save(path, {"format": CHECKPOINT_FORMAT, "run": self.spec.name, "config": self.cfg.as_dict(),
-                     "step": done, "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                     "history": dataclasses.asdict(history)})
-
-
-def _trainer(spec: RunSpec, cfg: DemoConfig, corpus: Corpus, device: str, rank: int, world_size: int) -> _Trainer:
+    Every step is logged by :class:`lossscale.StepLogger` (to ``csv_path`` if given, with the step's mean
+    training loss and learning rate); ``on_step(updates applied, row)`` follows each step.
+    """
+    run, corpus = RUNS[name], corpus or load_corpus(cfg)
     torch.manual_seed(cfg.seed)
-    model = CharTransformer(VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.context).to(device)
-    eps = 1e-8 * cfg.loss_factor(world_size)  # with the loss's factor: a plain mean's updates exactly
-    inner = torch.optim.AdamW(list(model.parameters()), lr=cfg.lr, betas=(0.9, 0.95), eps=eps, weight_decay=0.1,
-                              fused=True)
-    schedule = spec.make_schedule(cfg.steps)
-    opt = LossScaleOptimizer(inner, policy=spec.policy(cfg), accumulation_steps=cfg.accumulation,
-                             clip_grad_norm=cfg.clip_grad_norm, schedule=schedule,
-                             underflow_stride=UNDERFLOW_METER_STRIDE)
-    return _Trainer(spec, cfg, corpus, model, opt, schedule, device, rank, world_size)
-
-
-def train_run(
-    spec: RunSpec,
-    cfg: DemoConfig,
-    corpus: Corpus,
-    *,
-    device: str = "cpu",
-    rank: int = 0,
-    world_size: int = 1,
-    csv_path: str | None = None,
-    checkpoint_path: str | None = None,
-    checkpoint_every: int = 0,
-    resume: bool = False,
-    on_step: Callable[[int, dict[str, Any]], None] | None = None,
-    stop_after: int | None = None,
-) -> RunHistory:
-    """Train one run from scratch, or from ``checkpoint_path`` when ``resume`` and it exists.
-
-    Checkpoints (model, optimizer with its policy state and schedule, the history, hence the data position:
-    the count of applied updates) are written every ``checkpoint_every`` steps and at the end, by rank 0; a
-    resumed run repeats the uninterrupted one exactly (no dropout; every state restored bit for bit).
-    ``on_step(updates applied, row)`` after every step; ``stop_after`` steps stops as if killed (tests)."""
-    run = _trainer(spec, cfg, corpus, device, rank, world_size)
-    saved = load_checkpoint(checkpoint_path, spec, cfg, device) if resume and checkpoint_path else None
-    history, start = run.restore(saved)
-
-    heldout_batches = corpus.heldout_batches(cfg.context, cfg.eval_tokens)
-    logger = StepLogger(csv_path) if rank == 0 else StepLogger()
-    for row in history.rows:  # a resumed run's CSV starts with the rows of the steps already done
-        logger.write(row)
-
-    try:
-        applied = sum(not row["skipped"] for row in history.rows)
-        step = start
+    model = CharTransformer(cfg).to(device)
+    inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8 * cfg.loss_factor,
+                              weight_decay=0.1, fused=True)
+    schedule = PrecisionSchedule(run.schedule, total_steps=cfg.steps) if run.schedule else None
+    opt = LossScaleOptimizer(inner, policy=run.policy(cfg), accumulation_steps=cfg.accumulation, schedule=schedule,
+                             underflow_stride=64)
+    count = min(cfg.eval_characters, len(corpus.heldout) - 1) // cfg.context
+    starts = torch.linspace(0, len(corpus.heldout) - cfg.context - 1, count).long()
+    held = corpus.heldout[starts[:, None] + torch.arange(cfg.context + 1)].to(device)
+    rows: list[dict[str, Any]] = []
+    heldout: list[list[float]] = []
+    underflow: list[list[float]] = []
+    peak_by_parameter: dict[str, float] = {}
+    seconds, applied, step = 0.0, 0, 0
+    with StepLogger(csv_path) as log:
         while applied < cfg.steps and step < 2 * cfg.steps:
-            row = run.one_step(step, applied, history, logger)
-            applied += not row["skipped"]
-            step += 1
-            last = applied == cfg.steps or step == 2 * cfg.steps
-            if last or (not row["skipped"] and applied % cfg.eval_every == 0):
-                history.heldout.append([step, heldout_loss(run.model, heldout_batches, device)])
+            began = time.perf_counter()
+            if schedule is not None:
+                schedule.update(step=applied)
+            lr = learning_rate(cfg, applied)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.zero_grad()
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(cfg.accumulation):
+                x, y = (t.to(device) for t in batch(corpus.train, cfg, applied, micro))
+                with run.autocast(device, schedule):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
+                opt.backward(loss * cfg.loss_factor)  # LossScaleOptimizer divides by the accumulation steps
+                loss_sum += loss.detach()
+                if micro == 0 and (step % cfg.measure_every == 0 or applied == cfg.steps - 1):
+                    measuring = time.perf_counter()
+                    share, by_parameter = flushed_share(model, x, y)
+                    if share > max((u for _, u in underflow), default=0.0):
+                        peak_by_parameter = by_parameter
+                    underflow.append([step, share])
+                    began += time.perf_counter() - measuring
+                result = opt.step()
+            row = log.log(result, loss=loss_sum / cfg.accumulation, lr=lr)
+            seconds += time.perf_counter() - began
+            rows.append(row)
+            applied, step = applied + (not row["skipped"]), step + 1
+            if applied == cfg.steps or step == 2 * cfg.steps or (not row["skipped"] and applied % cfg.eval_every == 0):
+                heldout.append([step, heldout_loss(model, held[:, :-1], held[:, 1:])])
             if on_step is not None:
                 on_step(applied, row)
-            if stop_after is not None and step >= stop_after and not last:
-                return history
-            if checkpoint_every and (step % checkpoint_every == 0 or last):
-                run.save(checkpoint_path, step, history)
-    finally:
-        logger.close()
-    return history
+    shares = [u for _, u in underflow]
+    last = rows[-1]
+    return {
+        "name": name, "heldout_loss": heldout[-1][1], "skipped_steps": last["skipped_steps"],
+        "final_scale": last["next_scale"] if last["precision"] in (None, "float16") else 1.0,
+        "underflow": sum(shares) / len(shares), "underflow_peak": max(shares), "seconds": seconds,
+        "updates": applied, "schedule": run.schedule, "switch_step": None if schedule is None else schedule.switch_step,
+        "underflow_peak_by_parameter": dict(sorted(peak_by_parameter.items(), key=lambda kv: -kv[1])),
+        "curves": {"heldout_loss": heldout, "underflow": underflow, "train_loss": [r["loss"] for r in rows],
+                   "scale": [r["scale"] for r in rows], "skipped": [r["step"] for r in rows if r["skipped"]],
+                   "underflow_meter": [r["underflow"] for r in rows], "lr": [r["lr"] for r in rows]},
+    }
+
+
+_progress: Any = None  # a worker's end of the progress queue
+
+
+def start_worker(progress: Any) -> None:
+    """A worker process's initializer: one torch thread, and the queue its progress goes to."""
+    global _progress
+    _progress = progress
+    torch.set_num_threads(1)
+
+
+def train_in_worker(name: str, cfg: Config, device: str, csv_path: str) -> dict[str, Any]:
+    """:func:`train_run` in a worker; after each step, ``(name, updates applied, loss, scale, skipped steps)``
+    goes to the parent."""
+    return train_run(name, cfg, None, device, csv_path,
+                     lambda applied, row: _progress.put((name, applied, row["loss"], row["next_scale"],
+                                                         row["skipped_steps"])))
