@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--only", default=None, help="comma-separated module names")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    parser.add_argument("--json-dir", default=None, help="keep each benchmark's JSON output in this folder")
     parser.add_argument("--extra", action="append", default=[],
                         help='NAME=ARGS: more arguments for one benchmark, e.g. "step_overhead=--sizes 1,20"')
     args = parser.parse_args(argv)
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [b for b in BENCHMARKS if args.only is None or b[0] in args.only.split(",")]
     sections: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.json_dir or tmp)
         for name, title, extra in chosen:
             try:
                 module = importlib.import_module(name)
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                 if err.name == name:
                     continue  # a benchmark not written yet
                 raise
-            json_path = str(Path(tmp) / f"{name}.json")
+            json_path = str(folder / f"{name}.json")
             argv_b = (["--tiny"] if args.tiny else extra) + extras.get(name, [])
             module.main(argv_b + ["--json", json_path])
             with open(json_path) as f:
