@@ -1,6 +1,8 @@
 """Pure-Python references of the loss-scale rules, written from their specifications, not from the code.
 
-Floats are Python doubles rounded to float32 where the real implementations store float32.
+``DynamicOracle`` (every knob of DynamicScale, hence every preset), ``TorchOracle`` (torch.amp.GradScaler's
+documented rule) and ``PredictiveOracle`` (PredictiveScale). Floats are Python doubles rounded to float32 where
+the real implementations store float32.
 """
 
 from __future__ import annotations
@@ -98,3 +100,57 @@ class TorchOracle:
                     self.scale = grown
                 self.g = 0
         return self.scale
+
+
+class PredictiveOracle:
+    """PredictiveScale's documented rule in plain Python floats (float64; the policy keeps float32).
+
+    ``tie`` says the last step's residual equalled the threshold (float32 and float64 may take different
+    branches there); ``pre`` is log2 of the last forecast before the floor (a value near an integer may round
+    either way)."""
+
+    def __init__(self, policy):
+        self.p = policy
+        self.limit = float(policy.limit)
+        self.scale = 2.0 ** math.floor(math.log2(policy.init_scale))
+        self.level = self.threshold = self.excess = self.extra = 0.0
+        self.observed = self.run = 0
+        self.pre = None
+        self.tie = False
+
+    def step(self, overflow: bool, amax: float, loss_finite: bool | None = None) -> float:
+        p = self.p
+        fault = overflow and (loss_finite is False or (math.isfinite(amax) and amax < self.limit * 2.0**-p.fault_gap
+                                                         and self.run > 0))
+        evidence = overflow and not fault
+        missed = evidence and self.observed > 0
+        if not overflow and math.isfinite(amax) and amax > 0:
+            x = math.log2(amax) - math.log2(self.scale)
+            if self.observed == 0:
+                self.level = x
+            else:
+                r = x - self.level
+                self.tie = abs(r - self.threshold) < 1e-5
+                self.level += r / p.history
+                self.excess += (max(r - self.threshold, 0.0) - self.excess) / p.tail_history
+                self.threshold += 0.05 * ((1.0 if r > self.threshold else 0.0) - 0.1)
+            self.observed += 1
+        self.extra = max(self.extra - 1.0 / p.forget_interval, 0.0) + (1.0 if missed and p.learn_margin else 0.0)
+        w = self.observed / (self.observed + 50)
+        width = w * self.excess / 0.1 + (1 - w) * 0.5
+        self.pre = math.log2(self.limit) - self.level - (self.threshold + width * math.log(0.1 * p.target_interval)
+                                                         + self.extra + p.margin)
+        forecast = 2.0 ** min(max(math.floor(self.pre), -126), 127)
+        if fault:
+            new = self.scale
+        elif evidence:
+            new = min(forecast, self.scale * p.backoff_factor) if self.observed else self.scale * 2.0**-8
+        else:
+            new = forecast if self.observed else self.scale
+        self.scale = 2.0 ** math.floor(math.log2(new))
+        self.run = 0 if overflow else self.run + 1
+        return self.scale
+
+    def near_a_tie(self) -> bool:
+        """Whether float32 and float64 may disagree about the last step."""
+        return self.tie or (self.pre is not None and abs(self.pre - round(self.pre)) < 1e-3)

@@ -1,9 +1,10 @@
-"""PredictiveScale: a pure-Python oracle of its rule, the issue-18 targets on seeded streams, faults,
-bounds, state and host reads."""
+"""PredictiveScale: its oracle (oracles.PredictiveOracle), the issue-18 targets on seeded streams, faults, bounds,
+and the two front ends feeding it.
 
-import functools
+The contract every policy meets (purity, no host read, dtypes, saved state, pickling, bounds) is test_policies.py's;
+its argument checks are test_entry_point_checks.py's."""
+
 import math
-import pickle
 import sys
 from pathlib import Path
 
@@ -12,64 +13,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossscale import HostReadCounter
-from lossscale.policies.base import state_from_dict, state_to_dict
-from lossscale.policies.predictive import PredictiveScale
+from lossscale import GradScaler, HostReadCounter, LossScaleOptimizer
 from lossscale.ops.underflow import underflow_share
+from lossscale.policies.predictive import PredictiveScale
+from oracles import PredictiveOracle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import _streams as streams  # noqa: E402  (the seeded stream generator the benchmark uses)
 
 LIMIT = 65504.0
-
-
-class PredictiveOracle:
-    """The documented rule in plain Python floats (float64; the policy keeps float32)."""
-
-    def __init__(self, policy: PredictiveScale):
-        self.p = policy
-        self.scale = 2.0 ** math.floor(math.log2(policy.init_scale))
-        self.level = self.threshold = self.excess = self.extra = 0.0
-        self.observed = self.run = 0
-        self.pre = None  # log2 of the forecast before the floor (to spot float32/float64 ties)
-        self.tie = False  # this step's residual equalled the threshold (float32 and float64 may disagree)
-
-    def step(self, overflow, amax, loss_finite=None):
-        p = self.p
-        fault = overflow and (loss_finite is False or (math.isfinite(amax) and amax < LIMIT * 2.0**-p.fault_gap
-                                                         and self.run > 0))
-        evidence = overflow and not fault
-        missed = evidence and self.observed > 0
-        if not overflow and math.isfinite(amax) and amax > 0:
-            x = math.log2(amax) - math.log2(self.scale)
-            if self.observed == 0:
-                self.level = x
-            else:
-                r = x - self.level
-                self.tie = abs(r - self.threshold) < 1e-5
-                self.level += r / p.history
-                self.excess += (max(r - self.threshold, 0.0) - self.excess) / p.tail_history
-                self.threshold += 0.05 * ((1.0 if r > self.threshold else 0.0) - 0.1)
-            self.observed += 1
-        self.extra = max(self.extra - 1.0 / p.forget_interval, 0.0) + (1.0 if missed and p.learn_margin else 0.0)
-        w = self.observed / (self.observed + 50)
-        width = w * self.excess / 0.1 + (1 - w) * 0.5
-        self.pre = math.log2(LIMIT) - self.level - (self.threshold + width * math.log(0.1 * p.target_interval)
-                                                    + self.extra + p.margin)
-        forecast = 2.0 ** min(max(math.floor(self.pre), -126), 127)
-        if fault:
-            new = self.scale
-        elif evidence:
-            new = min(forecast, self.scale * p.backoff_factor) if self.observed else self.scale * 2.0**-8
-        else:
-            new = forecast if self.observed else self.scale
-        self.scale = 2.0 ** math.floor(math.log2(new))
-        self.run = 0 if overflow else self.run + 1
-        return self.scale
-
-
-def near_a_tie(oracle):
-    return oracle.tie or (oracle.pre is not None and abs(oracle.pre - round(oracle.pre)) < 1e-3)
 
 
 @settings(max_examples=25, deadline=None)
@@ -91,11 +43,22 @@ def test_matches_oracle(steps, history, tail_history, margin, learn, forget, bac
                               loss_finite=None if loss_finite is None else torch.tensor(loss_finite))
         oracle.scale, oracle.tie = scale, False  # judge each step from the same scale
         expected = oracle.step(overflow, amax, loss_finite)
-        assert float(state.scale) == expected or near_a_tie(oracle), (kind, float(state.scale), expected)
+        assert float(state.scale) == expected or oracle.near_a_tie(), (kind, float(state.scale), expected)
         if oracle.tie:  # a float32/float64 tie may take the other branch: continue from the policy's state
             oracle.threshold, oracle.excess = float(state.threshold), float(state.excess)
         assert float(state.level) == pytest.approx(oracle.level, rel=1e-4, abs=1e-4)
         assert float(state.extra) == pytest.approx(oracle.extra, rel=1e-5, abs=1e-5)
+
+
+def test_the_loss_finite_flag_costs_no_host_read():
+    """(The contract in test_policies.py counts the host reads of every policy's update without it.)"""
+    policy = PredictiveScale(history=5)
+    state = policy.init()
+    with HostReadCounter() as reads:
+        for i in range(7):
+            state = policy.update(state, torch.tensor(i == 3), amax=torch.tensor(float(i + 1)),
+                                  loss_finite=torch.tensor(i != 5))
+    assert reads.count == 0
 
 
 def torch_rule(amaxes_log2):
@@ -114,10 +77,17 @@ def torch_rule(amaxes_log2):
 
 @pytest.fixture(scope="module")
 def stream_outcomes():
-    """(torch, predictive) outcomes on the three issue-18 streams, seeds 0-2, 20,000 steps each."""
+    """(torch, predictive) outcomes on the three issue-18 streams, seeds 0-2, 20,000 steps each (the targets are
+    stated for that length: torch probes every 2,000 steps). The nine streams run as one batch."""
     runs = [streams.make_stream(kind, 20_000, seed) for kind in ("stationary", "drifting", "heavy-tailed")
             for seed in range(3)]
-    ours = streams.run_policy(PredictiveScale(), runs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 0-d and 9-element tensors: threads only add overhead
+    try:
+        with torch.inference_mode():
+            ours = streams.run_policy(PredictiveScale(), runs)
+    finally:
+        torch.set_num_threads(threads)
     theirs = [streams.account(s, torch_rule(s.amax)) for s in runs]
     return list(zip(runs, theirs, ours))
 
@@ -142,25 +112,30 @@ def test_drift_is_followed_not_lagged(stream_outcomes):
             assert ours.underflow < 0.5 * theirs.underflow
 
 
-@functools.lru_cache(maxsize=None)
-def settle(policy, steps=3000, seed=0):
-    """Both rules after ``steps`` steps of a stationary stream: (policy state, torch log2 scale, amaxes)."""
-    s = streams.make_stream("stationary", steps + 60, seed)
+#: Steps of a stationary stream after which the forecast has settled (its prior weighs the first 50).
+SETTLE_STEPS = 600
+
+
+@pytest.fixture(scope="module")
+def settled():
+    """Both rules after SETTLE_STEPS steps of a stationary stream: (policy, its state, torch's log2 scale, the
+    stream's next amaxes)."""
+    policy = PredictiveScale()
+    s = streams.make_stream("stationary", SETTLE_STEPS + 60, 0)
     state = policy.init()
-    for a in s.amax[:steps]:
+    for a in s.amax[:SETTLE_STEPS]:
         log2_scale = math.log2(float(state.scale))
         over = a + log2_scale >= streams.LOG2_LIMIT
         state = policy.update(state, torch.tensor(over), amax=torch.tensor(math.inf if over else 2 ** (a + log2_scale)))
-    return state, torch_rule(s.amax[:steps] + (-100.0,))[-1], s.amax[steps:]
+    return policy, state, torch_rule(s.amax[:SETTLE_STEPS] + (-100.0,))[-1], s.amax[SETTLE_STEPS:]
 
 
 @pytest.mark.parametrize("evidence", ["non-finite loss", "finite amax far below the limit", "none (amax inf)"])
 @pytest.mark.parametrize("k", [1, 4])
-def test_infs_the_scale_did_not_cause_never_collapse_it(evidence, k):
+def test_infs_the_scale_did_not_cause_never_collapse_it(settled, evidence, k):
     """k infs that the scale did not cause, in 50 steps: torch halves k times; with evidence the scale
     holds, without it it halves at most k times (within 2**k of torch, better or equal)."""
-    policy = PredictiveScale()
-    state, torch_log2, rest = settle(policy)
+    policy, state, torch_log2, rest = settled
     before = float(state.scale)
     bad_steps = set(range(3, 50, 50 // k)[:k])
     for t, a in enumerate(rest[:50]):
@@ -181,17 +156,17 @@ def test_infs_the_scale_did_not_cause_never_collapse_it(evidence, k):
         assert after >= before and after >= 2.0**torch_log2
 
 
-def test_a_repeated_finite_amax_overflow_is_evidence():
+def test_a_repeated_finite_amax_overflow_is_evidence(settled):
     """A fault is forgiven only after a clean step: an overflow that repeats backs off, so a real
     overflow that the amax does not show cannot skip forever."""
-    policy = PredictiveScale()
-    state, _, _ = settle(policy, steps=200)
+    policy, state, _, _ = settled
     scales = []
     for _ in range(4):
-        state = policy.update(state, torch.tensor(True), amax=torch.tensor(1.0))
         scales.append(float(state.scale))
-    assert scales[0] == float(settle(policy, steps=200)[0].scale)  # the first is forgiven
-    assert scales[1] <= scales[0] / 2 and scales[2] <= scales[1] / 2 and scales[3] <= scales[2] / 2
+        state = policy.update(state, torch.tensor(True), amax=torch.tensor(1.0))
+    scales.append(float(state.scale))
+    assert scales[1] == scales[0]  # the first is forgiven
+    assert scales[2] <= scales[1] / 2 and scales[3] <= scales[2] / 2 and scales[4] <= scales[3] / 2
 
 
 def test_first_overflows_before_any_observation_search_down_then_the_first_clean_step_predicts():
@@ -220,46 +195,18 @@ def test_zero_gradients_hold_and_bounds_keep_a_power_of_two():
     assert scales[-20:] == [2.0 ** (39 - i) for i in range(20)]
 
 
-def test_extreme_init_and_ten_thousand_overflows_in_a_row_stay_bounded():
+def test_extreme_init_and_a_long_run_of_overflows_stay_bounded():
+    """From 1e38 (2**126), overflows before any observation back off 2**-8 at once: the floor 2**-126 is reached in
+    32 steps; 100 in a row stay there, and a clean step after them predicts a power of two."""
     policy = PredictiveScale(init_scale=1e38)
     state = policy.init()
     assert float(state.scale) == 2.0**126
-    for _ in range(10_000):
+    for step in range(100):
         state = policy.update(state, torch.tensor(True), amax=torch.tensor(math.inf))
-    assert float(state.scale) == 2.0**-126 and float(state.extra) <= 10_000
+        assert float(state.scale) == max(2.0 ** (126 - 8 * (step + 1)), 2.0**-126)
+    assert float(state.extra) == 0.0  # no forecast yet, so none was missed
     state = policy.update(state, torch.tensor(False), amax=torch.tensor(1e-30))
     assert torch.isfinite(state.scale) and math.log2(float(state.scale)).is_integer()
-
-
-def test_update_has_no_host_read_and_state_round_trips():
-    policy = PredictiveScale(history=5)
-    state = policy.init()
-    with HostReadCounter() as reads:
-        for i in range(7):
-            state = policy.update(state, torch.tensor(i == 3), amax=torch.tensor(float(i + 1)),
-                                  loss_finite=torch.tensor(i != 5))
-    assert reads.count == 0
-    restored = state_from_dict(policy.init(), pickle.loads(pickle.dumps(state_to_dict(state))))
-    a = policy.update(state, torch.tensor(False), amax=torch.tensor(3.0))
-    b = policy.update(restored, torch.tensor(False), amax=torch.tensor(3.0))
-    assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
-
-
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(margin=-1), "margin must be an integer >= 0"),
-    (dict(history=0), "history must be an integer >= 1"),
-    (dict(tail_history=0), "tail_history must be an integer >= 1"),
-    (dict(target_interval=5), "target_interval must be an integer >= 10"),
-    (dict(fault_gap=0), "fault_gap must be an integer >= 1"),
-    (dict(backoff_factor=1.0), r"backoff_factor must be in \(0, 1\)"),
-    (dict(dtype=torch.int8), "dtype must be a floating-point"),
-    (dict(init_scale=0.0), "init_scale"),
-    (dict(min_scale=3.0, max_scale=3.5, init_scale=3.0), "no power of two"),
-    (dict(learn_margin="yes"), "learn_margin must be one of True, False"),
-])
-def test_validation(kwargs, needle):
-    with pytest.raises(ValueError, match=needle):
-        PredictiveScale(**kwargs)
 
 
 def test_underflow_share_counts_values_float16_rounds_to_zero():
@@ -284,7 +231,7 @@ def tiny_model():
 @pytest.mark.parametrize("shell", ["scaler", "optimizer"])
 def test_both_scalers_feed_it_the_observed_maximum(make_opt, shell):
     """Each step's new scale is the policy's forecast from the largest scaled gradient the step measured."""
-    from lossscale import GradScaler, LossScaleOptimizer
+    from lossscale import GradScaler, HostReadCounter, LossScaleOptimizer
     x = torch.randn(16, 4)
     model = tiny_model()
     policy = PredictiveScale(init_scale=2.0**4)
@@ -315,7 +262,6 @@ def test_both_scalers_feed_it_the_observed_maximum(make_opt, shell):
 
 
 def test_optimizer_state_dict_round_trips_the_predictive_state():
-    from lossscale import LossScaleOptimizer
     model = tiny_model()
     opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=PredictiveScale())
     for _ in range(3):

@@ -30,6 +30,14 @@ def _is_real(x: Any) -> bool:
     return not isinstance(x, bool) and isinstance(x, (int, float))
 
 
+def _finite(x: int | float) -> bool:
+    """Whether a real number is finite (an int past float's range counts as infinite)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def require_real(call: str, name: str, value: Any, rule: str) -> None:
     if not _is_real(value):
         raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be {rule}; got {value!r} "
@@ -39,7 +47,7 @@ def require_real(call: str, name: str, value: Any, rule: str) -> None:
 def check_scale(call: str, name: str, value: Any, *, low: float, high: float) -> None:
     """A finite positive number in ``[low, high]``."""
     require_real(call, name, value, f"a finite number in [{low!r}, {high!r}]")
-    if not math.isfinite(value) or not (low <= value <= high):
+    if not _finite(value) or not (low <= value <= high):
         raise ValueError(
             f"{call}({name}={value!r}): {name} must be a finite number in [{low!r}, {high!r}]; got {value!r}."
         )
@@ -48,7 +56,7 @@ def check_scale(call: str, name: str, value: Any, *, low: float, high: float) ->
 def check_factor_above_one(call: str, name: str, value: Any, why: str) -> None:
     """A finite number > 1."""
     require_real(call, name, value, f"a finite number > 1 ({why})")
-    if not math.isfinite(value) or value <= 1.0:
+    if not _finite(value) or value <= 1.0:
         raise ValueError(f"{call}({name}={value!r}): {name} must be a finite number > 1 ({why}); got {value!r}.")
 
 
@@ -87,6 +95,17 @@ def check_fraction(call: str, name: str, value: Any, why: str) -> None:
     require_real(call, name, value, f"in (0, 1) ({why})")
     if not (0.0 < value < 1.0):
         raise ValueError(f"{call}({name}={value!r}): {name} must be in (0, 1) ({why}); got {value!r}.")
+
+
+def check_process_group(call: str, group: Any) -> None:
+    """None (the world) or a ``torch.distributed.ProcessGroup``."""
+    if group is None:
+        return
+    kind = getattr(torch.distributed, "ProcessGroup", None)
+    if kind is None or not isinstance(group, kind):
+        raise ArgumentTypeError(f"{call}(process_group={group!r}): process_group must be None (the world) or a "
+                                f"torch.distributed.ProcessGroup (e.g. torch.distributed.new_group(...)); got "
+                                f"{type(group).__name__}.")
 
 
 def check_positive_or_none(call: str, name: str, value: Any) -> None:
@@ -155,7 +174,7 @@ def _as_number(call: str, name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentTypeError(f"{call}: {name} must be a float or a 1-element tensor; got {type(value).__name__} "
                              f"{value!r}.")
-    return float(value)
+    return float(value) if _finite(value) else (math.inf if value > 0 else -math.inf)
 
 
 def checked_scale(call: str, value: Any, low: float = SMALLEST_NORMAL_FLOAT32, high: float = FLOAT32_MAX,

@@ -20,11 +20,11 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from lossscale import stages
-from lossscale.checks import ArgumentTypeError, StateDictError
+from lossscale.checks import ArgumentTypeError, StateDictError, check_process_group
 from lossscale.ops import distributed as _dist
 from lossscale.ops.overflow import OverflowMode, check_mode, check_with_amax_, saturation_threshold, unscale_and_check_
 from lossscale.policies.base import Policy, check_policy
-from lossscale.policies.dynamic import DynamicScale
+from lossscale.policies.dynamic import DynamicScale, check_dynamic_args
 from lossscale.reporting import ScalerStep
 from lossscale.state import LossScale
 
@@ -76,7 +76,8 @@ class GradScaler:
         self._device = device
         self._enabled = enabled
         self.overflow_mode = overflow_mode
-        self._threshold = saturation_threshold(saturation_dtype)
+        self._threshold = saturation_threshold(saturation_dtype, "GradScaler")
+        check_process_group("GradScaler", process_group)
         self.process_group = process_group
         self._loss_scale = LossScale(policy)
         self._placed = False  # whether the state has moved to the device of the first scaled output
@@ -285,20 +286,26 @@ class GradScaler:
         return self._dynamic("get_growth_factor()").growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._loss_scale.set_policy(dataclasses.replace(self._dynamic("set_growth_factor()"), growth_factor=new_factor))
+        self._set_knob("set_growth_factor", "growth_factor", "new_factor", new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._dynamic("get_backoff_factor()").backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._loss_scale.set_policy(dataclasses.replace(self._dynamic("set_backoff_factor()"), backoff_factor=new_factor))
+        self._set_knob("set_backoff_factor", "backoff_factor", "new_factor", new_factor)
 
     def get_growth_interval(self) -> int:
         return self._dynamic("get_growth_interval()").growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._loss_scale.set_policy(dataclasses.replace(self._dynamic("set_growth_interval()"),
-                                                   growth_interval=new_interval))
+        self._set_knob("set_growth_interval", "growth_interval", "new_interval", new_interval)
+
+    def _set_knob(self, method: str, field: str, argument: str, value: Any) -> None:
+        """torch's setter of one DynamicScale field, checked under torch's argument name."""
+        policy = self._dynamic(f"{method}()")
+        fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+        check_dynamic_args(f"GradScaler.{method}", {**fields, field: value}, {field: argument})
+        self._loss_scale.set_policy(dataclasses.replace(policy, **{field: value}))
 
     def state_dict(self) -> dict[str, Any]:
         """torch's keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
@@ -355,7 +362,10 @@ class GradScaler:
         if missing:
             raise StateDictError(f"{call}: torch's format holds scale, growth_factor, backoff_factor and "
                                  f"growth_interval together; missing {missing} (got keys {sorted(state_dict)}).")
-        return dataclasses.replace(policy, **{k: state_dict[k] for k in knobs})
+        knob_values = {k: state_dict[k] for k in knobs}
+        fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+        check_dynamic_args(call, {**fields, **knob_values})
+        return dataclasses.replace(policy, **knob_values)
 
     # --- torch's private surface ----------------------------------------------------------------
 
@@ -477,6 +487,7 @@ class GradScaler:
 def _policy_from_args(policy: Policy | None, torch_args: dict[str, Any]) -> Policy:
     """torch's four arguments as a DynamicScale, or ``policy`` (then those arguments must be left alone)."""
     if policy is None:
+        check_dynamic_args("GradScaler", torch_args)
         return DynamicScale(**torch_args)
     changed = {k: v for k, v in torch_args.items() if v != _TORCH_DEFAULTS[k]}
     if changed:

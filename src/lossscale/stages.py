@@ -68,14 +68,16 @@ def check_optimizer(call: str, optimizer: Any) -> None:
                                 f"{type(optimizer).__name__}.")
 
 
-def scale_loss(loss: Any, scale: torch.Tensor, divisor: int = 1) -> torch.Tensor:
-    """``loss * scale / divisor`` on the loss's device. No pass, no host read.
-
-    A Python or NumPy scalar loss is refused with a TypeError: it carries no graph to run backward on.
-    """
+def check_loss(call: str, loss: Any) -> None:
+    """A TypeError naming ``call`` unless ``loss`` is a tensor (a Python or NumPy scalar has no graph)."""
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"scale_loss(loss): loss must be a tensor produced by the forward pass (it is "
+        raise TypeError(f"{call}: loss must be a tensor produced by the forward pass (it is "
                         f"backpropagated); got {type(loss).__name__} {loss!r}.")
+
+
+def scale_loss(loss: Any, scale: torch.Tensor, divisor: int = 1, call: str = "scale_loss(loss)") -> torch.Tensor:
+    """``loss * scale / divisor`` on the loss's device (:func:`check_loss` first). No pass, no host read."""
+    check_loss(call, loss)
     factor = scale if divisor == 1 else scale / divisor
     return loss * factor.to(loss.device, non_blocking=True)
 

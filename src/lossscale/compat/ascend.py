@@ -48,7 +48,7 @@ from lossscale import presets
 from lossscale.addons.schedule import PrecisionSchedule, parse_mode
 from lossscale.checks import FLOAT32_MAX, check_choice, check_int_at_least, check_scale
 from lossscale.compat._common import LossScaleHolder, check_optimizer
-from lossscale.ops.overflow import OverflowMode
+from lossscale.ops.overflow import OverflowMode, check_mode
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policies.base import FixedScale
 
@@ -161,6 +161,7 @@ class NPULossScaleOptimizer(LossScaleOptimizer):
                             f"ExponentialUpdateLossScaleManager or a FixedLossScaleManager from "
                             f"lossscale.compat.ascend; got {type(loss_scale_manager).__name__}.")
         check_choice(call, "is_distributed", is_distributed, (True, False))
+        check_mode(call, overflow_mode)
         if is_distributed and not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"{call}(is_distributed=True): overflow is agreed over a torch.distributed process "
                              f"group, and none is initialized; call torch.distributed.init_process_group(...) "

@@ -43,14 +43,14 @@ def check_mode(call: str, mode: str) -> None:
     check_choice(call, "overflow_mode", mode, OVERFLOW_MODES)
 
 
-def saturation_threshold(dtype: torch.dtype = torch.float16) -> float:
+def saturation_threshold(dtype: torch.dtype = torch.float16, call: str = "saturation_threshold") -> float:
     """The magnitude at which a scaled gradient counts as saturated: the format's largest finite value."""
     if not isinstance(dtype, torch.dtype):
-        raise ArgumentTypeError(f"saturation_dtype={dtype!r}: saturation_dtype must be a floating-point torch.dtype "
-                                f"such as torch.float16; got {type(dtype).__name__} {dtype!r}.")
+        raise ArgumentTypeError(f"{call}(saturation_dtype={dtype!r}): saturation_dtype must be a floating-point "
+                                f"torch.dtype such as torch.float16; got {type(dtype).__name__} {dtype!r}.")
     if not dtype.is_floating_point:
-        raise ValueError(f"saturation_dtype={dtype}: saturation_dtype must be a floating-point torch.dtype such as "
-                         f"torch.float16; got {dtype}.")
+        raise ValueError(f"{call}(saturation_dtype={dtype}): saturation_dtype must be a floating-point torch.dtype "
+                         f"such as torch.float16; got {dtype}.")
     return float(torch.finfo(dtype).max)
 
 

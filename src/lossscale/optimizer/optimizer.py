@@ -26,7 +26,7 @@ from lossscale.ops.overflow import check_, unscale_and_check_
 from lossscale.ops.underflow import underflow_share
 from lossscale.optimizer import checkpoint
 from lossscale.optimizer.options import StepOptions
-from lossscale.policies.base import FloorError, Policy
+from lossscale.policies.base import FloorError, Policy, check_policy
 from lossscale.reporting import StepResult
 from lossscale.state import LossScale
 
@@ -118,11 +118,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"LossScaleOptimizer(inner={type(inner).__name__}): inner must be a torch.optim.Optimizer.")
         if isinstance(inner, LossScaleOptimizer):
-            raise TypeError("LossScaleOptimizer(inner=LossScaleOptimizer): wrap the inner optimizer once, not a wrapper.")
+            raise TypeError("LossScaleOptimizer(inner=LossScaleOptimizer): wrap the inner optimizer once, not a "
+                            "wrapper.")
         if module is not None and not isinstance(module, torch.nn.Module):
             raise ArgumentTypeError(f"LossScaleOptimizer(module={module!r}): module must be None or the "
                                     f"torch.nn.Module whose parameters the optimizer updates (it names them); got "
                                     f"{type(module).__name__}.")
+        if policy is not None and not isinstance(policy, LossScale):
+            check_policy("LossScaleOptimizer", policy)
         self.inner = inner
         self._run = _Run(options=StepOptions(**options))
         self._configure(self._run.options)
@@ -273,10 +276,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if run.window is None:
             run.window = (self.scaling_active, self._precision())
         if not run.window[0] and self.options.accumulation_steps == 1:
-            stages.scale_loss(loss, self._loss_scale.scale)  # the same type check
+            stages.check_loss("LossScaleOptimizer.scale_loss(loss)", loss)
             return loss
         factor = self._loss_scale.scale if run.window[0] else torch.ones_like(self._loss_scale.scale)
-        scaled = stages.scale_loss(loss, factor, self.options.accumulation_steps)
+        scaled = stages.scale_loss(loss, factor, self.options.accumulation_steps, "LossScaleOptimizer.scale_loss(loss)")
         if self.policy.observes_loss_finite:
             finite = torch.isfinite(loss.detach()).all()
             run.loss_finite = finite if run.loss_finite is None else run.loss_finite & finite
@@ -284,6 +287,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale_loss(loss).backward(**kwargs)``."""
+        stages.check_loss("LossScaleOptimizer.backward(loss)", loss)
         self.scale_loss(loss).backward(**kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -603,6 +607,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._loss_scale.load_state_dict(state_dict["policy_state"], f"{call} (key 'policy_state')")
         try:
             self.inner.load_state_dict(state_dict["inner"])
+        except ValueError as err:  # torch's own refusal (another optimizer's groups): name the call and the key
+            self._loss_scale.load_state_dict(before)
+            raise ValueError(f"{call} (key 'inner'): the inner optimizer refused its state: {err}. Pass the "
+                             f"state_dict() of a LossScaleOptimizer over the same parameter groups.") from None
         except Exception:
             self._loss_scale.load_state_dict(before)
             raise

@@ -8,24 +8,14 @@ from typing import Any, Callable, Literal
 import torch
 
 from lossscale.addons.ema import EMA
-from lossscale.checks import ArgumentTypeError, check_choice, check_int_at_least, check_positive_or_none, require_real
+from lossscale.checks import (check_choice, check_int_at_least, check_positive_or_none, check_process_group,
+                              require_real)
 from lossscale.ops.overflow import OverflowMode, check_mode, saturation_threshold
 
 __all__ = ["SkipMode", "StepOptions"]
 
 SkipMode = Literal["auto", "fused", "host", "masked"]
 GradTransform = Callable[[list[torch.Tensor]], None]
-
-def _check_process_group(call: str, group: Any) -> None:
-    """None (the world) or a ``torch.distributed.ProcessGroup``."""
-    if group is None:
-        return
-    kind = getattr(torch.distributed, "ProcessGroup", None)
-    if kind is None or not isinstance(group, kind):
-        raise ArgumentTypeError(f"{call}(process_group={group!r}): process_group must be None (the world) or a "
-                                f"torch.distributed.ProcessGroup (e.g. torch.distributed.new_group(...)); got "
-                                f"{type(group).__name__}.")
-
 
 @dataclass(frozen=True)
 class StepOptions:
@@ -63,11 +53,11 @@ class StepOptions:
             if not 0 <= wd < float("inf"):
                 raise ValueError(f"{call}(weight_decay={wd!r}): weight_decay must be None or a finite number >= 0; "
                                  f"got {wd!r}.")
-        _check_process_group(call, self.process_group)
+        check_process_group(call, self.process_group)
         check_choice(call, "skip_mode", self.skip_mode, ("auto", "fused", "host", "masked"))
         check_choice(call, "check_when_unscaled", self.check_when_unscaled, (True, False))
         check_choice(call, "sharded_grads", self.sharded_grads, (None, True, False))
-        saturation_threshold(self.saturation_dtype)
+        saturation_threshold(self.saturation_dtype, call)
         if self.underflow_stride is not None:
             check_int_at_least(call, "underflow_stride", self.underflow_stride, 1)
         if self.transform_unscaled is not None and not callable(self.transform_unscaled):

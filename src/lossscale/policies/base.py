@@ -190,7 +190,7 @@ def state_from_dict(template: Any, values: dict[str, Any], call: str = "load_sta
     names = [f.name for f in dataclasses.fields(template)]
     missing = [n for n in names if n not in values]
     if missing:
-        raise StateDictError(f"{call}: the loss-scale state is missing {missing}; expected the fields {names}")
+        raise StateDictError(f"{call}: the loss-scale state is missing {missing}; expected the fields {names}.")
     fields = {n: _field_tensor(call, n, values[n], getattr(template, n)) for n in names}
     batches = {tuple(t.shape) for n, t in fields.items() if getattr(template, n).dim() == 0}
     if len(batches) > 1:

@@ -129,7 +129,7 @@ class DynamicScale(Policy):
 
         # Growth: the growth_interval-th clean step in a row, refused if it would pass max_scale.
         counted = torch.where(bad, torch.full_like(tracker, -self.growth_delay), tracker + 1)
-        grow = clean & (counted >= self.growth_interval)
+        grow = clean & (counted == self.growth_interval)
         grown = self._times(scale, self.growth_factor)
         if self.growth_guard == "result":
             grow_ok = grow & (grown <= self.max_scale)  # also False for inf/NaN products

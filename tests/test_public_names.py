@@ -1,0 +1,116 @@
+"""Every public name the documentation mentions imports and is the kind of object it is documented as, and every
+name in ``lossscale.__all__`` resolves.
+
+The names are read from README.md and docs/*.md at collection: each ``lossscale.x.y`` written in the text and each
+name of a ``from lossscale... import ...`` line. A newly documented name fails until its kind is recorded in KIND.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import types
+from pathlib import Path
+
+import pytest
+
+import lossscale
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+#: Each documented name and the kind of object the documentation says it is.
+KIND = {
+    "lossscale": "module",
+    "lossscale.DynamicScale": "class",
+    "lossscale.EMA": "class",
+    "lossscale.GradScaler": "class",
+    "lossscale.LossScale": "class",
+    "lossscale.LossScaleOptimizer": "class",
+    "lossscale.Policy": "class",
+    "lossscale.PrecisionSchedule": "class",
+    "lossscale.StepLogger": "class",
+    "lossscale.presets": "module",
+    "lossscale.addons.layerwise.LayerScales": "class",
+    "lossscale.compat": "module",
+    "lossscale.compat.ascend": "module",
+    "lossscale.compat.ascend.ExperimentalConfig": "class",
+    "lossscale.compat.ascend.TellMeStepOrLossHook": "class",
+    "lossscale.compat.keras": "module",
+    "lossscale.compat.mindspore": "module",
+    "lossscale.compat.nnabla": "module",
+    "lossscale.integrations": "module",
+    "lossscale.integrations.accelerate": "module",
+    "lossscale.integrations.accelerate.use_lossscale": "function",
+    "lossscale.integrations.fabric": "module",
+    "lossscale.integrations.fabric.MixedPrecision": "class",
+    "lossscale.integrations.lightning": "module",
+    "lossscale.integrations.lightning.LossScaleMonitor": "class",
+    "lossscale.integrations.lightning.LossScalePrecision": "class",
+    "lossscale.integrations.lightning.MixedPrecision": "class",
+    "lossscale.ops.distributed": "module",
+    "lossscale.ops.distributed.init_from_env": "function",
+    "lossscale.ops.distributed.is_main_process": "function",
+    "lossscale.ops.distributed.shutdown": "function",
+    "lossscale.reporting.step_record": "function",
+}
+#: The framework an integration needs (an extra): without it, its names are skipped, saying so.
+FRAMEWORK = {"lossscale.integrations.lightning": "lightning", "lossscale.integrations.fabric": "lightning",
+             "lossscale.integrations.accelerate": "accelerate"}
+IS_KIND = {"module": lambda o: isinstance(o, types.ModuleType), "class": inspect.isclass,
+           "function": inspect.isfunction}
+
+
+def documented_names() -> list[str]:
+    names = set()
+    for path in DOCS:
+        text = path.read_text()
+        names.update(re.findall(r"(?<![\w.])lossscale(?:\.[A-Za-z_]\w*)*(?=[^\w.]|\.(?!\w))", text))
+        for module, items in re.findall(r"from\s+(lossscale(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n]+)", text):
+            for item in items.strip("()").split(","):
+                item = item.split(" as ")[0].strip()
+                if item:
+                    names.add(f"{module}.{item}")
+    return sorted(names)
+
+
+NAMES = documented_names()
+
+
+def resolve(name: str):
+    """The object ``name`` names: its longest importable module, then attributes."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError as err:
+            if err.name and not name.startswith(err.name):
+                raise  # a dependency is missing, not the name's own module
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(name)
+
+
+def test_the_documentation_names_what_kind_each_name_is():
+    assert len(NAMES) > 20, NAMES  # the reading found the names
+    assert set(NAMES) == set(KIND), (f"record the kind of {sorted(set(NAMES) - set(KIND))}; "
+                                     f"no longer documented: {sorted(set(KIND) - set(NAMES))}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_documented_name_imports_as_its_kind(name):
+    framework = next((f for prefix, f in FRAMEWORK.items() if name.startswith(prefix)), None)
+    if framework:
+        pytest.importorskip(framework, reason=f"{name} needs the {framework} extra")
+    kind = KIND.get(name)
+    assert kind, f"{name} is documented: record its kind in KIND"
+    assert IS_KIND[kind](resolve(name)), f"{name} is documented as a {kind}"
+
+
+@pytest.mark.parametrize("name", lossscale.__all__)
+def test_every_name_in_all_resolves(name):
+    obj = getattr(lossscale, name)
+    assert isinstance(obj, types.ModuleType) or obj.__module__.startswith("lossscale."), name
