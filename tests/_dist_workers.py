@@ -3,10 +3,11 @@
 Importing torch costs seconds per process, so the ranks are started once per test module (forked
 from a fork server that imported torch once, not from the pytest process) and run one scenario per
 test. A scenario is a function ``(rank, world_size, *args) -> picklable`` run on every rank at once;
-the parent compares what the ranks return. A rank that raises sends its
-traceback, the parent fails the test with it and restarts the pool (the other rank may be stuck in
-a collective). The ranks join with ``lossscale.ops.distributed.init_from_env`` on torchrun's variables
-(loopback only) and turn warnings into errors, as pytest does in the parent.
+the parent compares what the ranks return. A rank that raises sends its traceback; the parent fails
+the test with it and closes the pool (the other rank may be stuck in a collective), which the next
+test starts again. The ranks join with ``lossscale.ops.distributed.init_from_env`` on torchrun's
+variables (loopback only), turn warnings into errors as pytest does in the parent, and always destroy
+their process group before they exit; ``close`` joins every rank (killing one that does not exit).
 """
 
 from __future__ import annotations
@@ -89,15 +90,22 @@ class RankPool:
         return [answers[r] for r in range(self.world_size)]
 
     def close(self) -> None:
-        for p, q in zip(self._procs, getattr(self, "_tasks", [])):
+        """Tell every rank to stop, join it (a rank stuck in a collective is killed), close the queues."""
+        procs, self._procs = self._procs, []
+        if not procs:
+            return
+        for p, q in zip(procs, self._tasks):
             if p.is_alive():
                 q.put(None)
-        for p in self._procs:
-            p.join(timeout=5)
+        for p in procs:
+            p.join(timeout=10)
+        for p in procs:
             if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        self._procs = []
+                p.kill()
+                p.join()
+        for q in [*self._tasks, self._results]:
+            q.close()
+            q.join_thread()
 
 
 def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
@@ -107,24 +115,27 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> N
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        from lossscale.ops.distributed import init_from_env
-
-        joined = init_from_env("gloo", timeout_s=30.0)
-        if joined != (rank, world_size):
-            raise AssertionError(f"init_from_env() returned {joined}, expected {(rank, world_size)}")
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-        return
-    while True:
-        task = tasks.get()
-        if task is None:
-            break
-        name, args = task
         try:
-            results.put((rank, True, SCENARIOS[name](rank, world_size, *args)))
+            from lossscale.ops.distributed import init_from_env
+
+            joined = init_from_env("gloo", timeout_s=30.0)
+            if joined != (rank, world_size):
+                raise AssertionError(f"init_from_env() returned {joined}, expected {(rank, world_size)}")
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+            return
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            name, args = task
+            try:
+                results.put((rank, True, SCENARIOS[name](rank, world_size, *args)))
+            except BaseException:
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()  # every group, the ranks' own ones included
 
 
 # --- shared pieces (rank side) ------------------------------------------------------------------
@@ -205,7 +216,8 @@ SCALER_INJECT = {2: {1: INF}, 5: {1: NAN}, 6: {0: INF, 1: INF}}
 
 
 def helpers(rank: int, world_size: int) -> dict:
-    """The lossscale.ops.distributed helpers on real ranks."""
+    """The lossscale.ops.distributed helpers, and the stages that agree across ranks, on real ranks."""
+    from lossscale import stages
     from lossscale.ops import distributed as ld
 
     out: dict[str, Any] = {"init_again": ld.init_from_env(), "main": ld.is_main_process(), "active": ld.active()}
@@ -214,6 +226,8 @@ def helpers(rank: int, world_size: int) -> dict:
                                                                               [3.0, 1.0][rank])]
     alone = own_group(rank, world_size)
     out["found_alone"] = float(ld.reduce_found_inf(torch.tensor([2.0, 0.0][rank]), alone))
+    out["amax"] = float(stages.agree_amax_(torch.tensor([3.0, 5.0][rank])))
+    out["amax_alone"] = float(stages.agree_amax_(torch.tensor([3.0, 5.0][rank]), alone))
     # all_reduce_grads_: mixed dtypes, a non-contiguous tensor and a None entry.
     a = torch.full((2, 3), float(rank + 1))
     b = torch.arange(6, dtype=torch.float64).reshape(2, 3).t() * (rank + 1)
@@ -277,8 +291,9 @@ def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str
     model = DDP(make_model())
     clips = {None: {}, "norm": {"clip_grad_norm": 0.3}, "value": {"clip_grad_value": 0.05},
              "per_param": {"transform_unscaled": PerTensorClip(0.2)}}[clip]
-    opt = LossScaleOptimizer(OPTIMIZERS[opt_name](model.parameters()), policy=DynamicScale(init_scale=2.0**10, growth_interval=3),
-                             skip_mode=skip_mode, process_group=None if agree else own_group(rank, world_size), **clips)
+    opt = LossScaleOptimizer(OPTIMIZERS[opt_name](model.parameters()),
+                             policy=DynamicScale(init_scale=2.0**10, growth_interval=3), skip_mode=skip_mode,
+                             process_group=None if agree else own_group(rank, world_size), **clips)
     stepped, scales, reduces, reads = [], [], [], []
     for step in range(20):
         opt.zero_grad()
@@ -379,7 +394,8 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
     out: dict[str, Any] = {"stepped": [], "ref_stepped": [], "norms": [], "ref_norms": [], "host_reads": []}
     for step in range(6):
         x, y = batch(step)
-        for module, o, s, rows in ((model, opt, scaler, rows_of(rank, world_size)), (reference, ref_opt, ref_scaler, None)):
+        runs = ((model, opt, scaler, rows_of(rank, world_size)), (reference, ref_opt, ref_scaler, None))
+        for module, o, s, rows in runs:
             o.zero_grad()
             loss = loss_fn(module, x[rows] if rows else x, y[rows] if rows else y)
             (s.scale(loss) if s else o.scale_loss(loss)).backward()

@@ -1,12 +1,15 @@
-"""Every rank takes the same decision: real gloo processes (loopback), DDP, FSDP2, accumulation, checkpoints.
+"""Every rank takes the same decision: real gloo processes (loopback), DDP, FSDP2, accumulation, checkpoints, and the
+docs' example under torchrun; lossscale.ops.distributed in one process.
 
-The ``distributed`` tests run scenarios of ``tests/_dist_workers.py`` on two gloo ranks (started once
-for the module) and compare what the ranks return; the rest checks the helpers in one process.
+The multi-process tests run scenarios of ``tests/_dist_workers.py`` on two gloo ranks (started once for the module)
+and compare what the ranks return. The docs' example starts under torchrun with the module, in the background, and
+is checked by the last of them.
 """
 
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,18 +19,60 @@ import torch
 import torch.distributed as dist
 
 from _dist_workers import CKPT_INJECT, DDP_SKIPPED, FSDP_INJECT_STEP, SCALER_INJECT, RankPool
-from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 from lossscale.ops import distributed as ld
-from lossscale.ops.clip import clip_per_tensor_, global_norm_squared, squared_norms
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
+DOCS_TEST = "test_docs_example_runs_under_torchrun"
 
 
 @pytest.fixture(scope="module")
 def ranks():
     pool = RankPool(world_size=2)
-    yield pool
-    pool.close()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def example_script() -> str:
+    text = DOCS.read_text()
+    match = re.search(r"<!-- example: train_ddp\.py -->\s*```python\n(.*?)```", text, re.S)
+    assert match, f"{DOCS} has no python block after '<!-- example: train_ddp.py -->'"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torchrun_example(request, tmp_path_factory):
+    """The docs' example under ``torchrun --standalone --nproc_per_node=2``, started when the module starts (when
+    its test is selected) so that its three processes import torch while the other tests run; killed if unread."""
+    if not any(item.name == DOCS_TEST and getattr(item, "module", None) is request.module
+               for item in request.session.items):
+        yield None
+        return
+    where = tmp_path_factory.mktemp("torchrun")
+    script = where / "train_ddp.py"
+    script.write_text(example_script())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    # its own session: the launcher and its two workers can be stopped together
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=where,
+                            start_new_session=True)
+    try:
+        yield cmd, proc
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> tuple[str, str]:
+    """The launcher's output; if it still runs, its process group is terminated first (the launcher stops its
+    workers), then killed."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            return proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate()
 
 
 def same_everywhere(results, key):
@@ -50,6 +95,7 @@ def test_helpers_on_two_ranks(ranks):
         assert out["active"] is True
         assert out["found"] == [1.0, 0.0, 1.0]  # local counts (0, 2), (0, 0), (3, 1): a 0/1 flag everywhere
         assert out["found_alone"] == [1.0, 0.0][rank]  # a one-rank group: clamped, not reduced
+        assert out["amax"] == 5.0 and out["amax_alone"] == [3.0, 5.0][rank]
         assert out["reduced_len"] == 3
         a, b, c = out["sums"]
         assert a == [[3.0] * 3] * 2
@@ -155,23 +201,17 @@ def test_checkpoint_saved_on_rank0_and_loaded_everywhere_resumes_the_same_trajec
     assert straight[max(CKPT_INJECT)] < straight[max(CKPT_INJECT) - 1]  # an overflow after the resume backed off
 
 
-def example_script() -> str:
-    text = DOCS.read_text()
-    match = re.search(r"<!-- example: train_ddp\.py -->\s*```python\n(.*?)```", text, re.S)
-    assert match, f"{DOCS} has no python block after '<!-- example: train_ddp.py -->'"
-    return match.group(1)
-
-
 @pytest.mark.distributed
-def test_docs_example_runs_under_torchrun(tmp_path):
-    script = tmp_path / "train_ddp.py"
-    script.write_text(example_script())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("loss ")]
-    assert len(lines) == 1, proc.stdout  # printed by rank 0 only
+def test_docs_example_runs_under_torchrun(torchrun_example):
+    cmd, proc = torchrun_example
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        out, err = stop(proc)
+        pytest.fail(f"{' '.join(cmd)} gave no answer within 180 s:\n{out}\n{err}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{out}\n{err}"
+    lines = [ln for ln in out.splitlines() if ln.startswith("loss ")]
+    assert len(lines) == 1, out  # printed by rank 0 only
 
 
 # --- one process -----------------------------------------------------------------------------------
@@ -209,58 +249,3 @@ def test_init_from_env_names_the_missing_torchrun_variables(monkeypatch):
     with pytest.raises(RuntimeError, match=r"init_from_env\(backend='gloo'\).*MASTER_ADDR, MASTER_PORT are missing"):
         ld.init_from_env()
     assert not dist.is_initialized()
-
-
-def test_fused_kernels_skip_when_several_checks_fire():
-    # Fused optimizers skip only where found_inf == 1.0; two checks that both fire must not make it 2.
-    p = torch.nn.Parameter(torch.ones(4))
-    opt = LossScaleOptimizer(torch.optim.AdamW([p], fused=True), policy=DynamicScale(init_scale=8.0),
-                             overflow_mode="saturation", clip_grad_norm=1.0)
-    opt.backward((p * torch.tensor([1.0, 2.0, 3.0, float("inf")])).sum())  # saturated and non-finite
-    assert opt.skip_mode == "fused" and not bool(opt.step().stepped)
-    assert torch.equal(p.detach(), torch.ones(4))
-
-    a = torch.nn.Parameter(torch.ones(3))
-    b = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))  # two dtype groups, both overflowing
-    fused = torch.optim.AdamW([a, b], fused=True)
-    scaler = GradScaler("cpu")
-    scaler.scale(torch.ones(()))
-    a.grad = torch.full((3,), float("inf"))
-    b.grad = torch.full((3,), float("nan"), dtype=torch.float16)
-    assert not bool(scaler.step(fused).stepped)
-    assert torch.equal(a.detach(), torch.ones(3)) and torch.equal(b.detach(), torch.ones(3, dtype=torch.float16))
-
-
-def test_global_norm_squared_is_torchs_norm_squared():
-    gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen).double(), torch.randn(4, 4, generator=gen).t()]
-    expected = torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in grads])) ** 2
-    for sharded in (None, False, True):  # outside torch.distributed a "shard" is the whole tensor
-        got = global_norm_squared(grads, sharded=sharded)
-        assert got.dtype == torch.float32 and got.shape == ()
-        assert float(got) == pytest.approx(float(expected), rel=1e-6)
-    assert float(global_norm_squared([])) == 0.0
-
-
-def test_clip_per_tensor_keeps_the_order_over_mixed_dtypes():
-    grads = [torch.full((4,), 3.0), torch.full((2,), 0.1, dtype=torch.float64), torch.full((9,), 1.0)]
-    clip_per_tensor_(grads, 1.0)
-    assert [float(g.norm()) for g in grads] == pytest.approx([1.0, 0.1 * math.sqrt(2), 1.0])
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_squared_norms_by_dot_or_foreach_norm_agree_with_float64(threads):
-    """Both read paths of the clip norm (BLAS dot for large contiguous float32 gradients with several
-    threads or on AVX-512; one ``_foreach_norm`` otherwise) give each tensor's squared norm, in order."""
-    gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(70000, generator=gen), torch.randn(9, generator=gen), torch.randn(300, 400, generator=gen).t(),
-             torch.randn(66000, generator=gen) * 1e3, torch.randn(5, generator=gen),
-             torch.randn(300, 250, generator=gen)]
-    expected = [float(g.double().square().sum()) for g in grads]
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = squared_norms(grads).tolist()
-    finally:
-        torch.set_num_threads(old)
-    assert got == pytest.approx(expected, rel=2e-6)

@@ -1,8 +1,9 @@
-"""LayerScales driven by hand around a plain torch optimizer, the way LossScaleOptimizer(layerwise=...) will.
+"""lossscale.addons.layerwise.LayerScales: per-layer scales, driven by hand around a plain torch optimizer, then
+wired into LossScaleOptimizer(layerwise=...).
 
-The deep network of issue 18: 12 blocks of Linear, LayerNorm, Tanh under float16 autocast on CPU, each
-block's backward signal attenuated by 2**-4 (2**-48 from the last block to the first, more than
-float16's whole range).
+The deep network: 12 blocks of Linear, LayerNorm, Tanh under float16 autocast on CPU, each block's backward signal
+attenuated by 2**-4 (2**-48 from the last block to the first, more than float16's whole range). With one global
+scale the first blocks get no gradient at all; per-layer scales keep every module's gradients.
 """
 
 import copy
@@ -11,7 +12,7 @@ import math
 import pytest
 import torch
 
-from lossscale import DynamicScale, HostReadCounter
+from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer
 from lossscale.addons.layerwise import LayerScales
 
 BLOCKS, WIDTH = 12, 32
@@ -110,13 +111,6 @@ def zero_shares(model, grads, step):
             for g, p in zip(grads, ref.parameters())]
 
 
-def run(layerwise, steps=20):
-    model = deep_net()
-    *_, last = train(model, steps, layerwise=layerwise)
-    step, grads, skipped, layers, _ = last
-    return model, grads, skipped, layers, zero_shares(model_before_step(model, grads, step), grads, step)
-
-
 def model_before_step(model, grads, step):
     """The parameters the last gradients were taken at (undo the last SGD step: p + lr * g)."""
     before = plain_copy(model)
@@ -126,18 +120,42 @@ def model_before_step(model, grads, step):
     return before
 
 
+def run(layerwise, steps=20):
+    """``steps`` steps by hand; returns (model, layers, the last scale, skipped steps, the last step's zero shares)."""
+    model = deep_net()
+    *_, (step, grads, skipped, layers, scale) = train(model, steps, layerwise=layerwise)
+    return model, layers, scale, skipped, zero_shares(model_before_step(model, grads, step), grads, step)
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    """20 steps with per-layer scales by hand (the first ~11 calibrate them): what the run left, and a function
+    that rebuilds a live (model, LayerScales) from it, for tests that go on from there."""
+    model, layers, scale, skipped, shares = run(layerwise=True)
+    model_state, layers_state = copy.deepcopy(model.state_dict()), layers.state_dict()
+
+    def rebuild():
+        fresh = deep_net()
+        fresh.load_state_dict(model_state)
+        fresh_layers = LayerScales(fresh)
+        fresh_layers.load_state_dict(layers_state)
+        return fresh, fresh_layers
+
+    return {"scale": scale, "skipped": skipped, "shares": shares, "exponent": layers.exponent.clone(),
+            "rebuild": rebuild}
+
+
 def test_one_global_scale_leaves_the_first_blocks_without_gradient():
-    _, _, skipped, _, shares = run(layerwise=False)
+    *_, skipped, shares = run(layerwise=False)
     weights = shares[0::2]  # Linear weight, Linear bias, LayerNorm weight, LayerNorm bias per block
     assert all(s == 1.0 for s in shares[:8])  # the first two blocks' gradients are entirely zero
     assert skipped == 0 and max(weights[-4:]) < 1e-3
 
 
-def test_per_layer_scales_keep_every_module_under_a_tenth_of_a_percent():
-    _, _, skipped, layers, shares = run(layerwise=True)
-    assert skipped == 0  # no more skipped steps than the global scale (which skips none here)
-    assert max(shares) < 1e-3, shares
-    exponents = layers.exponent.tolist()  # the first block's units carry the largest factors
+def test_per_layer_scales_keep_every_module_under_a_tenth_of_a_percent(calibrated):
+    assert calibrated["skipped"] == 0  # no more skipped steps than the global scale (which skips none here)
+    assert max(calibrated["shares"]) < 1e-3, calibrated["shares"]
+    exponents = calibrated["exponent"].tolist()  # the first block's units carry the largest factors
     assert exponents[0] >= 32 and exponents[-1] == 0 and exponents[-2] == 0
 
 
@@ -172,9 +190,9 @@ def test_uniform_layers_give_the_global_scale_trajectory_exactly():
     assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
 
 
-def test_an_overflow_is_attributed_to_the_unit_nearest_the_loss_and_backs_off_only_it():
-    model = deep_net()
-    *_, (_, _, _, layers, scale) = train(model, 15, layerwise=True)
+def test_an_overflow_is_attributed_to_the_unit_nearest_the_loss_and_backs_off_only_it(calibrated):
+    _, layers = calibrated["rebuild"]()
+    scale = calibrated["scale"]
     before = layers.exponent.clone()
     culprit = 10  # an inf spreads upstream in backward: units 0..10 overflow, 10 is where it began
     found = torch.zeros(len(layers.units), dtype=torch.bool)
@@ -188,9 +206,9 @@ def test_an_overflow_is_attributed_to_the_unit_nearest_the_loss_and_backs_off_on
     assert bool(layers.update(found, amax, scale))
 
 
-def test_state_dict_round_trip_continues_the_same_trajectory():
-    model = deep_net()
-    for *_, layers, _ in train(model, 12, layerwise=True):
+def test_state_dict_round_trip_continues_the_same_trajectory(calibrated):
+    model, layers = calibrated["rebuild"]()
+    for _ in train(model, 2, layers=layers):  # live, not only loaded
         pass
     saved, params = layers.state_dict(), copy.deepcopy(model.state_dict())
     assert saved["units"][:2] == ["0", "1"] and len(saved["exponent"]) == 2 * BLOCKS
@@ -221,10 +239,10 @@ def test_unscale_and_update_read_nothing_on_the_host():
     assert reads.count == 0
 
 
-def test_accumulated_micro_batches_carry_one_scale():
+def test_accumulated_micro_batches_carry_one_scale(calibrated):
     """Two backward passes before one unscale: each unit's gradients add at the same factor."""
-    model = deep_net()
-    *_, (_, _, _, layers, scale) = train(model, 14, layerwise=True)
+    model, layers = calibrated["rebuild"]()
+    scale = calibrated["scale"]
     parts = []
     for step in (100, 101):
         for p in model.parameters():
@@ -240,9 +258,9 @@ def test_accumulated_micro_batches_carry_one_scale():
     assert not bool(found.any())
 
 
-def test_layer_scales_name_every_unit_and_give_total_scales():
-    model = deep_net()
-    *_, (_, _, _, layers, scale) = train(model, 14, layerwise=True)
+def test_layer_scales_name_every_unit_and_give_total_scales(calibrated):
+    _, layers = calibrated["rebuild"]()
+    scale = calibrated["scale"]
     totals = layers.layer_scales(scale)
     assert list(totals) == [str(i) for b in range(BLOCKS) for i in (4 * b, 4 * b + 1)]
     assert all(math.log2(float(t)).is_integer() and float(t) >= float(scale) for t in totals.values())
@@ -272,9 +290,8 @@ def test_wrong_wiring_is_a_clear_error():
         twice(twice(first(torch.ones(1, 4))))
 
 
-def test_remove_restores_plain_backward():
-    model = deep_net()
-    *_, (_, _, _, layers, _) = train(model, 14, layerwise=True)
+def test_remove_restores_plain_backward(calibrated):
+    model, layers = calibrated["rebuild"]()
     layers.remove()
     for p in model.parameters():
         p.grad = None
@@ -314,3 +331,88 @@ def test_residual_blocks_as_units():
     for g, p in zip(grads, ref.parameters()):  # the unscaled float16 gradients are the float32 ones, roughly
         a, b = g.double().flatten(), p.grad.double().flatten()
         assert float(a @ b / (a.norm() * b.norm())) > 0.99
+
+
+# --- through LossScaleOptimizer(layerwise=...) ------------------------------------------------------
+
+def _train(model, steps, layerwise, policy=None):
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), policy=policy or DynamicScale(),
+                             layerwise=model if layerwise else None)
+    skipped, scales = 0, []
+    for step in range(steps):
+        opt.zero_grad()
+        opt.backward(loss_of(model, step, half=True))
+        result = opt.step()
+        skipped += int(result.skipped)
+        scales.append(float(result.scale))
+    grads = [p.grad.clone() for p in model.parameters()]
+    return opt, grads, skipped, scales, steps - 1
+
+
+def test_per_layer_scales_reach_the_first_blocks_through_the_optimizer():
+    model = deep_net()
+    opt, grads, skipped, _, step = _train(model, 20, True)
+    shares = zero_shares(model_before_step(model, grads, step), grads, step)
+    assert skipped == 0 and max(shares) < 1e-3, shares
+    result = opt.last_result
+    assert list(result.layer_scales) == [str(i) for b in range(BLOCKS) for i in (4 * b, 4 * b + 1)]
+    assert float(max(result.layer_scales.values())) > float(result.scale)
+    opt, *_ = _train(deep_net(), 1, False)
+    assert opt.last_result.layer_scales is None
+
+
+def test_uniform_layers_follow_the_global_trajectory_bit_for_bit():
+    runs = {}
+    for layerwise in (False, True):
+        model = deep_net(factor=1.0)
+        _, _, _, scales, _ = _train(model, 8, layerwise, DynamicScale(growth_interval=3))
+        runs[layerwise] = (scales, [p.detach().clone() for p in model.parameters()])
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+
+
+def test_checkpoint_mid_run_continues_the_same_trajectory():
+    a, b = deep_net(), deep_net()
+    opt_a = LossScaleOptimizer(torch.optim.SGD(a.parameters(), lr=0.05), layerwise=a)
+    opt_b = LossScaleOptimizer(torch.optim.SGD(b.parameters(), lr=0.05), layerwise=b)
+    for step in range(6):
+        opt_a.zero_grad()
+        opt_a.backward(loss_of(a, step, half=True))
+        opt_a.step()
+    b.load_state_dict(a.state_dict())
+    opt_b.load_state_dict(opt_a.state_dict())
+    for step in range(6, 10):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            opt.backward(loss_of(model, step, half=True))
+            opt.step()
+    assert opt_a.state_dict()["layerwise"] == opt_b.state_dict()["layerwise"]
+    assert max(opt_a.state_dict()["layerwise"]["exponent"]) > 0
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_a_parameter_outside_every_unit_is_refused():
+    model = deep_net()
+    extra = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\[48\] of the inner optimizer belongs to no unit"):
+        LossScaleOptimizer(torch.optim.SGD([*model.parameters(), extra], lr=0.1), layerwise=model)
+
+
+@pytest.mark.parametrize("skip_mode", ["host", "masked"])
+def test_an_overflow_skips_the_step_exactly_with_clipping_and_each_skip_mode(skip_mode):
+    model = deep_net()
+    opt = LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), layerwise=model, clip_grad_norm=0.5,
+                             skip_mode=skip_mode)
+    for step in range(3):
+        opt.zero_grad()
+        opt.backward(loss_of(model, step, half=True))
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[next(model.parameters())].items() if torch.is_tensor(v)}
+    opt.zero_grad()
+    opt.backward(loss_of(model, 3, half=True) * torch.tensor(float("inf")))
+    result = opt.step()
+    assert bool(result.found_inf) and not bool(result.stepped)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    after = opt.state[next(model.parameters())]
+    assert all(torch.equal(v, after[k]) for k, v in state.items())

@@ -216,7 +216,7 @@ def test_state_dict_round_trips_and_refuses_another_mode():
     assert copy.deepcopy(s).state == s.state
 
 
-# --- with the scaler -------------------------------------------------------------------------------
+# --- with LossScaleOptimizer ----------------------------------------------------------------------
 
 
 def attach_error(dtype):
@@ -438,7 +438,7 @@ def test_config_and_hook_misuse_names_the_fix():
         ExperimentalConfig(accelerate_train_mode="fast|step").schedule(step_hook)
 
 
-# --- issue 14: no non-finite loss switches; a schedule that is never told anything says so -------------------
+# --- non-finite losses; a schedule that is never told anything ------------------------------------
 
 @pytest.mark.parametrize("loss", [float("-inf"), float("inf"), float("nan"), torch.tensor(float("-inf")),
                                   torch.tensor(float("-inf"), dtype=torch.float16)])

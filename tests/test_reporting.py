@@ -1,12 +1,14 @@
-"""lossscale.reporting: StepResults as one dict per step (one host read), logged to CSV and TensorBoard."""
+"""lossscale.reporting: StepResult and ScalerStep, a step as one dict (one host read), the CSV/TensorBoard logger,
+and HostReadCounter, which the other tests use to count host reads."""
 
 import csv
+import dataclasses
 import importlib.util
 
 import pytest
 import torch
 
-from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer, StepResult
+from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer, ScalerStep, StepResult
 from lossscale.reporting import COLUMNS, StepLogger, step_record
 
 EXPECTED_COLUMNS = ("step", "stepped", "found_inf", "scale", "next_scale", "grad_norm", "accumulating", "precision",
@@ -23,6 +25,32 @@ def result(skipped=False, step=0, grad_norm=None, accumulating=False):
 
 def test_columns_are_step_result_fields_plus_skip_counts():
     assert COLUMNS == EXPECTED_COLUMNS
+
+
+def test_host_read_counter_counts_each_scalar_read_and_nothing_else():
+    t = torch.tensor([1.5, -2.0])
+    with HostReadCounter() as reads:
+        _ = (t * 2).sum() + t.abs().max()  # tensor ops, no read
+        assert reads.count == 0
+        _ = t[0].item(), bool(t[1] < 0), float(t[0]), int(t[1])
+    assert reads.count == 4
+
+
+def test_a_step_result_is_frozen_and_reads_as_plain_values_at_once():
+    r = result(skipped=True, step=5, grad_norm=0.25)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.stepped = torch.tensor(True)  # type: ignore[misc]
+    assert bool(r.skipped) and not bool(result(skipped=True, accumulating=True).skipped)
+    assert r.as_dict() == {"stepped": False, "found_inf": True, "scale": 1024.0, "next_scale": 512.0,
+                           "grad_norm": 0.25, "accumulating": False, "step": 5, "precision": None, "switched": False,
+                           "underflow": None}
+
+
+def test_scaler_step_flags_are_bool_tensors_formed_from_the_count_of_overflows():
+    for overflow, found in [(0.0, False), (1.0, True), (2.0, True), (False, False), (True, True)]:
+        decision = ScalerStep(overflow=torch.tensor(overflow))
+        assert decision.found_inf.dtype == torch.bool and decision.stepped.dtype == torch.bool
+        assert bool(decision.found_inf) is found and bool(decision.stepped) is not found
 
 
 def test_step_record_reads_all_tensors_together_without_scalar_reads():

@@ -1,8 +1,14 @@
-"""Checkpoint doors of the optional parts (EMA, LayerScales, PrecisionSchedule) and their whole-dict check in
-LossScaleOptimizer.load_state_dict: a bad part is refused, naming it, before anything is loaded."""
+"""LossScaleOptimizer's checkpoints: a round trip in the middle of an accumulation window with hysteresis in flight,
+and the optional parts (EMA, per-layer scales, PrecisionSchedule): each part refuses a bad checkpoint of its own,
+naming it, and the optimizer refuses a dict with a bad part before it loads the scale or the inner optimizer.
+
+The checks of the position and the accumulated gradients: test_entry_point_checks.py. The schedule's and the
+per-layer scales' own resumes: test_schedule.py, test_layerwise.py.
+"""
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -16,6 +22,49 @@ from lossscale.addons.layerwise import LayerScales
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def _run(opt, model, batches, inject, start):
+    out = []
+    for i, (x, y) in enumerate(batches, start):
+        opt.zero_grad()
+        opt.backward(torch.nn.functional.mse_loss(model(x), y))
+        if i in inject:
+            model[0].weight.grad[1, 1] = math.inf
+        r = opt.step()
+        out.append((r.accumulating, bool(r.stepped), float(r.next_scale)))
+    return out
+
+
+def test_a_round_trip_mid_window_with_hysteresis_in_flight_continues_the_same_trajectory():
+    inject = {4, 12, 16}
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(16, 3, generator=gen), torch.randn(16, 2, generator=gen)) for _ in range(20)]
+
+    def make():
+        model, ema = _model(), EMA(0.5)
+        opt = LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True),
+                                 policy=DynamicScale(init_scale=2.0**9, growth_interval=2, hysteresis=2,
+                                                     hysteresis_mode="cumulative"),
+                                 accumulation_steps=3, ema=ema)
+        return model, opt, ema
+
+    model, opt, ema = make()
+    full = _run(opt, model, batches, inject, 0)
+    final = [p.detach().clone() for p in model.parameters()] + [s.clone() for s in ema.shadow]
+
+    model, opt, _ = make()
+    first = _run(opt, model, batches[:10], inject, 0)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    assert saved["opt"]["micro_step"] == 1 and saved["opt"]["policy_state"]["hysteresis_left"] == 1
+    model, opt, ema = make()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    rest = _run(opt, model, batches[10:], inject, 10)
+    assert first + rest == full
+    assert len({s for *_, s in full}) > 1 and [a for a, *_ in full].count(False) == 6
+    resumed = [p.detach() for p in model.parameters()] + ema.shadow
+    assert all(torch.equal(p, q) for p, q in zip(resumed, final))
 
 
 def _bound_ema(momentum=0.9, every=None):
