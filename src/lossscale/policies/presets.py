@@ -76,8 +76,7 @@ def torch_amp(init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_f
     """``torch.amp.GradScaler``: grow on the ``growth_interval``-th clean step, ``S * backoff`` in float64.
 
     Rule: overflow -> ``S *= backoff_factor``, count = 0; clean -> count += 1, and at
-    ``growth_interval``: ``S *= growth_factor`` unless that is inf, count = 0. Deviation: torch has
-    no floor and halves into float32 subnormals; ours stops at 2**-126.
+    ``growth_interval``: ``S *= growth_factor`` unless that is inf, count = 0.
 
     Example:
         >>> from lossscale import presets
@@ -93,9 +92,7 @@ def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000, *,
     """Keras 3 ``LossScaleOptimizer``: factor 2, no floor, no cap.
 
     Rule: overflow -> ``S = S / 2``, count = 0; clean -> if count == W - 1: ``S = S * 2``, count = 0,
-    else count += 1 (float32 ops). Deviations: Keras grows into float32 inf and stays there, and halves
-    into subnormals and 0 after about 160 overflows in a row; ours refuses the growth to inf and stops
-    at 2**-126.
+    else count += 1 (float32 ops).
 
     Example:
         >>> from lossscale import presets
@@ -152,8 +149,7 @@ def mindspore(init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_w
         clean:    if cur_iter - last_overflow_iter >= W: S = S * f; last_overflow_iter = cur_iter
         cur_iter += 1
 
-    that is, growth on the W-th clean step in a row. Deviation: the cell grows into float32 inf and
-    stays there (``max(inf / f, 1)`` is inf); ours refuses that growth.
+    that is, growth on the W-th clean step in a row.
 
     Example:
         >>> from lossscale import presets
@@ -179,9 +175,7 @@ def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000, *,
 
     so the first growth after the start or an overflow comes on the (N+2)-th clean attempt and later
     ones every N+1: ``growth_interval=N+1, growth_delay=1``. The re-run (up to 100 retries per
-    ``update()``) belongs to :class:`lossscale.compat.nnabla.DynamicLossScalingUpdater`. Deviations:
-    nnabla's float64 scale grows past float32's range (every scaled gradient is then inf) and halves
-    towards 0 (then divides by zero); ours refuses the growth and stops at 2**-126.
+    ``update()``) belongs to :class:`lossscale.compat.nnabla.DynamicLossScalingUpdater`.
 
     Example:
         >>> from lossscale import presets
@@ -220,7 +214,6 @@ def deepspeed(init_scale: float = 2.0**16, scale_factor: float = 2.0, scale_wind
     ``consecutive_hysteresis``, a clean step) refills it. Raising at the floor is ``at_floor="raise"``:
     the optimizers raise :class:`~lossscale.FloorError`, and the raising step changes no state, as in
     DeepSpeed. DeepSpeed 0.19 fixes ``scale_factor`` at 2; other values follow the same rule.
-    Deviation: DeepSpeed's float64 scale has no cap; ours refuses growth past float32's range.
 
     Example:
         >>> from lossscale import presets
@@ -252,7 +245,6 @@ def megatron(initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_fact
                   if growth_tracker == growth_interval:
                       growth_tracker = 0; h = hysteresis; S = S * growth_factor
 
-    Deviation: Megatron grows into float32 inf; ours refuses that growth.
 
     Example:
         >>> from lossscale import presets
@@ -279,8 +271,7 @@ def paddle(init_loss_scaling: float = 2.0**16, incr_ratio: float = 2.0, decr_rat
 
     Bad steps count only in a row (a clean step resets them). Observed (tests/golden/paddle.json): no
     floor (the static-graph ``update_loss_scaling`` op has a floor of 1) and no guard against growing
-    into inf. Deviations: Paddle grows into float32 inf and stays there, and halves into subnormals
-    and 0; ours refuses the growth to inf and stops at 2**-126.
+    into inf.
 
     Example:
         >>> from lossscale import presets
