@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
         quick = "" if args.full_demo else " --quick"
         md += ("\n\nThe demo model (`lossscale demo --runs fp16-dynamic,fp16-predictive"
                f"{quick} --steps {args.demo_steps}`; fp16-dynamic is DynamicScale(init_scale=2**32, "
-               "growth_interval=20), fp16-predictive PredictiveScale(init_scale=2**32)):\n\n") + table(demo, list(demo[0]))
+               "growth_interval=20), fp16-predictive PredictiveScale(init_scale=2**32)):\n\n")
+        md += table(demo, list(demo[0]))
     payload = {"machine": machine(), "rows": rows, "timing": timing, "demo": demo, "markdown": md}
     emit("predictive", payload, args.json)
     return payload
