@@ -1,9 +1,6 @@
 """Argument and value checks: each error echoes the call, states the rule and shows the value.
 
-The one check of a loss-scale value is :func:`checked_scale`: a scale multiplies the loss and its inverse
-multiplies every gradient, so its float32 value must be a finite *normal* number (>= 2**-126: a subnormal
-scale has an infinite inverse) inside the policy's ``[min_scale, max_scale]``. Every setter and loader of a
-scale calls it.
+:func:`checked_scale` is the one check of a loss-scale value; every setter and loader of a scale calls it.
 """
 
 from __future__ import annotations
@@ -118,8 +115,8 @@ def check_positive_or_none(call: str, name: str, value: Any) -> None:
 
 
 def unlike_tensor(value: Any, like: Any, *, finite: bool = False) -> str | None:
-    """None where ``value`` is a tensor of ``like``'s shape and dtype (and all finite, with ``finite``: one host
-    read); else what it is, for an error message ("str", "a torch.float64 tensor of shape (5,)", ...)."""
+    """None where ``value`` is a tensor like ``like`` (shape, dtype; all finite with ``finite``: one host read);
+    else what it is, for an error message ("str", "a torch.float64 tensor of shape (5,)", ...)."""
     if not isinstance(value, torch.Tensor):
         return type(value).__name__
     bad = finite and value.is_floating_point() and not bool(torch.isfinite(value).all())
@@ -129,8 +126,7 @@ def unlike_tensor(value: Any, like: Any, *, finite: bool = False) -> str | None:
 
 
 def checked_state_dict(call: str, state_dict: Any, keys: Any, hint: str = "") -> dict[str, Any]:
-    """``state_dict`` if it is a dict holding ``keys``; else a TypeError or :class:`StateDictError` (``hint``
-    says where such a dict goes instead)."""
+    """``state_dict`` if it is a dict holding ``keys``, else a TypeError or :class:`StateDictError` (+ ``hint``)."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"{call}(state_dict={state_dict!r}): state_dict must be the dict that state_dict() "
                         f"returned; got {type(state_dict).__name__}.")
@@ -147,7 +143,7 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def to_float32(x: float) -> float:
-    """``x`` rounded to the nearest float32 (inf where it overflows), as a Python float; no tensor."""
+    """``x`` rounded to the nearest float32 (inf where it overflows), as a Python float."""
     try:
         return struct.unpack("f", struct.pack("f", x))[0]
     except OverflowError:
@@ -155,25 +151,20 @@ def to_float32(x: float) -> float:
 
 
 def _as_number(call: str, name: str, value: Any) -> float:
-    """The Python number a float, int or one-element tensor holds.
-
-    A CPU tensor is read without a device sync (``numpy()``); a tensor on an accelerator costs one sync.
-    """
+    """The Python number a float, int or one-element tensor holds (one sync for a tensor off the CPU)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.requires_grad or value.is_complex() or value.dtype == torch.bool:
             raise ArgumentTypeError(f"{call}: {name} must be a float or a 1-element tensor (real, without grad); got a "
-                                 f"{value.dtype} tensor of shape {tuple(value.shape)}"
-                                 f"{' that requires grad' if value.requires_grad else ''}.")
+                                    f"{value.dtype} tensor of shape {tuple(value.shape)}"
+                                    f"{' that requires grad' if value.requires_grad else ''}.")
         flat = value.detach().reshape(())
         if flat.device.type == "meta":
             raise ValueError(f"{call}: {name} is a tensor on the meta device, which holds no value; pass a float or "
                              f"a tensor on a real device; got {value!r}.")
-        if flat.device.type == "cpu":
-            return float(flat.to(torch.float64).numpy())
-        return float(flat.to("cpu", torch.float64).numpy())  # one device sync
+        return float(flat.to("cpu", torch.float64).numpy())  # off the CPU: one device sync
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentTypeError(f"{call}: {name} must be a float or a 1-element tensor; got {type(value).__name__} "
-                             f"{value!r}.")
+                                f"{value!r}.")
     return float(value) if _finite(value) else (math.inf if value > 0 else -math.inf)
 
 
@@ -181,9 +172,8 @@ def checked_scale(call: str, value: Any, low: float = SMALLEST_NORMAL_FLOAT32, h
                   name: str = "the scale") -> float:
     """``value`` as a float32-exact Python float, or an error that names ``call``, the rule and the value.
 
-    Rule: ``value`` is a finite number > 0 whose float32 rounding is a normal number (>= 2**-126: a
-    subnormal scale has an infinite inverse) inside the policy's ``[low, high]``. Cost: none for a float
-    or a CPU tensor; one device sync for a tensor on an accelerator.
+    Rule: ``value`` is a finite number > 0 whose float32 rounding is a normal number (>= 2**-126) in
+    ``[low, high]``. Host reads: one for a tensor on an accelerator, else none.
 
     Example:
         >>> checked_scale("set_scale(new_scale=1024)", 1024, name="new_scale")
@@ -197,7 +187,19 @@ def checked_scale(call: str, value: Any, low: float = SMALLEST_NORMAL_FLOAT32, h
     rounded = to_float32(number) if math.isfinite(number) else number
     low = max(low, SMALLEST_NORMAL_FLOAT32)
     if not (math.isfinite(rounded) and low <= rounded <= high):
-        shown = f"{value!r}" if rounded == number else f"{value!r}, which is {rounded!r} in float32"
+        exact = value if isinstance(value, int) else number  # an int compared exactly, not through float64
+        shown = f"{value!r}" if rounded == exact else f"{value!r}, which is {rounded!r} in float32"
         raise ValueError(f"{call}: {name} must be a finite number > 0 whose float32 value is a normal number in "
                          f"[{low!r}, {high!r}] (its inverse multiplies every gradient); got {shown}.")
     return rounded
+
+
+def check_scale_bounds(call: str, min_scale: Any, max_scale: Any, init_scale: Any,
+                       names: tuple[str, str, str] = ("min_scale", "max_scale", "init_scale")) -> None:
+    """``min_scale <= init_scale <= max_scale``, each a finite number in [2**-126, float32 max]."""
+    lo, hi, init = names
+    check_scale(call, lo, min_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
+    check_scale(call, hi, max_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
+    if min_scale > max_scale:
+        raise ValueError(f"{call}({lo}={min_scale!r}, {hi}={max_scale!r}): {lo} must be <= {hi}; got {lo} > {hi}.")
+    check_scale(call, init, init_scale, low=min_scale, high=max_scale)

@@ -1,10 +1,4 @@
-"""What a step decided and how to read it: the step records, a CSV/TensorBoard logger, host-read counting.
-
-:class:`StepResult` is what ``LossScaleOptimizer.step()`` returns, :class:`ScalerStep` what
-``GradScaler.step()`` returns; both keep their tensors on the device until read. :class:`StepLogger` writes
-one row per optimizer step (reading each step's values in one host read); :class:`HostReadCounter` counts
-the host reads of a block of code.
-"""
+"""What a step decided and how to read it: the step records, a CSV/TensorBoard logger, host-read counting."""
 
 from __future__ import annotations
 
@@ -22,10 +16,7 @@ __all__ = ["COLUMNS", "HostReadCounter", "ScalerStep", "StepLogger", "StepResult
 
 
 def read_scalars(values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` with every one-element tensor replaced by a Python bool/int/float, read in one sync.
-
-    The tensors are stacked as float64 on the first one's device and read with a single ``tolist()``.
-    """
+    """``values`` with every one-element tensor replaced by a Python bool/int/float, read in one sync."""
     tensors = [(k, v) for k, v in values.items() if isinstance(v, torch.Tensor)]
     out = dict(values)
     if tensors:
@@ -48,13 +39,10 @@ class StepResult:
         grad_norm: 0-d float32, the unscaled global gradient norm when it was computed, else None.
         accumulating: True between accumulation boundaries (nothing was applied or checked).
         step: Index of this accumulation boundary (optimizer step attempts so far, skipped included).
-        precision: ``"float16"``, ``"bfloat16"`` or ``"float32"``: what the schedule ran this step in
-            (``None`` without a schedule).
+        precision: ``"float16"``, ``"bfloat16"`` or ``"float32"`` under a schedule, else None.
         switched: True on the boundary where a precision schedule switched back to full precision.
-        underflow: 0-d float32 share of gradient values that would flush to zero in float16 at this
-            scale, when the underflow meter is on; else None.
-        loss: What the closure passed to ``step(closure)`` returned (None without a closure). Not a
-            column of :class:`~lossscale.StepLogger` (pass ``loss=`` there, or it is taken from here).
+        underflow: 0-d float32 share of gradient values float16 would flush to zero (the meter on), else None.
+        loss: What the closure passed to ``step(closure)`` returned (None without a closure); not a column.
         layer_scales: Per-layer scales by module name when per-layer scaling is on; else None.
     """
 
@@ -93,8 +81,7 @@ class ScalerStep:
         stepped: 0-d bool tensor, True where the optimizer's update was applied (``~found_inf``).
         value: What ``optimizer.step()`` returned (None when it was skipped without calling it).
 
-    Both flags are formed from ``overflow`` (the step's count of overflows, its 0/1 flag, or a bool) when
-    read: one 0-d op each then, none in the step. Reading their values is a host read.
+    Both flags are formed from ``overflow`` (a count, a 0/1 flag or a bool) when read; no host read.
     """
 
     overflow: torch.Tensor
@@ -117,10 +104,6 @@ COLUMNS: tuple[str, ...] = ("step",) + tuple(
 
 def step_record(result: StepResult, **extra: Any) -> dict[str, Any]:
     """Every field of ``result`` as plain Python values, plus ``skipped`` and ``extra``, with one host read.
-
-    Tensor values (the result's and 0-d tensors in ``extra``) are stacked and read together: one
-    device sync per call. ``skipped`` is True where the boundary step was skipped; ``skipped_steps``
-    is left to :class:`StepLogger`, which counts.
 
     >>> import torch
     >>> from lossscale import StepResult
@@ -151,14 +134,10 @@ def step_record(result: StepResult, **extra: Any) -> dict[str, Any]:
 class StepLogger:
     """Writes one row per optimizer step to a CSV file and, if asked, to TensorBoard.
 
-    Rows have :data:`COLUMNS` (``step, stepped, found_inf, scale, next_scale, grad_norm, accumulating,
-    precision, switched, underflow, skipped, skipped_steps``: ``scale`` is the scale the step's
-    gradients carried, ``skipped_steps`` the count of skipped steps so far) and then the extra names of the first row
-    logged, in order. Results of accumulation micro-steps (``accumulating=True``) are not steps and are
-    not logged. The CSV is flushed after each row, so a run that dies leaves every row it logged.
-
-    TensorBoard gets the numeric columns as scalars (``lossscale/scale``, ``lossscale/skipped_steps``,
-    ``lossscale/grad_norm``, ..., and each extra under its own name) at ``global_step=step``.
+    Rows have :data:`COLUMNS` (``skipped_steps``: the count of skipped steps so far), then the extra names of
+    the first row logged. Accumulation micro-steps are not logged. The CSV is flushed after each row.
+    TensorBoard gets the numeric columns as ``lossscale/<column>`` (extras under their own names) at
+    ``global_step=step``.
 
     Args:
         path_csv: CSV file to write (created, or truncated); None for no CSV.
@@ -193,8 +172,7 @@ class StepLogger:
         return self.write(step_record(result, **extra))
 
     def write(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        """Write a record that :func:`step_record` (or an earlier :meth:`log`) made; returns it with
-        ``skipped_steps`` filled in. For a resumed run, write the rows saved in its checkpoint first."""
+        """Write a record that :func:`step_record` made; return it with ``skipped_steps`` filled in."""
         row = dict(record)
         self.skipped_steps += bool(row.get("skipped"))
         row["skipped_steps"] = self.skipped_steps

@@ -1,12 +1,9 @@
-"""GradScaler: a drop-in for ``torch.amp.GradScaler`` composed from the step pipeline's stages.
+"""GradScaler: a drop-in for ``torch.amp.GradScaler`` composed from the step stages.
 
-Same calls, same constructor arguments, and with torch's arguments the same scale trajectory and the
-same parameter updates, bit for bit. Beyond torch: ``policy=`` (any policy, e.g. hysteresis, floors,
-presets of other frameworks), ``overflow_mode="saturation"``, ``step()`` returning its decision, overflow
-attribution on demand, and found_inf reduced over ``torch.distributed`` so every rank decides alike.
-Intended differences from torch: the scale never goes below the policy's floor (2**-126 by default,
-where torch's reaches 0 after 142 overflows in a row and then divides by zero), and every scale set
-from outside is validated (:func:`~lossscale.checks.checked_scale`).
+With torch's arguments: the same calls, scale trajectory and parameter updates, bit for bit. Beyond torch:
+``policy=``, ``overflow_mode="saturation"``, ``step()`` returning its decision, overflow attribution, and
+found_inf agreed over ``torch.distributed``. Unlike torch, the scale never goes below the policy's floor
+(2**-126 by default) and every scale set from outside is checked (:func:`~lossscale.checks.checked_scale`).
 """
 
 from __future__ import annotations
@@ -49,9 +46,8 @@ class GradScaler:
         scaler.step(opt)
         scaler.update()
 
-    Host reads: ``scale``, ``unscale_`` and ``update`` make none (``update`` makes one with a policy that
-    raises at its floor, ``at_floor="raise"``); ``step`` makes none with optimizers that take
-    ``grad_scale``/``found_inf`` (fused Adam/AdamW/SGD) and exactly one (found_inf) otherwise, as torch.
+    Host reads: none in ``scale``, ``unscale_`` and ``update`` (one with ``at_floor="raise"``); in ``step``,
+    none with optimizers that take ``grad_scale``/``found_inf`` (fused Adam/AdamW/SGD), else one, as torch.
 
     Args:
         device: Accepted for torch compatibility; the state lives on the device of the first scaled output.
@@ -145,9 +141,7 @@ class GradScaler:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and record whether they overflowed.
-
-        One fused read+write pass (inf_nan; saturation adds one read pass first). No host read.
-        """
+        One read+write pass (saturation: one read more); no host read."""
         if not self._enabled:
             return
         stages.check_optimizer("GradScaler.unscale_(optimizer)", optimizer)
@@ -176,9 +170,7 @@ class GradScaler:
         return {device: stages.agree_(total, self.process_group)}
 
     def _found_inf_sum(self, records: Iterable[dict], call: str) -> torch.Tensor:
-        """Every recorded check's found_inf, summed on the scale's device: a count, > 0 where anything
-        overflowed (what policies and ``bool()`` take). For one device, the record's own tensor: no op; read
-        it, never write it."""
+        """Every recorded found_inf summed on the scale's device: a count (one device: the record's own tensor)."""
         device = self._loss_scale.device
         values = [t.to(device, non_blocking=True) for r in records for t in r["found_inf_per_device"].values()]
         if not values:
@@ -189,10 +181,7 @@ class GradScaler:
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
         """Unscale (unless done), then apply ``optimizer.step(*args, **kwargs)`` only if nothing overflowed.
-
-        Fused optimizers receive ``grad_scale``/``found_inf`` and skip inside the kernel (no host read);
-        others cost one host read of found_inf, as in torch. Returns a :class:`ScalerStep`.
-        """
+        Host reads: none for a fused optimizer, else one (found_inf)."""
         if not self._enabled:
             return ScalerStep(overflow=torch.zeros((), dtype=torch.bool), value=optimizer.step(*args, **kwargs))
         if "closure" in kwargs:
@@ -225,12 +214,12 @@ class GradScaler:
             return ScalerStep(overflow=overflow, value=value)
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)  # guards the scale the kernel divides by, too
-            # a tensor of the kernel's own, as torch hands it: the optimizer never holds the LossScale's tensor
+            # a copy: the optimizer never holds the LossScale's tensor
             grad_scale = self._loss_scale.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = None  # unscale_() already divided the gradients
         count = self._found_inf_sum([record], "GradScaler.step(optimizer)")
-        found_inf = count.clamp(max=1.0)  # a 0/1 flag of the kernel's own (it may keep what it is handed)
+        found_inf = count.clamp(max=1.0)  # a 0/1 flag of the kernel's own
         value = stages.fused_step_(optimizer, grad_scale, found_inf, *args, **kwargs)
         record["stage"] = OptState.STEPPED
         return ScalerStep(overflow=found_inf, value=value)  # the kernel reads found_inf, never writes it
@@ -308,10 +297,8 @@ class GradScaler:
         self._loss_scale.set_policy(dataclasses.replace(policy, **{field: value}))
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker``) where the policy has them, plus ``policy_state`` (every state field).
-        Empty when disabled, as in torch. Reads the state on the host. ``torch.amp.GradScaler`` loads
-        it only with a :class:`DynamicScale` policy (it needs the growth/backoff keys)."""
+        """torch's keys where the policy has them, plus ``policy_state`` (every state field); empty when
+        disabled. Host reads: the state."""
         if not self._enabled:
             return {}
         values = self._loss_scale.state_dict()
@@ -325,8 +312,7 @@ class GradScaler:
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from our ``state_dict()`` or from ``torch.amp.GradScaler.state_dict()``; the whole dict
-        is validated before anything changes (a bad scale raises here, naming the key)."""
+        """Restore our ``state_dict()`` or torch's; the whole dict is checked before anything changes."""
         if not self._enabled:
             return
         call = "GradScaler.load_state_dict(state_dict)"
@@ -421,10 +407,8 @@ class GradScaler:
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        """Unscale ``optimizer``'s gradients by ``inv_scale`` in place; return found_inf per device (each a
-        copy of ``found_inf``, set to 1.0 where this check overflowed: a 0/1 flag from a 0/1 start). One
-        read+write pass (saturation: one read more); for a policy that observes amax, one more read (recorded
-        for ``update()``). No host read."""
+        """Unscale ``optimizer``'s gradients by ``inv_scale`` in place; return found_inf per device (a copy of
+        ``found_inf``, set to 1.0 on overflow). One read+write pass (saturation, amax: one read more each)."""
         groups = stages.grouped_gradients(optimizer, "GradScaler.unscale_(optimizer)", allow_fp16=allow_fp16,
                                           required=False)
         found: dict[torch.device, torch.Tensor] = {}
@@ -435,13 +419,11 @@ class GradScaler:
                 self._amax_seen.append(check_with_amax_(group, found[device], self.overflow_mode, self._threshold))
             inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
             unscale_and_check_(group, found[device], inv, self.overflow_mode, self._threshold)
-        return found  # torch's kernel and our checks set 1.0, never add: found_inf's copy, or 1.0, as torch's
+        return found
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        """The check of ``optimizer``'s gradients, recorded for it (found_inf per device), for a fused optimizer
-        that then divides them by the scale: a scale it must not divide by counts as an overflow
-        (:func:`~lossscale.stages.guarded_found`, in the first device's flag). One pass (torch's fused check,
-        multiplying by 1.0 in place; ``aminmax`` for saturation or amax); no host read."""
+        """Check ``optimizer``'s gradients for a fused step, starting from the scale's guard; record found_inf
+        per device. One pass; no host read."""
         record = self._per_optimizer_states[id(optimizer)]
         groups = stages.grouped_gradients(optimizer, "GradScaler.step(optimizer)", required=False)
         found: dict[torch.device, torch.Tensor] = {}
@@ -464,9 +446,8 @@ class GradScaler:
 
     def overflowing_parameters(self, optimizer: torch.optim.Optimizer,
                                module: torch.nn.Module | None = None) -> list[str]:
-        """Which of ``optimizer``'s parameters have overflowing gradients now (names from ``module``
-        where given, else ``"param_groups[i][j]"``). Judged on the scaled values; call it after an
-        overflow, before ``zero_grad()``. Cost: one read of the gradients and one host read."""
+        """Which of ``optimizer``'s parameters have overflowing gradients now (names from ``module``, else
+        ``"param_groups[i][j]"``). One read of the gradients and one host read."""
         names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         record = self._per_optimizer_states.get(id(optimizer))
         unscaled = record is not None and record["stage"] is not OptState.READY and not getattr(
@@ -498,9 +479,7 @@ def _policy_from_args(policy: Policy | None, torch_args: dict[str, Any]) -> Poli
 
 
 def _check_copies_agree(state_dict: dict[str, Any], call: str) -> None:
-    """Our ``state_dict()`` writes the scale and the growth tracker twice (torch's keys, and the whole record
-    in ``policy_state``); a dict whose two copies differ was edited in one place, and loading either would
-    silently drop the other edit: raise, naming both."""
+    """Raise where torch's keys and ``policy_state`` hold different values of the same field."""
     record = state_dict["policy_state"]
     if not isinstance(record, dict):
         return  # the record's own validation names it
@@ -513,8 +492,7 @@ def _check_copies_agree(state_dict: dict[str, Any], call: str) -> None:
 
 
 def _differ(torch_value: Any, recorded: Any) -> bool:
-    """Whether torch's copy differs from the record's (a record value that is not a finite number is left to
-    the record's validation, which names it)."""
+    """Whether torch's copy differs from the record's finite number (other values: the record's check)."""
     if not isinstance(recorded, (int, float)) or isinstance(recorded, bool) or not math.isfinite(recorded):
         return False
     return not isinstance(torch_value, (int, float)) or float(torch_value) != float(recorded)

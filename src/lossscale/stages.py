@@ -47,18 +47,14 @@ __all__ = [
 ]
 
 class Groups(dict):
-    """(device, dtype) -> the gradients to check and unscale in place, as :func:`grouped_gradients` found
-    them; ``plain``: every one is its parameter's own dense ``torch.Tensor`` gradient (no DTensor shard, no
-    sparse values), so a norm may read the groups as they are."""
+    """(device, dtype) -> the gradients to check and unscale in place; ``plain``: every one is its parameter's
+    own dense ``torch.Tensor`` gradient (no DTensor shard, no sparse values)."""
 
     plain: bool = True
 
 
 class NoGradientsError(RuntimeError, AssertionError):
-    """A step was asked for with no gradient at all: nothing to check, so it must not count as clean.
-
-    An ``AssertionError`` too, because ``torch.amp.GradScaler`` signals the same misuse with an assert.
-    """
+    """A step was asked for with no gradient at all (an AssertionError too, as torch's scaler asserts)."""
 
 
 def check_optimizer(call: str, optimizer: Any) -> None:
@@ -83,9 +79,8 @@ def scale_loss(loss: Any, scale: torch.Tensor, divisor: int = 1, call: str = "sc
 
 
 def _writable(param: torch.Tensor) -> torch.Tensor:
-    """What of ``param.grad`` is checked and unscaled in place: a DTensor's local shard (FSDP2), a sparse
-    gradient's values. float16 sparse gradients are coalesced first (written back to ``param.grad``), as
-    torch does, so duplicate indices cannot hide an overflow of their sum."""
+    """What of ``param.grad`` is checked and unscaled in place: a DTensor's local shard, a sparse gradient's
+    values (float16 ones coalesced first, written back to ``param.grad``, as torch does)."""
     grad = param.grad
     if type(grad) is torch.Tensor and grad.layout is torch.strided:  # dense, not a DTensor: itself
         return grad
@@ -102,8 +97,7 @@ _GROUP_BY_DEVICE_AND_DTYPE = getattr(torch._C, "_group_tensors_by_device_and_dty
 def grouped_gradients(optimizer: torch.optim.Optimizer, call: str, *, allow_fp16: bool = True,
                       required: bool = True) -> Groups:
     """The tensors to check and unscale in place, one per parameter with a gradient, grouped by (device,
-    dtype) for the foreach kernels, in the optimizer's order. No pass. Plain dense gradients (the usual
-    case) are grouped by torch's C++ grouping (the one its foreach optimizers use).
+    dtype) in the optimizer's order. No pass.
 
     Raises:
         NoGradientsError: no parameter of ``optimizer`` has a gradient (when ``required``).
@@ -140,8 +134,7 @@ def _group_plain(grads: list[torch.Tensor]) -> Groups:
 
 
 def _group_any(optimizer: torch.optim.Optimizer) -> Groups:
-    """Any gradients by (device, dtype): a DTensor's local shard, a sparse gradient's values (see
-    :func:`_writable`); ``plain`` is False. A Python loop over the parameters."""
+    """Any gradients by (device, dtype), through :func:`_writable`; ``plain`` is False."""
     groups = Groups()
     groups.plain = False
     for group in optimizer.param_groups:
@@ -155,11 +148,7 @@ def _group_any(optimizer: torch.optim.Optimizer) -> Groups:
 def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, threshold: float,
              *, amax: bool) -> torch.Tensor | None:
     """Add overflow to ``found_inf``; with ``amax`` also return the largest scaled magnitude (0-d float32 on
-    ``found_inf``'s device; inf/NaN when it overflowed).
-
-    Passes: one (``aminmax`` in saturation mode or for amax, read-only; else torch's fused check, which
-    multiplies by 1.0 in place). No host read.
-    """
+    ``found_inf``'s device; inf/NaN when it overflowed). Passes: one; no host read."""
     maxima = []
     for grads in groups.values():
         if amax:
@@ -172,15 +161,12 @@ def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, thresh
 
 
 _FMAX = float(torch.finfo(torch.float32).max)
-_GUARD_MIN = 2.0**-127  # the smallest scale the guard passes: its float32 inverse, 2**127, is finite
+_GUARD_MIN = 2.0**-127  # the smallest scale whose float32 inverse is finite
 
 
 def guarded_found(scale: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
-    """A step's found_inf, starting from the scale's own verdict: 0-d float32 on ``device`` (default the
-    scale's), 1 where ``scale`` is not a number in [2**-127, FMAX] (NaN, inf, 0, a negative: a scale corrupted
-    in memory; every setter checks it, down to 2**-126), else 0. Every scaled step's flag starts here, so a
-    fused kernel handed such a scale skips instead of dividing by it, and :func:`inverse_` never forms the
-    inverse of such a scale. 2 0-d ops, no host read."""
+    """A step's first found_inf: 0-d float32 on ``device`` (default the scale's), 1 where ``scale`` is not a
+    number in [2**-127, FMAX] (NaN, inf, 0, a negative: corrupted in memory), else 0. 2 0-d ops, no host read."""
     found = scale.clamp(min=_GUARD_MIN, max=_FMAX).ne_(scale)
     if found.dtype != torch.float32 or (device is not None and found.device != torch.device(device)):
         found = found.to(device=found.device if device is None else device, dtype=torch.float32)
@@ -188,20 +174,15 @@ def guarded_found(scale: torch.Tensor, device: torch.device | str | None = None)
 
 
 def inverse_(scale: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
-    """``1 / scale`` rounded once to float32, and 1 where :func:`guarded_found` refused the scale (``found``
-    is its flag, read before any check sets it), so the pipeline never multiplies a gradient by the inverse
-    of a scale it refused. 3 0-d ops, no host read.
-
-    The float32 reciprocal is correctly rounded: the same bits as torch's ``scale.double().reciprocal().float()``
-    (rounding twice is harmless for a quotient when the wider format has at least 2p+2 bits: 53 >= 50)."""
+    """``1 / scale`` rounded once to float32, and 1 where :func:`guarded_found` refused the scale (``found``,
+    its flag before any check sets it). 3 0-d ops, no host read."""
     inv = scale.reciprocal() if scale.dtype == torch.float32 else scale.double().reciprocal().float()
     return torch.where(found.to(device=inv.device, dtype=torch.bool), one(inv.device), inv)
 
 
 def agree_(found_inf: torch.Tensor, process_group: Any = None, *, is_flag: bool = False) -> torch.Tensor:
-    """found_inf as the group's 0/1 flag (see :func:`lossscale.ops.distributed.reduce_found_inf`). One all-reduce
-    under torch.distributed, else a 0-d clamp (none when the caller knows it is a 0/1 flag already:
-    ``is_flag``); no host read."""
+    """found_inf as the group's 0/1 flag (:func:`lossscale.ops.distributed.reduce_found_inf`). One all-reduce
+    under torch.distributed, else a 0-d clamp (none with ``is_flag``); no host read."""
     return _dist.reduce_found_inf(found_inf, process_group, is_flag=is_flag)
 
 
@@ -226,8 +207,7 @@ def fused_step_(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | Non
 
 
 def applies_on_host(overflow: torch.Tensor) -> bool:
-    """Whether a step skipped on the host applies: ``overflow`` (a flag or a count) read on the host, the one
-    host read, as torch's scaler makes. The caller runs ``optimizer.step()`` where True."""
+    """Whether a step skipped on the host applies: ``not overflow`` (a flag or a count), the one host read."""
     return not bool(overflow)
 
 
@@ -249,8 +229,7 @@ def warn_grad_scaler_deprecated() -> None:
 def overflowing_names(optimizer: torch.optim.Optimizer, names: dict[int, str], mode: OverflowMode,
                       threshold: float, unscaled_by: float) -> list[str]:
     """Names of ``optimizer``'s parameters whose gradients overflowed (``param_groups[i][j]`` without a name).
-
-    Cost: one read of the gradients and one host read; call it when asked, after an overflow."""
+    One read of the gradients and one host read."""
     named: Sequence[tuple[str, torch.Tensor | None]] = [
         (names.get(id(p), f"param_groups[{i}][{j}]"), None if p.grad is None else _dist.local_shard(p.grad))
         for i, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]

@@ -1,9 +1,7 @@
 """LossScale: the one object that holds a policy and its current state.
 
-Every front end and facade holds a ``LossScale`` and reads and writes the scale and counters through its
-methods, so a value set through one object is what every other reader sees, and a framework proxy that copies
-attribute dictionaries still shares it. Every setter and loader checks the scale with
-:func:`~lossscale.checks.checked_scale` against the policy's bounds.
+Every front end and facade reads and writes the scale and counters through it; every setter and loader checks
+the scale with :func:`~lossscale.checks.checked_scale` against the policy's bounds.
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ class LossScale:
 
     @staticmethod
     def shared_or_new(policy: Policy | LossScale | None, device: torch.device | str) -> LossScale:
-        """``policy`` itself when it is a LossScale (moved to ``device``, still shared with its other holders), else
-        a new LossScale of ``policy`` (default :class:`~lossscale.DynamicScale`) on ``device``."""
+        """``policy`` itself if it is a LossScale (moved to ``device``, still shared), else a new one of ``policy``
+        (default :class:`~lossscale.DynamicScale`) on ``device``."""
         if isinstance(policy, LossScale):
             policy.to(device)
             return policy
@@ -83,25 +81,19 @@ class LossScale:
 
     def set_scale(self, value: float | torch.Tensor, call: str = "LossScale.set_scale(value)",
                   name: str = "the scale") -> None:
-        """Set the scale; the counters carry on. ``call`` and ``name`` say who set what in the error.
-
-        Host reads: none for a float or a CPU tensor; one for a tensor on an accelerator."""
+        """Set the scale; the counters carry on. Host reads: one for a tensor on an accelerator, else none."""
         scale = checked_scale(call, value, self._policy.min_scale, self._policy.max_scale, name)
         self._state = dataclasses.replace(self._state, scale=torch.full_like(self._state.scale, scale))
 
     def follow(self, scale: torch.Tensor) -> None:
         """Take the scale from a tensor the caller keeps as the live scale (MindSpore's ``loss_scale`` Parameter).
-
-        Not checked (that would be a host read): the caller set that tensor through a checked setter, and
-        :func:`lossscale.stages.guarded_found` turns a corrupted scale into an overflow, never into a gradient."""
+        Not checked, no host read (:func:`lossscale.stages.guarded_found` turns a corrupted scale into an overflow)."""
         self._state = dataclasses.replace(self._state, scale=scale.detach().reshape(()).to(self._state.scale))
 
     def update(self, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
                loss_finite: torch.Tensor | None = None) -> None:
-        """Advance the rule by one step, then apply the policy's floor rule (which may raise FloorError).
-
-        ``loss_finite`` reaches policies that observe it. Host reads: none, unless the policy raises at its
-        floor (``at_floor="raise"``: one)."""
+        """Advance the rule by one step, then the policy's floor rule (may raise FloorError).
+        Host reads: none, unless the policy raises at its floor (``at_floor="raise"``: one)."""
         if self._policy.observes_loss_finite:
             self._state = self._policy.update(self._state, found_inf, amax=amax, loss_finite=loss_finite)
         else:

@@ -14,11 +14,9 @@ __all__ = ["EMA"]
 class EMA:
     """Shadow weights ``ema = momentum * ema + (1 - momentum) * param`` after every applied step.
 
-    A skipped step leaves the shadow bit-for-bit unchanged (the update weight is 0 there), without a
-    host read. With ``overwrite_every=N`` the parameters are overwritten by the shadow every N optimizer
-    steps (boundaries), as Keras's ``ema_overwrite_frequency`` does, unless that step was skipped.
-
-    Cost: one read of params and shadow and one write of the shadow per step.
+    A skipped step leaves the shadow unchanged. With ``overwrite_every=N`` the shadow overwrites the parameters
+    every N optimizer steps unless that step was skipped (Keras's ``ema_overwrite_frequency``).
+    Passes per step: one read of params and shadow, one write of the shadow; no host read.
 
     Args:
         momentum: In [0, 1).
@@ -58,10 +56,8 @@ class EMA:
                 "shadow": [s.clone() for s in self.shadow]}
 
     def check_state_dict(self, state: Any) -> None:
-        """Raise unless ``state`` is what :meth:`state_dict` saved for this EMA: the same momentum and
-        overwrite_every (build the EMA with the saved ones to resume it), and one finite shadow tensor per
-        tracked parameter, of its shape and dtype (a shadow is written into the weights by ``overwrite_every``
-        and :meth:`copy_to`, so a non-finite one would corrupt them). Changes nothing."""
+        """Raise unless ``state`` is what :meth:`state_dict` saved for this EMA (same momentum and overwrite_every,
+        one finite shadow per parameter, of its shape and dtype). Changes nothing."""
         call = "EMA.load_state_dict"
         if not isinstance(state, dict) or not {"momentum", "overwrite_every", "shadow"} <= state.keys():
             raise ValueError(f"{call}(state={state!r:.80}): state must be the dict EMA.state_dict() returned "
@@ -83,8 +79,7 @@ class EMA:
                                  f"{tuple(ours_t.shape)}; got {got}.")
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (checked whole first: :meth:`check_state_dict`; one host read per
-        tensor for the finiteness check)."""
+        """Restore :meth:`state_dict`, checked whole first (one host read per tensor)."""
         self.check_state_dict(state)
         with torch.no_grad():
             for s, v in zip(self.shadow, state["shadow"]):
@@ -92,7 +87,7 @@ class EMA:
 
 
 def _check_config(call: str, momentum: Any, overwrite_every: Any) -> None:
-    """momentum a number in [0, 1); overwrite_every None or an int >= 1 (the check used by the constructor and the loader)."""
+    """momentum a number in [0, 1); overwrite_every None or an int >= 1."""
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
         raise ArgumentTypeError(f"{call}(momentum={momentum!r}): momentum must be a number in [0, 1); got "
                                 f"{type(momentum).__name__}.")

@@ -1,18 +1,13 @@
 """Per-layer loss scales: one extra power-of-two factor per parameter-owning module, on top of the global scale.
 
-One global scale serves the module with the largest gradients; in a deep float16 network the first
-modules' gradients can sit 2**20 or more below the last ones' and round to zero at any scale that
-keeps the last ones finite. :class:`LayerScales` keeps an exponent ``e[m] >= 0`` per module (a
-*unit*) and, with hooks on each unit's output tensors, multiplies the gradient entering each unit by the factor that
-takes the backward signal from its downstream neighbour's scale to its own::
+:class:`LayerScales` keeps an exponent ``e[m] >= 0`` per module (a *unit*); hooks on each unit's output
+tensors multiply the gradient entering the unit so that its backward, and its parameters' gradients, carry
+``S * 2**e[m]`` (S: the global loss scale)::
 
     grad_output[m] *= 2 ** (e[m] - e[next(m)])      # next(m): the unit that ran after m (none: e = 0)
 
-so unit m's backward arithmetic, and its parameters' gradients, carry ``S * 2**e[m]`` (S: the global
-loss scale). The factor acts before the unit's own float16 arithmetic: a value that already
-underflowed cannot be rescued later. After backward, :meth:`LayerScales.unscale_` divides each unit's
-gradients by its total scale (a power of two: exact) and measures per unit whether they overflowed
-and their largest magnitude; :meth:`LayerScales.update` then moves the exponents::
+After backward, :meth:`LayerScales.unscale_` divides each unit's gradients by its total scale and measures
+per unit found_inf and amax; :meth:`LayerScales.update` then moves the exponents::
 
     level[m]  = moving average of log2(unscaled amax[m])           (clean steps, amax > 0)
     e[m]      = clamp(floor(max_j level[j] - level[m]) - margin - penalty[m], 0, max_exponent)
@@ -23,14 +18,12 @@ and their largest magnitude; :meth:`LayerScales.update` then moves the exponents
     penalty[culprit] += 1 if e[culprit] > 0; penalties decay by 1 / forget_interval per step
     returns found_inf for the global policy: only an overflow whose culprit has e == 0 (it is the global scale's)
 
-Requirements (checked where they can be): the units form a chain in backward (each unit's input
-gradient flows only into the unit that ran before it: nn.Sequential-like; group a residual block as one
-unit), each unit runs once per forward, no parameter is shared by two units, and a module given with
-the model is not also a container of other units while owning parameters itself.
+Requirements (checked where they can be): the units form a chain in backward (nn.Sequential-like; a residual
+block is one unit), each runs once per forward, no parameter is shared by two units, and no unit that owns
+parameters also contains other units.
 
-Cost: two tiny tensor ops per unit per backward (the hook's factor); per step one read pass over
-the gradients (``aminmax`` per unit, for found_inf and amax) folded with the unscale multiply, and
-about twenty element-wise ops on ``[units]`` tensors. No host read.
+Cost: two tiny ops per unit per backward; per step one read and one write pass over the gradients and about
+twenty element-wise ops on ``[units]`` tensors. No host read.
 """
 
 from __future__ import annotations
@@ -43,8 +36,6 @@ import torch
 from lossscale.checks import check_int_at_least
 
 __all__ = ["LayerScales"]
-
-_FLOAT16_LIMIT = 65504.0
 
 
 def _units(source: torch.nn.Module | Sequence[torch.nn.Module]
@@ -197,9 +188,8 @@ class LayerScales:
     def unscale_(self, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Divide each unit's gradients by ``global_scale * 2**e[m]``; return per-unit (found_inf, amax).
 
-        found_inf: bool [units], some gradient of the unit is inf/NaN. amax: float32 [units], the largest
-        scaled magnitude (before the division; 0 for a unit without gradients). One read pass
-        (``_foreach_norm(inf)``) and one write pass (``_foreach_mul_``); no host read.
+        found_inf: bool [units]. amax: float32 [units], the largest scaled magnitude (0 without gradients).
+        One read pass and one write pass; no host read.
         """
         dev = self.exponent.device
         pairs = [(i, p.grad) for i, params in enumerate(self._params) for p in params if p.grad is not None]
@@ -215,11 +205,8 @@ class LayerScales:
 
     def update(self, found_inf: torch.Tensor, amax: torch.Tensor, global_scale: torch.Tensor | None = None
                ) -> torch.Tensor:
-        """Move the exponents from this step's per-unit measurements; return the global policy's found_inf.
-
-        The step itself is skipped when ``found_inf.any()``, as always; the returned 0-d bool is what the
-        global policy should be told: an overflow whose culprit unit carries a factor (``e > 0``) is
-        handled by lowering that unit alone. ``global_scale``: the scale the step ran at (default 1).
+        """Move the exponents from this step's per-unit measurements; return the global policy's found_inf
+        (0-d bool, see the module's rule). ``global_scale``: the scale the step ran at (default 1).
         """
         dev = self.exponent.device
         found, amax = found_inf.to(dev).bool(), amax.to(dev).float()
@@ -260,8 +247,7 @@ class LayerScales:
                 **{k: getattr(self, k).tolist() for k in ("exponent", "level", "observed", "penalty")}}
 
     def check_state_dict(self, state: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """Raise unless ``state`` is :meth:`state_dict`'s output for these units (same names, same order; finite
-        values); returns what :meth:`load_state_dict` installs. Changes nothing."""
+        """What :meth:`load_state_dict` would install, or the error it would raise; changes nothing."""
         like = {k: getattr(self, k) for k in ("exponent", "level", "observed", "penalty")}
         return checked_layer_state([n for n, _ in self.units], state, like)
 
@@ -290,9 +276,8 @@ def checked_layer_state(names: list[str], state: Any, like: dict[str, torch.Tens
     """The per-unit tensors (shaped, typed and placed as ``like``) and the chain order of ``state``.
 
     Rule: ``state`` is what ``LayerScales.state_dict()`` saved for the same units (``names``, in order);
-    ``exponent``, ``level`` and ``penalty`` hold one finite number per unit (penalty >= 0: a factor 2**e
-    with a non-finite e would multiply the gradients by inf or NaN), ``observed`` one bool per unit, and
-    ``order`` distinct unit indices. Raises ValueError naming the field otherwise. No device read."""
+    ``exponent``, ``level`` and ``penalty`` (>= 0) hold one finite number per unit, ``observed`` one bool per unit,
+    ``order`` distinct unit indices. Else a ValueError naming the field."""
     if not isinstance(state, dict) or not {"units", "order", *_FIELDS} <= state.keys():
         raise ValueError(f"{_LOADER}(state={state!r:.80}): state must be the dict LayerScales.state_dict() returned "
                          f"(keys units, order, {', '.join(_FIELDS)}).")

@@ -8,8 +8,8 @@ A mode is ``type|trigger|ratio``::
                      default 1.05
     ratio    may be left out with its separator ('fast|step' means 'fast|step|0.9')
 
-Then the run goes back to its original precision (autocast off) once, for good: a later higher loss
-does not bring low precision back. The state is two integers (step, switch_step) and is checkpointed.
+Then the run goes back to its original precision (autocast off) once, for good. The state is two integers
+(step, switch_step) and is checkpointed.
 """
 
 from __future__ import annotations
@@ -41,10 +41,7 @@ _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
 def parse_mode(call: str, mode: Any) -> tuple[torch.dtype, Trigger, Fraction]:
-    """``'fast|step|0.9'`` -> ``(torch.float16, 'step', Fraction(9, 10))``; a ValueError naming the allowed values.
-
-    The ratio is kept as an exact decimal, so ``10 * 0.3`` is 3, not 3.0000000000000004.
-    """
+    """``'fast|step|0.9'`` -> ``(torch.float16, 'step', Fraction(9, 10))``; a ValueError naming the allowed values."""
     if not isinstance(mode, str):
         raise TypeError(f"{call}: mode must be a str; {ALLOWED}; got {type(mode).__name__} {mode!r}.")
 
@@ -114,29 +111,16 @@ def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss
 class PrecisionSchedule:
     """Trains the first share of a run in float16 or bfloat16, then switches back to the original precision once.
 
-    Rule (see :func:`advance`): ``mode = 'type|trigger|ratio'``; ``'fast|step|0.9'`` with ``total_steps=100`` is
-    float16 for steps 0-89 and original precision from step 90; ``'fast1|loss|1.05'`` with ``target_loss=2.0`` is
-    bfloat16 until a reported loss is <= 2.1. The ratio may be left out (``'fast|step'``): 0.9 for ``step``,
-    1.05 for ``loss``, Ascend's defaults.
+    Rule (see :func:`advance`): ``'fast|step|0.9'`` with ``total_steps=100`` is float16 for steps 0-89 and
+    original precision from step 90; ``'fast1|loss|1.05'`` with ``target_loss=2.0`` is bfloat16 until a reported
+    loss is <= 2.1. Feed it once per step with :meth:`update`. Host reads: one per tensor ``loss``.
 
-    Feed it once per step with :meth:`update`: ``step`` is the index of the next step to run (the number of
-    steps completed, like TF's ``global_step`` or Lightning's ``trainer.global_step``); ``loss`` is the loss of
-    the step that just ran. Cost: a tensor ``loss`` is read on the host (one sync per call); nothing else is.
-    A loss that is NaN, inf or -inf never switches. Attached to a LossScaleOptimizer that has stepped twice
-    while ``update`` was never called, the schedule warns once (it would stay in low precision for good).
-
-    Example::
-
-        schedule = PrecisionSchedule("fast|step|0.9", total_steps=100)
-        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), schedule=schedule)
-        for step in range(100):
-            schedule.update(step=step)
-            with schedule.autocast("cuda"):
-                loss = loss_fn(model(x), y)
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad()
-        schedule.switch_step  # 90
+    Example:
+        >>> schedule = PrecisionSchedule("fast|step|0.9", total_steps=100)
+        >>> for step in range(100):
+        ...     schedule.update(step=step)  # then: with schedule.autocast("cuda"): ...
+        >>> schedule.switch_step, schedule.dtype
+        (90, None)
 
     Args:
         mode: ``'fast|step|0.9'``, ``'fast1|loss|1.05'``, ...: see the module docstring.
@@ -218,10 +202,8 @@ class PrecisionSchedule:
     # --- the training-loop calls -------------------------------------------------------------------
 
     def update(self, step: int | None = None, loss: Any = None) -> None:
-        """Report progress: ``step`` = the next step to run, ``loss`` = the loss of the step just run.
-
-        A loss without a step counts one more completed step. Reads a tensor ``loss`` on the host.
-        """
+        """Report progress: ``step`` = the next step to run (= steps completed), ``loss`` = the loss of the step
+        just run (alone: one more completed step). Reads a tensor ``loss`` on the host."""
         def call() -> str:  # built only for an error: repr of a tensor would read it
             shown = f"tensor(shape={tuple(loss.shape)})" if isinstance(loss, torch.Tensor) else repr(loss)
             return f"{self!r}.update(step={step!r}, loss={shown})"
@@ -251,12 +233,8 @@ class PrecisionSchedule:
         self._told = True
 
     def note_optimizer_step(self) -> None:
-        """Called by the optimizer the schedule is attached to after each of its steps.
-
-        Rule: once two optimizer steps have run and :meth:`update` was never called (nor a checkpoint
-        loaded), warn once: such a loop would stay in low precision for the whole run without a word
-        (as torch warns about a scheduler stepped before its optimizer). Cost: none.
-        """
+        """Called by the attached optimizer after each step: warns once when two ran and the schedule was never
+        fed (:meth:`update`, or a checkpoint loaded)."""
         if self._told:
             return
         self._unfed_steps += 1
@@ -316,8 +294,7 @@ def _checked_state(call: str, state_dict: dict[str, Any]) -> ScheduleState:
 
 
 def check_attachable(schedule: Any, params: Iterable[torch.Tensor]) -> None:
-    """Refuse a non-schedule, and parameters already in float16/bfloat16 (there is no original precision to
-    return to; Ascend allows the mode only when the model keeps its original precision)."""
+    """Refuse a non-schedule, and parameters already in float16/bfloat16 (no original precision to return to)."""
     if not isinstance(schedule, PrecisionSchedule):
         raise TypeError(f"LossScaleOptimizer(schedule={schedule!r}): schedule must be a lossscale.PrecisionSchedule.")
     for i, p in enumerate(params):

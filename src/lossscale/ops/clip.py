@@ -1,11 +1,8 @@
 """Gradient norms and clipping coefficients, computed on scaled gradients in one read pass.
 
-The global norm of the unscaled gradients is ``norm(scaled) / scale``; for power-of-two scales that
-equals the norm of the unscaled gradients exactly, so clipping can be folded into the unscale
-coefficient (``inv_scale * clip``) and applied once, by a ``_foreach_mul_`` or inside a fused optimizer.
-
-Sharded gradients (FSDP2's DTensor ``Shard(0)``): a rank reads only its shard; the squared norms of
-shards are summed over the ranks (one all-reduce), those of replicated gradients are counted once.
+The unscaled global norm is ``norm(scaled) / scale``, so clipping folds into the unscale coefficient
+(``inv_scale * clip``). Sharded gradients (FSDP2's DTensor ``Shard(0)``): each rank reads its shard and the
+squared norms of shards are summed over the ranks (one all-reduce); replicated gradients count once.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ EPS = 1e-6
 
 def squared_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-tensor squared L2 norms of the local parts (a DTensor's shard) as a float32 vector.
-
-    One ``torch._foreach_norm`` call: one read of every gradient, no write, no host read."""
+    One read of every gradient (``torch._foreach_norm``); no host read."""
     return _local_squared_norms([_dist.local_shard(g) for g in grads])
 
 
@@ -72,10 +68,9 @@ def global_norm_squared(
     """Squared L2 norm of all the gradients together (0-d float32), across ranks where they are shards.
 
     Rule: ``sum over shards (all-reduced over process_group) + sum over replicated gradients``.
-    ``sharded``: None decides per gradient (DTensor with a ``Shard`` placement, as FSDP2 makes); True
-    treats every gradient as a shard (a hand-written ZeRO); False none (DDP, one process).
-    Cost: one read of every gradient; one all-reduce of one float when there are shards (every rank of
-    the group must then call this); no host read. Non-finite gradients give a non-finite result.
+    ``sharded``: None decides per gradient (a DTensor ``Shard`` placement); True: every gradient is a shard
+    (a hand-written ZeRO); False: none (DDP, one process). Non-finite gradients give a non-finite result.
+    Cost: one read of every gradient; one all-reduce of one float when there are shards; no host read.
     """
     if device is None:
         device = _dist.local_shard(grads[0]).device if grads else torch.device("cpu")

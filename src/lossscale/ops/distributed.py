@@ -1,12 +1,7 @@
 """One decision for every rank: found_inf reduced over torch.distributed without a host read.
 
-When ``torch.distributed`` is initialized with more than one rank, every scaler reduces its found_inf
-(MAX of a 0/1 flag) over a process group (default: the world) before deciding to skip, so all ranks
-skip or step together and their scales stay identical. Cost: one all-reduce of one float per step; no
-host read.
-
-Also here: the shard a rank holds of a DTensor gradient (FSDP2), a gradient all-reduce for facades
-whose API takes a communicator, and the two lines a script needs to run under ``torchrun``.
+Also here: the shard a rank holds of a DTensor gradient (FSDP2), a gradient all-reduce for facades whose API
+takes a communicator, and the two lines a script needs to run under ``torchrun``.
 """
 
 from __future__ import annotations
@@ -45,12 +40,9 @@ def active(process_group: Any = None) -> bool:
 def reduce_found_inf(found_inf: torch.Tensor, process_group: Any = None, *, is_flag: bool = False) -> torch.Tensor:
     """Turn ``found_inf`` (0-d float32, a count of overflows) into the group's 0/1 flag, in place; no host read.
 
-    Rule: ``found_inf = max over ranks of min(found_inf, 1)``: 1.0 on every rank as soon as one rank
-    overflowed, else 0.0. Exactly 0 or 1 because fused optimizers (``AdamW(fused=True)``) skip only
-    where ``found_inf == 1.0``: a count of 2 would apply a step with inf/NaN gradients.
-    Cost: one all-reduce of one float under torch.distributed (a collective: every rank of the group
-    must call it); outside it, one 0-d clamp. ``is_flag``: the caller knows found_inf is 0 or 1 already (set,
-    never added to, by torch's fused check): no clamp.
+    Rule: ``found_inf = max over ranks of min(found_inf, 1)`` (no clamp with ``is_flag``: already 0 or 1).
+    Cost: one all-reduce of one float under torch.distributed (every rank of the group must call it); outside
+    it, one 0-d clamp.
     """
     if not is_flag:
         found_inf.clamp_(max=1.0)
@@ -67,17 +59,14 @@ def all_reduce_sum_(tensor: torch.Tensor, process_group: Any = None) -> torch.Te
 
 
 def _dtensor_type() -> type | None:
-    # A DTensor can exist only once torch.distributed.tensor is imported; never import it ourselves.
+    # a DTensor exists only once torch.distributed.tensor is imported: never import it here
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this rank holds: ``t.to_local()`` for a DTensor (FSDP2), ``t`` otherwise.
-
-    The result shares storage with ``t``: writing into it (unscaling, clipping) writes the DTensor.
-    """
-    if type(t) is torch.Tensor:  # the common case, without a module lookup per gradient
+    """The part of ``t`` this rank holds (sharing its storage): ``t.to_local()`` for a DTensor, else ``t``."""
+    if type(t) is torch.Tensor:
         return t
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(t, dtensor):
@@ -87,8 +76,7 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_shard(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor sharded over some mesh dimension (FSDP2's ``Shard(0)``): its squared
-    norm is the sum of the ranks' local squared norms. Replicated DTensors and plain tensors are not."""
+    """Whether ``t`` is a DTensor sharded over some mesh dimension (FSDP2's ``Shard(0)``)."""
     if type(t) is torch.Tensor:
         return False
     dtensor = _dtensor_type()
@@ -99,21 +87,11 @@ def is_shard(t: torch.Tensor) -> bool:
     return any(isinstance(p, Shard) for p in t.placements)
 
 
-def all_reduce_grads_(
-    grads: Iterable[torch.Tensor | None], process_group: Any = None, *, average: bool = False
-) -> list[torch.Tensor]:
-    """Sum the listed gradients over the group in place (``average=True`` divides by the group size).
-
-    For facades whose API takes a communicator (nnabla's ``comm``/``grads``): call it before the
-    overflow check, so that every rank checks the same gradients. ``None`` entries are skipped.
-    Identity outside torch.distributed. Gradients must be dense, plain tensors (FSDP2 already reduced
-    its DTensor shards; summing them again would be wrong).
-
-    Cost: per (device, dtype), one flattening copy, one all-reduce and one copy back; no host read.
-
-    Returns:
-        The gradients that were reduced, in order.
-    """
+def all_reduce_grads_(grads: Iterable[torch.Tensor | None], process_group: Any = None, *,
+                      average: bool = False) -> list[torch.Tensor]:
+    """Sum the dense, plain gradients over the group in place (``average=True`` divides by the group size);
+    ``None`` entries skipped; returns the rest. Identity outside torch.distributed. Call it before the overflow check.
+    Cost: per (device, dtype), one flattening copy, one all-reduce and one copy back; no host read."""
     present = [g for g in grads if g is not None]
     for g in present:
         if g.is_sparse or local_shard(g) is not g:
@@ -128,28 +106,23 @@ def all_reduce_grads_(
     for g in present:
         buckets[(g.device, g.dtype)].append(g)
     for bucket in buckets.values():
-        if len(bucket) == 1 and bucket[0].is_contiguous():
-            flat = bucket[0]
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
-            if average:
-                flat.div_(world)
-            continue
-        flat = torch.cat([g.reshape(-1) for g in bucket])
+        alone = len(bucket) == 1 and bucket[0].is_contiguous()
+        flat = bucket[0] if alone else torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
         if average:
             flat.div_(world)
-        views = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in bucket]), bucket)]
-        torch._foreach_copy_(bucket, views)
+        if not alone:
+            views = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in bucket]), bucket)]
+            torch._foreach_copy_(bucket, views)
     return present
 
 
 def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> tuple[int, int]:
     """Join the process group that ``torchrun`` describes in the environment; return ``(rank, world_size)``.
 
-    Rule: already initialized -> that group's (rank, world_size); ``RANK`` and ``WORLD_SIZE`` set (as
-    torchrun sets them, with ``MASTER_ADDR``/``MASTER_PORT``) -> ``init_process_group(backend,
-    init_method="env://")``; otherwise -> ``(0, 1)`` and nothing is initialized (a plain single process).
-    ``backend`` is ``"gloo"`` (CPU) by default; pass ``"nccl"`` on GPUs. Call :func:`shutdown` at exit.
+    Rule: already initialized -> that group's (rank, world_size); ``RANK`` and ``WORLD_SIZE`` set ->
+    ``init_process_group(backend, init_method="env://")``; otherwise -> ``(0, 1)``, nothing initialized.
+    ``backend``: ``"gloo"`` (CPU) by default, ``"nccl"`` on GPUs. Call :func:`shutdown` at exit.
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

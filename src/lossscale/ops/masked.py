@@ -2,21 +2,15 @@
 
 Two ways, chosen per step:
 
-- **chunked** (torch's ``Adam``, ``AdamW``, ``SGD``, ``Adagrad``, ``RMSprop``, ``Adamax``, ``NAdam``,
-  ``RAdam``, ``Adadelta``, exactly those classes, with no step hooks): their update of one parameter
-  reads only that parameter, its gradient and its own state, so the step runs on a few parameters at a
-  time (``param_groups`` narrowed for the call); each chunk's parameters and state are copied into one
-  reusable pool before its step and put back after it where found_inf. The pool holds at most
-  ``budget`` x the parameters' bytes (default 0.25; a single parameter larger than that gets a chunk of
-  its own and sets the pool's size). Each parameter is still stepped exactly once, with the same
-  arithmetic, so the result is bit-identical to one whole step.
-- **whole** (any other optimizer, or one with step hooks, which must fire once): a snapshot of every
-  parameter and state tensor, kept between steps: (1 + state tensors per parameter) x the parameters'
-  bytes of extra memory (3x for Adam).
+- **chunked** (exactly the classes in :data:`SEPARABLE`, with no step hooks): the step runs on a few
+  parameters at a time (``param_groups`` narrowed for the call); each chunk's parameters and state are copied
+  into one reusable pool of at most ``budget`` x the parameters' bytes (a larger parameter: a chunk of its own)
+  and put back where found_inf. Bit-identical to one whole step.
+- **whole** (any other optimizer, or one with step hooks): a snapshot of every parameter and state tensor,
+  kept between steps: (1 + state tensors per parameter) x the parameters' bytes (3x for Adam).
 
-Cost per step, either way: one copy (read + write) of the parameters and state tensors before the
-step and one masked select (two reads + one write) after it; no host read. Chunking adds one Python
-``step()`` call per chunk.
+Cost per step, either way: one copy of the parameters and state before the step and one masked select (two
+reads + one write) after it; no host read.
 """
 
 from __future__ import annotations
@@ -58,8 +52,7 @@ class MaskedSkip:
 
     @staticmethod
     def ready(optimizer: torch.optim.Optimizer) -> bool:
-        """True once every parameter with a gradient has its optimizer state (the first step creates it;
-        a skipped first step must not leave state behind, so that one step is decided on the host)."""
+        """True once every parameter with a gradient has its optimizer state (the first step creates it)."""
         return all(
             p in optimizer.state and len(optimizer.state[p]) > 0
             for g in optimizer.param_groups for p in g["params"] if p.grad is not None
@@ -67,8 +60,7 @@ class MaskedSkip:
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        """Run ``optimizer.step()``, then put back every parameter and state tensor where ``found_inf``.
-        Chunked where the optimizer allows (see the module docstring), else whole. No host read."""
+        """Run ``optimizer.step()``, then put back every parameter and state tensor where ``found_inf``."""
         bad = found_inf.to(torch.bool)
         if self.budget is None or args or kwargs or not _separable(optimizer):
             return self._whole(optimizer, bad, *args, **kwargs)
@@ -147,8 +139,7 @@ def _chunk_bytes(optimizer: torch.optim.Optimizer, chunk: list[torch.Tensor], de
 
 
 def _chunks(optimizer: torch.optim.Optimizer, budget: float) -> list[list[torch.Tensor]]:
-    """Parameters with a gradient, packed in order into chunks whose snapshot fits ``budget`` x the
-    parameters' bytes (a parameter larger than that alone)."""
+    """Parameters with a gradient, packed in order into chunks whose snapshot fits ``budget`` x their bytes."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     limit = budget * sum(p.numel() * p.element_size() for p in params)
     chunks: list[list[torch.Tensor]] = []
@@ -165,8 +156,7 @@ def _chunks(optimizer: torch.optim.Optimizer, budget: float) -> list[list[torch.
 
 @contextmanager
 def _narrowed(optimizer: torch.optim.Optimizer, keep: set[int]) -> Iterator[None]:
-    """``optimizer.param_groups`` restricted to the parameters whose ids are in ``keep`` for the duration
-    (restored even on error)."""
+    """``optimizer.param_groups`` restricted to the parameters whose ids are in ``keep``, for the duration."""
     saved = [g["params"] for g in optimizer.param_groups]
     try:
         for g in optimizer.param_groups:

@@ -1,17 +1,11 @@
 """Overflow detection over lists of gradients, fused, in two modes.
 
-``"inf_nan"``: a gradient overflowed if any value is inf or NaN.
-``"saturation"``: as on Ascend hardware in saturation mode, where an overflowing float16 result is
-clamped to +-65504 instead of becoming inf, a *scaled* gradient whose magnitude reaches the low-precision
-format's largest finite value (``torch.finfo(dtype).max``) counts as an overflow too, as does any
-non-finite value. Saturation is judged on the scaled gradients, before unscaling.
+``"inf_nan"``: a gradient overflowed if any value is inf or NaN. ``"saturation"`` (Ascend's saturation mode):
+also if a *scaled* gradient's magnitude reaches the format's largest finite value (``torch.finfo(dtype).max``).
 
-Every function here sets a caller-owned ``found_inf`` (a 0-d float32 tensor on the gradients' device) to
-1.0 on an overflow and never lowers it, so a flag that starts at 0 or 1 stays a 0/1 flag (what fused
-optimizers take: they skip only where it is exactly 1.0); none reads it on the host. The inf/NaN check is
-torch's own fused kernel, ``torch._amp_foreach_non_finite_check_and_unscale_`` (the unscale by 1.0 where only
-a check is wanted, as torch's GradScaler does for fused optimizers: each value written back unchanged).
-Attribution (which parameters overflowed) is separate and computed only when asked.
+Every function here sets a caller-owned ``found_inf`` (0-d float32) to 1.0 on an overflow and never lowers it,
+so a 0/1 flag stays one; none reads it on the host. The inf/NaN check is torch's fused
+``torch._amp_foreach_non_finite_check_and_unscale_`` (by 1.0 where only a check is wanted).
 """
 
 from __future__ import annotations
@@ -39,7 +33,7 @@ OVERFLOW_MODES: tuple[str, ...] = ("inf_nan", "saturation")
 
 
 def check_mode(call: str, mode: str) -> None:
-    """Validate an ``overflow_mode`` argument."""
+    """Check an ``overflow_mode`` argument."""
     check_choice(call, "overflow_mode", mode, OVERFLOW_MODES)
 
 
@@ -54,7 +48,8 @@ def saturation_threshold(dtype: torch.dtype = torch.float16, call: str = "satura
     return float(torch.finfo(dtype).max)
 
 
-def group_by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+def group_by_device_and_dtype(tensors: Iterable[torch.Tensor]
+                              ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """Dense tensors grouped for the foreach kernels (sparse gradients contribute their values)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
@@ -65,8 +60,7 @@ def group_by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[tor
 
 
 def _extremes(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per-tensor minima and maxima as float32 vectors (NaN propagates), or None if all are empty.
-    One read pass (``aminmax``)."""
+    """Per-tensor minima and maxima as float32 vectors (NaN propagates), or None if all are empty. One read."""
     lows, highs = [], []
     for g in grads:
         if g.numel():
@@ -91,16 +85,10 @@ def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
     return _outside(*ext, threshold)
 
 
-def check_with_amax_(
-    grads: Sequence[torch.Tensor],
-    found_inf: torch.Tensor,
-    mode: OverflowMode = "inf_nan",
-    threshold: float = 65504.0,
-) -> torch.Tensor:
+def check_with_amax_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, mode: OverflowMode = "inf_nan",
+                     threshold: float = 65504.0) -> torch.Tensor:
     """Like :func:`check_`, and also return the largest magnitude (0-d float32; inf/NaN on overflow).
-
-    One read pass (``aminmax`` per tensor), for policies that observe the gradient maximum. No host read.
-    """
+    One read pass (``aminmax``); no host read."""
     ext = _extremes(grads)
     if ext is None:
         return torch.zeros((), dtype=torch.float32, device=found_inf.device)
@@ -123,17 +111,10 @@ def one(device: torch.device) -> torch.Tensor:
     return _ONES[device]
 
 
-def check_(
-    grads: Sequence[torch.Tensor],
-    found_inf: torch.Tensor,
-    mode: OverflowMode = "inf_nan",
-    threshold: float = 65504.0,
-) -> torch.Tensor:
-    """Set ``found_inf`` to 1.0 if ``grads`` (one device and dtype) overflowed; it never goes back to 0.
-
-    Passes: inf_nan, one read+write (torch's fused check, multiplying by 1.0); saturation, one read
-    (``aminmax``). No host read.
-    """
+def check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, mode: OverflowMode = "inf_nan",
+           threshold: float = 65504.0) -> torch.Tensor:
+    """Set ``found_inf`` to 1.0 if ``grads`` (one device and dtype) overflowed.
+    Passes: inf_nan, one read+write (by 1.0); saturation, one read. No host read."""
     if not grads:
         return found_inf
     if mode == "saturation":
@@ -149,19 +130,10 @@ def check_(
     return found_inf.logical_or_(flag)
 
 
-def unscale_and_check_(
-    grads: Sequence[torch.Tensor],
-    found_inf: torch.Tensor,
-    inv_scale: torch.Tensor,
-    mode: OverflowMode = "inf_nan",
-    threshold: float = 65504.0,
-) -> torch.Tensor:
-    """Multiply ``grads`` in place by ``inv_scale`` and record overflow in ``found_inf``.
-
-    ``grads`` share one device and dtype. inf_nan: one fused read+write pass
-    (``torch._amp_foreach_non_finite_check_and_unscale_``). saturation: one read pass on the scaled values
-    first, then the same fused pass. No host read.
-    """
+def unscale_and_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+                       mode: OverflowMode = "inf_nan", threshold: float = 65504.0) -> torch.Tensor:
+    """Multiply ``grads`` (one device and dtype) in place by ``inv_scale`` and record overflow in ``found_inf``.
+    Passes: one fused read+write (saturation: one read of the scaled values first). No host read."""
     if not grads:
         return found_inf
     if mode == "saturation":
@@ -170,18 +142,10 @@ def unscale_and_check_(
     return found_inf
 
 
-def overflowing(
-    named_grads: Iterable[tuple[str, torch.Tensor | None]],
-    mode: OverflowMode = "inf_nan",
-    threshold: float = 65504.0,
-    unscaled_by: float = 1.0,
-) -> list[str]:
-    """Names of the gradients that overflowed, for a person reading a log.
-
-    ``unscaled_by`` is the loss scale already divided out of the gradients (1 while they are still
-    scaled); saturation is then judged against ``threshold / unscaled_by``, exact for power-of-two scales.
-    Cost: one read of every gradient and one host read for the whole list; call it only when asked.
-    """
+def overflowing(named_grads: Iterable[tuple[str, torch.Tensor | None]], mode: OverflowMode = "inf_nan",
+                threshold: float = 65504.0, unscaled_by: float = 1.0) -> list[str]:
+    """Names of the gradients that overflowed. ``unscaled_by``: the scale already divided out of them
+    (saturation is judged against ``threshold / unscaled_by``). One read of every gradient and one host read."""
     names, flags = [], []
     limit = threshold / unscaled_by
     for name, g in named_grads:

@@ -1,12 +1,4 @@
-"""The underflow meter: how much of the gradient would round to zero in float16 at the current scale.
-
-A too-small loss scale does not announce itself the way a too-large one does (an overflow): gradient
-values quietly round to zero. This meter samples every ``stride``-th value of each scaled gradient
-(a strided view: no copy of the gradients) and reports the share of nonzero samples whose magnitude is
-at most half of float16's smallest subnormal (2**-25), i.e. that float16 would round to zero.
-
-Cost: reads ``1/stride`` of the gradients (default 1/64); no host read.
-"""
+"""The underflow meter: how much of the gradient would round to zero in float16 at the current scale."""
 
 from __future__ import annotations
 
@@ -22,10 +14,10 @@ FLUSH_TO_ZERO_FLOAT16 = 2.0**-25
 
 def underflow_share(grads: Sequence[torch.Tensor], stride: int = 64, flush_below: float = FLUSH_TO_ZERO_FLOAT16,
                     carried_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """Share (0-d float32) of sampled nonzero gradient values with ``|g * carried_scale| <= flush_below``.
+    """Share (0-d float32) of sampled nonzero values (every ``stride``-th) with ``|g * carried_scale| <= flush_below``.
 
-    ``carried_scale`` is what the gradients still have to be multiplied by to be in the units that
-    float16 would hold (1 when they are the scaled gradients themselves).
+    ``carried_scale``: what takes the gradients to the units float16 would hold (1 for the scaled gradients).
+    Reads ``1/stride`` of the gradients; no host read.
     """
     if stride < 1:
         raise ValueError(f"underflow_share(stride={stride!r}): stride must be an integer >= 1; got {stride!r}.")

@@ -1,9 +1,4 @@
-"""LossScaleOptimizer: a torch optimizer that scales, unscales, checks, clips, skips, and says what it did.
-
-All mutable state lives in two objects, the :class:`~lossscale.state.LossScale` and the run position
-(:class:`_Run`), never in attributes rebound later: a framework proxy that copies this object's ``__dict__``
-(Lightning's ``LightningOptimizer``) shares both.
-"""
+"""LossScaleOptimizer: a torch optimizer that scales, unscales, checks, clips, skips, and says what it did."""
 
 from __future__ import annotations
 
@@ -16,7 +11,6 @@ from typing import Any, Callable
 import torch
 
 from lossscale import stages
-from lossscale.addons.ema import EMA
 from lossscale.addons.layerwise import LayerScales
 from lossscale.addons.schedule import PrecisionSchedule, check_attachable
 from lossscale.checks import ArgumentTypeError
@@ -35,7 +29,7 @@ __all__ = ["LossScaleOptimizer"]
 
 @dataclass
 class _Run:
-    """Where a run is, and how its steps run (the options with what they resolve to for the inner optimizer)."""
+    """Where a run is and how its steps run: with the LossScale, all of an optimizer's mutable state."""
 
     options: StepOptions
     skip_mode: str = "host"  # options.skip_mode resolved for the inner optimizer
@@ -63,8 +57,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         result = opt.step()         # StepResult(stepped, found_inf, scale, next_scale, grad_norm, ...)
         opt.zero_grad()
 
-    It is a torch optimizer whose ``param_groups``, ``state`` and ``defaults`` are the inner one's: LR
-    schedulers, ``register_step_pre_hook``/``post_hook`` and the state-dict hooks work on it.
+    Its ``param_groups``, ``state`` and ``defaults`` are the inner one's; LR schedulers and hooks work on it.
 
     A boundary step::
 
@@ -75,12 +68,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     Skip modes (how an overflowing step is skipped):
         ``"fused"``: the inner optimizer takes ``grad_scale``/``found_inf`` (fused Adam/AdamW/SGD) and skips
-        in its kernel; unscaling and global-norm clipping are folded into ``grad_scale``. No host read.
+        in its kernel, unscaling and clipping folded into ``grad_scale``. No host read.
         ``"host"``: found_inf is read once and ``inner.step()`` is not called (torch's behaviour).
-        ``"masked"``: the inner step runs and parameters and state are restored where found_inf; no host
-        read, at the cost of a snapshot and a masked restore of params and state.
-        ``"auto"``: ``"fused"`` when the optimizer supports it and no stage needs the unscaled gradients
-        written; else ``"host"``.
+        ``"masked"``: the inner step runs and parameters and state are restored where found_inf; no host read.
+        ``"auto"``: ``"fused"`` where the optimizer takes it and no stage writes unscaled gradients, else ``"host"``.
 
     Passes over the gradients per boundary: fused without clipping, one read+write (the check); fused with
     global-norm clipping, one read (the norm is the check); host/masked, one read+write to unscale and check
@@ -105,11 +96,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         schedule: A :class:`~lossscale.PrecisionSchedule`; scaling runs only while it is in float16.
         check_when_unscaled: Keep catching inf/NaN (and skipping) while scaling is off (bf16/fp32 phase).
         layerwise: A model, a list of modules or a :class:`~lossscale.addons.layerwise.LayerScales`: one extra
-            power-of-two scale per module on top of the global one (see docs/layerwise.md).
-        underflow_stride: Turn on the underflow meter (``StepResult.underflow``): sample every n-th value of
-            the scaled gradients and report the share float16 would round to zero (reads 1/n of them).
-        transform_unscaled: Called as ``fn(grads, process_group=..., sharded=...)`` on the unscaled
-            gradients after the overflow check, before the step (e.g. :class:`~lossscale.ops.clip.PerTensorClip`).
+            power-of-two scale per module on top of the global one.
+        underflow_stride: n: the underflow meter (``StepResult.underflow``) samples every n-th scaled value.
+        transform_unscaled: ``fn(grads, process_group=..., sharded=...)``, run on the unscaled gradients after
+            the overflow check (e.g. :class:`~lossscale.ops.clip.PerTensorClip`).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, *, policy: Policy | LossScale | None = None,
@@ -205,13 +195,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return self._run.options
 
     def configure(self, **changes: Any) -> None:
-        """Change step options (checked as at construction), e.g. ``opt.configure(clip_grad_norm=1.0)`` for a
-        framework that maps its own clipping setting; kept in the shared run state, so a proxy's call lands."""
+        """Change step options (checked as at construction), e.g. ``opt.configure(clip_grad_norm=1.0)``."""
         self._configure(dataclasses.replace(self._run.options, **changes))
 
     def _configure(self, options: StepOptions) -> None:
-        """Install ``options`` and what they resolve to for the inner optimizer (the skip mode, and whether the
-        gradients are unscaled by a pass of ours)."""
+        """Install ``options`` and what they resolve to for the inner optimizer."""
         skip_mode = options.resolved_skip_mode(self.inner)
         run = self._run
         run.options, run.skip_mode = options, skip_mode
@@ -253,8 +241,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return self._run.last_result
 
     def set_scale(self, new_scale: float | torch.Tensor) -> None:
-        """Set the loss scale (checked: a finite float32 normal number in the policy's bounds; a tensor on an
-        accelerator costs one host read to check); the policy's counters carry on."""
+        """Set the loss scale (checked; one host read for a tensor on an accelerator); the counters carry on."""
         self._loss_scale.set_scale(new_scale, f"LossScaleOptimizer.set_scale(new_scale={new_scale!r})", "new_scale")
 
     @property
@@ -268,10 +255,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     # --- the training-loop calls ---------------------------------------------------------------
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * scale / accumulation_steps`` (the scale only while scaling is active). No host read.
-
-        Whether to scale is fixed at the first loss of an accumulation window and holds to its step(), so a
-        schedule that switches mid-window never mixes scaled and unscaled gradients."""
+        """``loss * scale / accumulation_steps`` (the scale only while scaling is active, as fixed at the first
+        loss of the accumulation window). No host read."""
         run = self._run
         if run.window is None:
             run.window = (self.scaling_active, self._precision())
@@ -297,21 +282,20 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> StepResult:  # type: ignore[override]
         """Count a micro-batch; at an accumulation boundary run the boundary step and return its decision.
-
-        ``closure`` (as torch optimizers take it) runs first, with grad enabled; it should compute the loss
-        and call ``opt.backward(loss)``; its return value is ``StepResult.loss``."""
+        ``closure`` runs first, with grad enabled (it calls ``opt.backward(loss)``); it returns ``StepResult.loss``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         run = self._run
+        if run.window is None:  # a window whose gradients came without scale_loss (Keras's apply): fixed here
+            run.window = (self.scaling_active, self._precision())
         run.micro += 1
         if run.micro < self.options.accumulation_steps:
             false = torch.zeros((), dtype=torch.bool, device=self._device)
             scale = self._loss_scale.scale
             result = StepResult(stepped=false, found_inf=false, scale=scale, next_scale=scale, accumulating=True,
-                                step=run.boundaries, loss=loss,
-                                precision=self._precision() if run.window is None else run.window[1])
+                                step=run.boundaries, loss=loss, precision=run.window[1])
         else:
             run.micro = 0
             result = self._boundary_step(loss)
@@ -323,7 +307,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def _boundary_step(self, loss: Any) -> StepResult:
         """One optimizer step: measure, unscale (x clip), agree, apply, advance (see the class docstring)."""
         run, options = self._run, self.options
-        active, precision = (self.scaling_active, self._precision()) if run.window is None else run.window
+        active, precision = run.window
         run.window = None
         checking = active or options.check_when_unscaled
         groups = stages.grouped_gradients(self.inner, "LossScaleOptimizer.step()")
@@ -337,8 +321,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
         layer_obs = layer_scales = None
         if layers is None:
-            # 1/scale, from the guard's verdict alone (before any check sets found): where our pass or the clip
-            # multiplies by it; a fused kernel without clipping divides by the scale itself
+            # 1/scale from the guard's verdict alone; a fused kernel without clipping divides by the scale itself
             if not active:
                 inv = torch.ones_like(scale)
             elif run.explicit_unscale or options.clip_grad_norm is not None:
@@ -376,11 +359,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def _measure(self, groups: stages.Groups, found: torch.Tensor, active: bool,
                  checking: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
-        """The passes before unscaling: (amax, squared norm, whether overflow was already checked).
-
-        amax (policies that observe it): ``aminmax``, which is also the check. Saturation: ``aminmax`` on the
-        scaled values. Clip: the norm, whose non-finiteness is the inf/NaN check. Otherwise, with a fused
-        optimizer, the check; with explicit unscaling, nothing here (the unscale pass checks)."""
+        """The passes before unscaling: (amax, squared norm, whether overflow was already checked)."""
         options = self.options
         observes = active and self.policy.observes_amax
         amax = norm_sq = None
@@ -406,8 +385,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def _measure_layers(self, layers: LayerScales, found: torch.Tensor, scale: torch.Tensor
                         ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
-        """Per-layer unscale and check (one read + one write pass), agreed over ranks (one MAX all-reduce of
-        [2, units]); the clip norm, when clipping, of the unscaled gradients (one read). No host read."""
+        """Per-layer unscale and check, agreed over ranks; the clip norm of the unscaled gradients."""
         options = self.options
         found_u, amax_u = layers.unscale_(scale)
         observed = stages.agree_amax_(torch.stack([found_u.float(), amax_u.float()]), options.process_group)
@@ -424,8 +402,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def _unscale(self, groups: stages.Groups, found: torch.Tensor, coef: torch.Tensor | None, active: bool,
                  check_here: bool, clipping: bool) -> None:
-        """Explicit unscaling (host/masked skip, or a stage that needs written gradients): one read+write pass
-        that multiplies by ``coef`` (1/scale x clip) and, where nothing checked yet, checks too."""
+        """Explicit unscaling: one read+write pass by ``coef`` (1/scale x clip), checking where nothing did yet."""
         run = self._run
         run.unscaled_by = None
         if not run.explicit_unscale:
@@ -455,8 +432,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                                        sharded=options.sharded_grads)
 
     def _fused_divisor(self, scale: torch.Tensor, active: bool, clip: torch.Tensor | None) -> torch.Tensor | None:
-        """What the fused kernel divides the gradients by: scale / clip (None when there is nothing to divide),
-        always a tensor of its own (as torch hands it), so no optimizer ever holds the loss scale's tensor."""
+        """What the fused kernel divides the gradients by: scale / clip in a tensor of its own, or None."""
         if self._run.explicit_unscale or not (active or clip is not None):
             return None
         if clip is None:
@@ -465,9 +441,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def _apply(self, found: torch.Tensor, overflow: torch.Tensor, stepped: torch.Tensor,
                fused_divisor: torch.Tensor | None) -> None:
-        """The inner step, skipped where found_inf: in the fused kernel, on the host (one host read), or masked.
-        A masked step whose optimizer state does not exist yet is decided on the host once (a skipped first
-        step must not leave state behind)."""
+        """The inner step, skipped where found_inf: in the fused kernel, on the host (one host read), or masked
+        (on the host while the optimizer state does not exist yet)."""
         mode = self._run.skip_mode
         if mode == "masked" and not self._masked.ready(self.inner):
             mode = "host"
@@ -501,9 +476,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def _advance(self, found: torch.Tensor, amax: torch.Tensor | None, layers: LayerScales | None,
                  layer_obs: Any, scale: torch.Tensor) -> None:
-        """The policy's update (with per-layer scales: move the units' exponents first and tell the policy what
-        they leave: an overflow a unit's own factor caused lowers that unit alone). Raises the policy's
-        FloorError, naming the step."""
+        """The policy's update, after the per-layer exponents; a FloorError names the step."""
         try:
             if layers is not None:
                 found = layers.update(*layer_obs, scale)
@@ -535,8 +508,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def attach_layerwise(self, layerwise: Any) -> None:
         """Keep one scale per module of ``layerwise`` (a model, a list of modules, or a
-        :class:`~lossscale.addons.layerwise.LayerScales`) on top of the global one; every parameter of the inner
-        optimizer must belong to one of its units. The gradients are then unscaled per unit (explicitly)."""
+        :class:`~lossscale.addons.layerwise.LayerScales`) on top of the global one; its units own every parameter."""
         device = next(p.device for p in self._params())
         layers = layerwise if isinstance(layerwise, LayerScales) else LayerScales(layerwise, device=device)
         covered = {id(p) for p in layers.parameters()}
@@ -553,17 +525,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def overflowing_parameters(self) -> list[str]:
         """Names of the parameters whose gradients overflowed in the last step (before ``zero_grad``).
-
-        Cost: one read of the gradients and one host read; call it after a skipped step, when asked."""
+        One read of the gradients and one host read."""
         names = {id(p): n for n, p in self.module.named_parameters()} if self.module is not None else {}
         divided = 1.0 if self._run.unscaled_by is None else float(self._run.unscaled_by)
         return stages.overflowing_names(self.inner, names, self.options.overflow_mode, self.options.threshold,
                                         divided)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Inner optimizer, policy state, accumulation position (with the gradients accumulated so far when saved
-        mid-window), EMA, per-layer scales and schedule in one dict (keys: :mod:`lossscale.optimizer.checkpoint`);
-        the state-dict hooks run around it, in torch's order. Host reads: the policy state."""
+        """Everything a run needs to resume, in one dict (keys: :mod:`lossscale.optimizer.checkpoint`), between
+        the state-dict hooks. Host reads: the policy state."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         run = self._run
@@ -588,8 +558,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore everything :meth:`state_dict` saved; the whole dict is checked before anything changes. The
-        load hooks run around it (a pre hook may replace the dict)."""
+        """Restore :meth:`state_dict`, between the load hooks; the whole dict is checked before anything changes."""
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             changed = pre_hook(self, state_dict)
             if changed is not None:

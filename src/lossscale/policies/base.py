@@ -1,9 +1,7 @@
 """The policy protocol, its state record, the fixed scale, and the helpers every policy's state goes through.
 
-A policy is a frozen config validated once at construction. Its state is a small frozen record of 0-d tensors
-on the gradients' device (:class:`ScaleState` for the dynamic and fixed rules). ``update(state, found_inf,
-amax=None) -> state`` is the whole rule, in tensor ops only (no host read, no Python branch on data).
-:class:`~lossscale.state.LossScale` owns the state.
+A policy is a frozen config validated once at construction; its state a frozen record of 0-d tensors;
+``update(state, found_inf, amax=None) -> state`` the whole rule, in tensor ops (no host read).
 """
 
 from __future__ import annotations
@@ -119,8 +117,6 @@ def as_flag(found_inf: torch.Tensor, device: torch.device) -> torch.Tensor:
 class FixedScale(Policy):
     """A constant loss scale: overflowing steps are still detected and skipped, the scale never moves.
 
-    ``update`` returns the state unchanged (no op).
-
     Example:
         >>> import torch
         >>> policy = FixedScale(128.0)
@@ -134,7 +130,7 @@ class FixedScale(Policy):
         checked_scale(f"{type(self).__name__}(scale={self.scale!r})", self.scale, name="scale")
 
     def init(self, device: torch.device | str | None = None) -> ScaleState:
-        """A state holding the fixed scale on ``device`` (default: CPU)."""
+        """A state holding the fixed scale on ``device`` (default CPU)."""
         zero = torch.zeros((), dtype=torch.int32, device=device)
         return ScaleState(
             scale=torch.full((), self.scale, dtype=torch.float32, device=device),
@@ -149,7 +145,7 @@ class FixedScale(Policy):
         return state
 
 
-# --- state records: moved, saved and loaded field by field (never a hand-written field list) -----------------
+# --- state records, field by field -----------------------------------------------------------------------------
 
 
 def move_state(state: Any, device: torch.device | str) -> Any:
@@ -183,8 +179,8 @@ def _field_tensor(call: str, name: str, value: Any, like: torch.Tensor) -> torch
 
 
 def state_from_dict(template: Any, values: dict[str, Any], call: str = "load_state_dict") -> Any:
-    """A state shaped like ``template`` (dtype, device) holding ``values``: every field required, finite, of the
-    right shape; counters int32 integers. The scale's own check is :class:`~lossscale.state.LossScale`'s."""
+    """A state like ``template`` (dtype, device) holding ``values``: every field required, finite, of the right
+    shape; counters int32 integers. The scale's own check is :class:`~lossscale.state.LossScale`'s."""
     if not isinstance(values, dict):
         raise TypeError(f"{call}: the loss-scale state must be a dict of its fields; got {type(values).__name__}.")
     names = [f.name for f in dataclasses.fields(template)]

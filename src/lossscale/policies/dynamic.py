@@ -10,7 +10,7 @@ from typing import Any, Literal, Mapping
 import torch
 
 from lossscale.checks import (FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, check_choice, check_factor_above_one,
-                              check_fraction, check_int_in_range, check_scale, to_float32)
+                              check_fraction, check_int_in_range, check_scale_bounds, to_float32)
 from lossscale.policies.base import SATURATE, FloorError, Policy, ScaleState, as_flag, check_flag
 
 __all__ = ["DynamicScale", "check_dynamic_args"]
@@ -37,16 +37,11 @@ class DynamicScale(Policy):
                         or growth_guard == "operand" and scale < max_scale / growth_factor:
                     scale *= growth_factor                 # refused growth still restarts the count
 
-    ``arithmetic="float64"``: each product (or quotient) is taken in float64 with the Python factor and
-    rounded once to float32, as torch's ``_amp_update_scale_`` does; with the defaults below the
-    trajectory equals ``torch.amp.GradScaler``'s bit for bit. ``"float32"``: the factor is first
-    rounded to float32 and the operation done in float32, as frameworks that keep the scale in a
-    float32 tensor compute it (TensorFlow, MindSpore, Megatron, Paddle); the two differ for factors
-    such as 0.8 that float32 cannot hold exactly.
-    ``floor_hits`` counts consecutive overflowing steps that found the scale already at
-    ``min_scale``; with ``at_floor="raise"`` the scalers turn the first one into a :class:`FloorError`,
-    and such a step leaves the scale and the counters as they were (DeepSpeed raises before it
-    touches its state), so a caller that catches the error carries on as if it had not happened.
+    ``arithmetic="float64"``: each product (or quotient) in float64 with the Python factor, rounded once to
+    float32 (torch's ``_amp_update_scale_``; the defaults equal ``torch.amp.GradScaler`` bit for bit).
+    ``"float32"``: the factor rounded to float32 and the operation done in float32 (TensorFlow, MindSpore,
+    Megatron, Paddle). ``floor_hits`` counts consecutive overflowing steps that found the scale already at
+    ``min_scale``; with ``at_floor="raise"`` the first one raises :class:`FloorError` and changes no other state.
 
     Cost: about twenty element-wise ops on 0-d tensors; no host read.
 
@@ -56,23 +51,17 @@ class DynamicScale(Policy):
         backoff_factor: in (0, 1); multiplies the scale on a backoff.
         growth_interval: >= 1 clean steps between growths.
         hysteresis: >= 1 overflows absorbed per backoff (1: back off at every overflow).
-        hysteresis_mode: ``"consecutive"`` (any clean step refills the count) or ``"cumulative"``
-            (only a change of scale refills it).
-        refill_after_backoff: Whether a backoff refills the count (False: later overflows back off
-            at once until the next growth, as DeepSpeed and Megatron do).
+        hysteresis_mode: ``"consecutive"`` (a clean step refills the count) or ``"cumulative"`` (a new scale does).
+        refill_after_backoff: Whether a backoff refills the count (False: DeepSpeed, Megatron).
         min_scale: Floor of the scale; default 2**-126, the smallest normal float32.
         max_scale: Cap of the scale; default the largest finite float32 (growth never reaches inf).
         at_floor: ``"skip"`` (stay at the floor and keep skipping) or ``"raise"``.
-        arithmetic: ``"float64"`` (torch) or ``"float32"``: how the new scale is computed (see above).
-        backoff_divisor: None, or a finite number > 1: a backoff divides by it (MindSpore's manager,
-            TensorFlow's ``DynamicLossScale``, DeepSpeed, nnabla divide) instead of multiplying by
+        arithmetic: ``"float64"`` (torch) or ``"float32"`` (see above).
+        backoff_divisor: None, or a finite number > 1: a backoff divides by it instead of multiplying by
             ``backoff_factor``, which then reads ``1 / backoff_divisor``.
         growth_guard: ``"result"``: grow only if the grown scale is <= ``max_scale`` (torch, TF);
-            ``"operand"``: grow only while ``scale < max_scale / growth_factor`` (the quotient rounded
-            to float32), Ascend's ``S < 3.4e38 / incr_ratio``.
-        growth_delay: >= 0 extra clean steps before the first growth after the start or an overflow
-            (later growths come every ``growth_interval``): 1 for nnabla's updater and DeepSpeed's
-            ``stable_interval``.
+            ``"operand"``: only while ``scale < max_scale / growth_factor`` (rounded to float32; Ascend).
+        growth_delay: >= 0 extra clean steps before the first growth after the start or an overflow.
 
     Example:
         >>> import torch
@@ -106,7 +95,7 @@ class DynamicScale(Policy):
         check_dynamic_args(type(self).__name__, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def init(self, device: torch.device | str | None = None) -> ScaleState:
-        """A fresh state on ``device`` (default: CPU)."""
+        """A fresh state on ``device`` (default CPU)."""
         return ScaleState(
             scale=torch.full((), self.init_scale, dtype=torch.float32, device=device),
             growth_tracker=torch.full((), -self.growth_delay, dtype=torch.int32, device=device),
@@ -165,16 +154,14 @@ class DynamicScale(Policy):
 
     @functools.cached_property
     def _torch_rule(self) -> bool:
-        """Whether the rule is torch's plus a floor, so that torch's own update kernel runs it."""
+        """Whether the rule is torch's plus a floor (torch's own update kernel runs it)."""
         return (self.hysteresis == 1 and self.refill_after_backoff and self.growth_delay == 0
-                and self.arithmetic == "float64"
-                and self.backoff_divisor is None and self.growth_guard == "result" and self.at_floor == "skip"
+                and self.arithmetic == "float64" and self.backoff_divisor is None
+                and self.growth_guard == "result" and self.at_floor == "skip"
                 and self.max_scale == FLOAT32_MAX and self.growth_interval < 2**31 - 1)
 
     def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor, found: torch.Tensor) -> ScaleState:
-        """The same rule through torch's own ``_amp_update_scale_`` (on copies), then the floor.
-
-        ``found`` is the float32 flag torch's kernel takes. floor_hits: ``(hits + at_floor) * bad``, saturated."""
+        """The same rule through torch's ``_amp_update_scale_`` (on copies; ``found``: its flag), then the floor."""
         scale, tracker = state.scale.clone(), state.growth_tracker.clone()
         torch._amp_update_scale_(scale, tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval)
         floor_hits = (state.floor_hits + (state.scale <= self.min_scale)).mul_(bad).clamp_max_(SATURATE)
@@ -187,10 +174,7 @@ class DynamicScale(Policy):
         return (scale.double() * factor).float()
 
     def check_floor(self, state: ScaleState) -> None:
-        """Raise :class:`FloorError` if ``at_floor="raise"`` and the scale hit its floor.
-
-        Cost: one host read of ``floor_hits`` when ``at_floor="raise"``; nothing otherwise.
-        """
+        """Raise :class:`FloorError` if ``at_floor="raise"`` and the scale hit its floor (then one host read)."""
         if self.at_floor != "raise":
             return
         hits = int(state.floor_hits)
@@ -205,8 +189,7 @@ class DynamicScale(Policy):
 
 
 def _is_kernel_flag(found_inf: torch.Tensor, state: ScaleState) -> bool:
-    """Whether ``found_inf`` is the flag torch's update kernel takes as it is: 0-d float32 on the scale's
-    device."""
+    """Whether ``found_inf`` is the flag torch's update kernel takes: 0-d float32 on the scale's device."""
     return found_inf.dtype == torch.float32 and found_inf.dim() == 0 and found_inf.device == state.scale.device
 
 
@@ -228,12 +211,8 @@ def check_dynamic_args(call: str, args: Mapping[str, Any], names: Mapping[str, s
                 f"{call}(backoff_factor={v['backoff_factor']!r}, backoff_divisor={d!r}): pass one of them; "
                 f"a backoff either multiplies by backoff_factor or divides by backoff_divisor; got both."
             )
-    check_scale(call, n("min_scale"), v["min_scale"], low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
-    check_scale(call, n("max_scale"), v["max_scale"], low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
-    if v["min_scale"] > v["max_scale"]:
-        raise ValueError(f"{call}({n('min_scale')}={v['min_scale']!r}, {n('max_scale')}={v['max_scale']!r}): "
-                         f"{n('min_scale')} must be <= {n('max_scale')}; got {n('min_scale')} > {n('max_scale')}.")
-    check_scale(call, n("init_scale"), v["init_scale"], low=v["min_scale"], high=v["max_scale"])
+    check_scale_bounds(call, v["min_scale"], v["max_scale"], v["init_scale"],
+                       (n("min_scale"), n("max_scale"), n("init_scale")))
     check_factor_above_one(call, n("growth_factor"), v["growth_factor"], "it multiplies the scale on growth")
     if d is None:
         check_fraction(call, n("backoff_factor"), v["backoff_factor"], "it multiplies the scale when it backs off")

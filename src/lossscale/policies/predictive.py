@@ -1,14 +1,4 @@
-"""PredictiveScale: set the loss scale from a forecast of the gradients' maximum, not by trial and error.
-
-Every dynamic scaler in use grows blindly every N steps until a step overflows, throws that step
-away and backs off. This policy reads the largest scaled-gradient magnitude (``amax``) that the
-overflow pass already measures, learns how that maximum moves (its level, and how far above the
-level it strays, tail included) and picks the largest power of two whose predicted overflow rate is
-one step in ``target_interval``. An overflow the forecast missed backs off at once (never more than
-torch's halving) and adds a power of two of headroom that is given back slowly. An overflow that
-is not evidence about the scale (a non-finite loss; or, after a clean step, a finite ``amax`` far
-below the format's limit) leaves the scale where it was.
-"""
+"""PredictiveScale: set the loss scale from a forecast of the gradients' maximum, not by trial and error."""
 
 from __future__ import annotations
 
@@ -18,7 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from lossscale.checks import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, check_choice, check_int_at_least, check_scale
+from lossscale.checks import (FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, check_choice, check_int_at_least,
+                              check_scale_bounds)
 from lossscale.policies.base import Policy, as_flag, move_state
 
 __all__ = ["PredictiveScale", "PredictiveState"]
@@ -56,7 +47,7 @@ class PredictiveState:
     clean_run: torch.Tensor
 
     def to(self, device: torch.device | str) -> PredictiveState:
-        """The same state on ``device``."""
+        """The same state on ``device`` (a copy only where it moves)."""
         return move_state(self, device)
 
 
@@ -86,12 +77,9 @@ class PredictiveScale(Policy):
         if fault: scale = old
         scale = clamp(power of two, min_scale, max_scale)
 
-    ``limit`` is ``torch.finfo(dtype).max`` (65504 for float16). The scale is always a power of two,
-    so unscaling is exact. Cost: about 40 element-wise ops on 0-d tensors; no host read (element-wise
-    throughout: state fields with a leading dimension advance that many independent scales). The amax
-    comes from the overflow pass (``aminmax``), at no extra pass where the scaler reads the
-    gradients once. Where it pays off: the gradient maximum drifts (warm-up, decay) or torch's blind
-    growth probes every ``growth_interval`` steps; on a stationary stream it keeps one scale.
+    ``limit`` is ``torch.finfo(dtype).max`` (65504 for float16); the scale is always a power of two.
+    Cost: about 40 element-wise ops on 0-d tensors (state fields with a leading dimension advance that many
+    independent scales); no host read.
 
     Args:
         init_scale: First scale (rounded down to a power of two).
@@ -100,11 +88,9 @@ class PredictiveScale(Policy):
         tail_history: Steps the tail width averages over (>= 1).
         margin: Powers of two of headroom on top of the forecast (>= 0).
         backoff_factor: At most this factor at once on an overflow that is evidence, in (0, 1).
-        learn_margin: Add one power of two of headroom per overflow the forecast missed, and give it
-            back linearly over ``forget_interval`` steps.
+        learn_margin: Add one power of two of headroom per overflow the forecast missed (see ``extra``).
         forget_interval: >= 1 steps to forget one learned power of two.
-        fault_gap: An overflow after a clean step whose finite amax is this many powers of two below
-            ``limit`` is not evidence about the scale (>= 1).
+        fault_gap: >= 1 powers of two below ``limit`` that make an overflow a fault (see ``fault``).
         dtype: The low-precision format whose largest finite value is ``limit``.
         min_scale, max_scale: Bounds (powers of two are taken inside them).
 
@@ -134,12 +120,7 @@ class PredictiveScale(Policy):
 
     def __post_init__(self) -> None:
         call = type(self).__name__
-        check_scale(call, "min_scale", self.min_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
-        check_scale(call, "max_scale", self.max_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
-        if self.min_scale > self.max_scale:
-            raise ValueError(f"{call}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}): min_scale must "
-                             f"be <= max_scale; got min_scale > max_scale.")
-        check_scale(call, "init_scale", self.init_scale, low=self.min_scale, high=self.max_scale)
+        check_scale_bounds(call, self.min_scale, self.max_scale, self.init_scale)
         check_int_at_least(call, "target_interval", self.target_interval, 10)
         for name in ("history", "tail_history", "forget_interval", "fault_gap"):
             check_int_at_least(call, name, getattr(self, name), 1)
@@ -180,8 +161,7 @@ class PredictiveScale(Policy):
 
     def update(self, state: PredictiveState, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
                *, loss_finite: torch.Tensor | None = None) -> PredictiveState:
-        """The next state from this step's overflow flag, scaled-gradient maximum and (optionally) whether
-        the loss was finite. No host read; ``loss_finite=None`` means unknown (today's scalers)."""
+        """The next state from this step's found_inf, amax and (None: unknown) loss finiteness. No host read."""
         device = state.scale.device
         bad = as_flag(found_inf, device)
         amax = torch.zeros((), device=device) if amax is None else amax.to(device, torch.float32)
@@ -203,8 +183,7 @@ class PredictiveScale(Policy):
                                observed.observed, extra.float(), run.to(torch.int32))
 
     def _is_fault(self, state: PredictiveState, amax: torch.Tensor, loss_finite: torch.Tensor | None) -> torch.Tensor:
-        """An overflow that says nothing about the scale: a non-finite loss, or (after a clean step) a
-        finite amax more than ``fault_gap`` powers of two below the limit."""
+        """An overflow that says nothing about the scale (see the rule's ``fault``)."""
         far_below = torch.isfinite(amax) & (amax < self.limit * 2.0**-self.fault_gap) & (state.clean_run > 0)
         if loss_finite is None:
             return far_below

@@ -1,17 +1,11 @@
 """Every peer's loss-scale rule as a core policy, under the peer's own argument names and defaults.
 
-Each constructor returns a :class:`~lossscale.DynamicScale` whose scale trajectory equals the real
-implementation's, step for step, for every overflow pattern (checked against trajectories recorded
-from the real frameworks in ``tests/golden``). Use it anywhere a policy goes::
+Each returns a :class:`~lossscale.DynamicScale` whose scale trajectory equals the peer's, step for step
+(``tests/golden``), with the arguments checked under the peer's names (``call``: the name errors give)::
 
     scaler = lossscale.GradScaler(policy=lossscale.presets.deepspeed())
-    opt = lossscale.LossScaleOptimizer(torch.optim.AdamW(params), policy=lossscale.presets.keras())
 
-Each preset is a translation table from the peer's argument names onto :class:`~lossscale.DynamicScale`'s
-fields; the arguments are checked by DynamicScale's one check under the peer's names (keyword ``call``: the
-name the errors give, which a facade sets to its own).
-
-How the peers differ, and the knobs that express it (W = window, n = bad steps per backoff):
+How the peers differ (W = window, n = bad steps per backoff):
 
 =============  ==========================  =====================  ==============  ===========  ============
 preset         grows on                    bad steps counted      backoff         floor        at the cap
@@ -31,13 +25,10 @@ ascend         W-th clean step             n cumulative (a clean  S * d (f32)   
                                            step keeps the count)                               S >= 3.4e38/r
 =============  ==========================  =====================  ==============  ===========  ============
 
-(*) Where a peer breaks, ours reproduces every decision up to that point and then stays finite,
-positive and normal: a scale the peer would grow to float32 inf (Keras 3, MindSpore's cell,
-Megatron, Paddle) or past float32's range in Python floats (nnabla, DeepSpeed, MindSpore's manager)
-is refused instead (it stays where it was), and a scale the peer halves into float32 subnormals and
-zero (torch, Keras 3, Paddle, nnabla) stops at the floor 2**-126.
-Peers that keep the scale in Python float64 (nnabla, DeepSpeed, MindSpore's manager) are matched
-exactly for power-of-two factors; with other factors ours rounds to float32 at every step.
+(*) Where a peer breaks, ours matches every decision up to that point and then stays finite and normal: a
+growth into inf (or past float32's range) is refused, a backoff into subnormals stops at the floor 2**-126.
+Peers that keep the scale in Python float64 (nnabla, DeepSpeed, MindSpore's manager) are matched exactly
+for power-of-two factors; with other factors ours rounds to float32 at every step.
 """
 
 from __future__ import annotations
@@ -149,8 +140,6 @@ def mindspore(init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_w
         clean:    if cur_iter - last_overflow_iter >= W: S = S * f; last_overflow_iter = cur_iter
         cur_iter += 1
 
-    that is, growth on the W-th clean step in a row.
-
     Example:
         >>> from lossscale import presets
         >>> presets.mindspore(scale_factor=4).backoff_factor
@@ -173,9 +162,7 @@ def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000, *,
         clean:    if counter > N: S *= scaling_factor; counter = 0
                   counter += 1
 
-    so the first growth after the start or an overflow comes on the (N+2)-th clean attempt and later
-    ones every N+1: ``growth_interval=N+1, growth_delay=1``. The re-run (up to 100 retries per
-    ``update()``) belongs to :class:`lossscale.compat.nnabla.DynamicLossScalingUpdater`.
+    The re-run belongs to :class:`lossscale.compat.nnabla.DynamicLossScalingUpdater`.
 
     Example:
         >>> from lossscale import presets
@@ -208,12 +195,8 @@ def deepspeed(init_scale: float = 2.0**16, scale_factor: float = 2.0, scale_wind
                       S *= scale_factor
         cur_iter += 1
 
-    so the first growth after the start or an overflow comes on the (W+1)-th clean step and later ones
-    every W (``growth_delay=1``; DeepSpeed before ``stable_interval`` grew on the W-th). ``h`` is not
-    refilled by a backoff, so once it reaches 1 every overflow backs off until a growth (or, with
-    ``consecutive_hysteresis``, a clean step) refills it. Raising at the floor is ``at_floor="raise"``:
-    the optimizers raise :class:`~lossscale.FloorError`, and the raising step changes no state, as in
-    DeepSpeed. DeepSpeed 0.19 fixes ``scale_factor`` at 2; other values follow the same rule.
+    Raising at the floor is ``at_floor="raise"`` (:class:`~lossscale.FloorError`; the raising step changes
+    no state). DeepSpeed 0.19 fixes ``scale_factor`` at 2; other values follow the same rule.
 
     Example:
         >>> from lossscale import presets
@@ -245,7 +228,6 @@ def megatron(initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_fact
                   if growth_tracker == growth_interval:
                       growth_tracker = 0; h = hysteresis; S = S * growth_factor
 
-
     Example:
         >>> from lossscale import presets
         >>> presets.megatron().hysteresis_mode
@@ -268,10 +250,6 @@ def paddle(init_loss_scaling: float = 2.0**16, incr_ratio: float = 2.0, decr_rat
                   if bad == decr_every_n_nan_or_inf: S = S * decr_ratio; bad = 0
         clean:    bad = 0; good += 1
                   if good == incr_every_n_steps: S = S * incr_ratio; good = 0
-
-    Bad steps count only in a row (a clean step resets them). Observed (tests/golden/paddle.json): no
-    floor (the static-graph ``update_loss_scaling`` op has a floor of 1) and no guard against growing
-    into inf.
 
     Example:
         >>> from lossscale import presets
@@ -299,9 +277,7 @@ def ascend(init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_
                       good = bad = 0
                   else: good += 1
 
-    The growth guard ``S < 3.4e38 / incr_ratio`` is read from Ascend's source; it is not in the recorded
-    trajectories (npu_bridge is not on PyPI, so the TF1 contrib recording stands in, whose guard is
-    "the grown scale is finite"): it is checked against the pure-Python oracle only.
+    The growth guard is read from Ascend's source and checked against the pure-Python oracle only.
 
     Example:
         >>> from lossscale import presets
