@@ -198,3 +198,38 @@ def test_a_keras_average_with_momentum_one_round_trips():
     saved = opt.state_dict()
     opt.load_state_dict(saved)
     assert torch.equal(opt.ema.shadow[0], saved["core"]["ema"]["shadow"][0])
+
+
+PARTS = {"ema": lambda: dict(ema=EMA(0.9)),
+         "schedule": lambda: dict(schedule=PrecisionSchedule("fast|step|0.5", total_steps=10)),
+         "layerwise": lambda: dict(layerwise=None)}  # layerwise: attached to the model below
+
+
+def _lso_with(part):
+    """A LossScaleOptimizer that has ``part`` (or none), after one step."""
+    if part != "layerwise":
+        return _lso(**(PARTS[part]() if part else {}))
+    model = _model()
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=DynamicScale(init_scale=1024.0),
+                             layerwise=model)
+    opt.backward(model(torch.ones(2, 3)).sum())
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_a_part_on_one_side_only_warns_naming_it_and_what_happens(part):
+    with pytest.warns(UserWarning, match=rf"has no {part!r} entry; the {part} part keeps its current state"):
+        _lso_with(part).load_state_dict(_lso_with(None).state_dict())
+    with pytest.warns(UserWarning, match=rf"holds a {part!r} entry and this optimizer has no .*; the entry is ignored"):
+        _lso_with(None).load_state_dict(_lso_with(part).state_dict())
+
+
+@pytest.mark.parametrize("part", [None, *sorted(PARTS)])
+def test_matching_parts_load_without_a_warning(part):
+    import warnings
+
+    opt, saved = _lso_with(part), _lso_with(part).state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.load_state_dict(saved)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -25,6 +26,9 @@ from lossscale.reporting import StepResult
 from lossscale.state import LossScale
 
 __all__ = ["LossScaleOptimizer"]
+
+#: The optional parts a checkpoint may hold, by key.
+_PARTS = {"ema": "an EMA", "layerwise": "per-layer scales", "schedule": "a precision schedule"}
 
 
 @dataclass
@@ -558,7 +562,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore :meth:`state_dict`, between the load hooks; the whole dict is checked before anything changes."""
+        """Restore :meth:`state_dict`, between the load hooks; the whole dict is checked before anything changes. An
+        optional part (EMA, schedule, per-layer scales) that only one side has is named in a UserWarning."""
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             changed = pre_hook(self, state_dict)
             if changed is not None:
@@ -590,8 +595,23 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             part.load_state_dict(state_dict[key])
         if run.schedule is not None and "schedule" in state_dict:
             run.seen_switch = run.schedule.switched if seen_switch is None else seen_switch
+        self._warn_unmatched_parts(call, state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _warn_unmatched_parts(self, call: str, state_dict: dict[str, Any]) -> None:
+        """A UserWarning for each optional part that only one side has: this optimizer (the part keeps its state)
+        or the checkpoint (its entry is ignored)."""
+        have = {key for key, _ in self._parts()}
+        for key, what in _PARTS.items():
+            if key in have and key not in state_dict:
+                warnings.warn(f"{call}: this optimizer has {what} ({key}=) and the checkpoint has no {key!r} entry; "
+                              f"the {key} part keeps its current state, not the saved run's. Save the checkpoint "
+                              f"from an optimizer with the same parts to resume it.", UserWarning, stacklevel=3)
+            elif key in state_dict and key not in have:
+                warnings.warn(f"{call}: the checkpoint holds a {key!r} entry and this optimizer has no {what}; the "
+                              f"entry is ignored. Pass {key}=... when building the optimizer to resume it.",
+                              UserWarning, stacklevel=3)
 
     def _parts(self) -> list[tuple[str, Any]]:
         """(checkpoint key, object) of each optional part this optimizer has."""
