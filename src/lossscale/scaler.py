@@ -8,7 +8,6 @@ found_inf agreed over ``torch.distributed``. Unlike torch, the scale never goes 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import abc, defaultdict
 from typing import Any, Iterable
@@ -292,9 +291,7 @@ class GradScaler:
     def _set_knob(self, method: str, field: str, argument: str, value: Any) -> None:
         """torch's setter of one DynamicScale field, checked under torch's argument name."""
         policy = self._dynamic(f"{method}()")
-        fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-        check_dynamic_args(f"GradScaler.{method}", {**fields, field: value}, {field: argument})
-        self._loss_scale.set_policy(dataclasses.replace(policy, **{field: value}))
+        self._loss_scale.set_policy(policy.replaced(f"GradScaler.{method}", {field: argument}, **{field: value}))
 
     def state_dict(self) -> dict[str, Any]:
         """torch's keys where the policy has them, plus ``policy_state`` (every state field); empty when
@@ -349,9 +346,7 @@ class GradScaler:
             raise StateDictError(f"{call}: torch's format holds scale, growth_factor, backoff_factor and "
                                  f"growth_interval together; missing {missing} (got keys {sorted(state_dict)}).")
         knob_values = {k: state_dict[k] for k in knobs}
-        fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-        check_dynamic_args(call, {**fields, **knob_values})
-        return dataclasses.replace(policy, **knob_values)
+        return policy.replaced(call, **knob_values)
 
     # --- torch's private surface ----------------------------------------------------------------
 

@@ -92,7 +92,13 @@ class DynamicScale(Policy):
         d = self.backoff_divisor
         if isinstance(d, (int, float)) and not isinstance(d, bool) and d > 1 and self.backoff_factor in (0.5, 1 / d):
             object.__setattr__(self, "backoff_factor", 1.0 / d)
-        check_dynamic_args(type(self).__name__, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        check_dynamic_args(type(self).__name__, dataclasses.asdict(self))
+
+    def replaced(self, call: str, names: Mapping[str, str] | None = None, **changes: Any) -> DynamicScale:
+        """A copy with ``changes``, checked first as ``call`` under the caller's argument ``names`` (a field ->
+        the caller's name for it), so the error names the call the user made (``GradScaler.set_growth_factor``)."""
+        check_dynamic_args(call, {**dataclasses.asdict(self), **changes}, names)
+        return dataclasses.replace(self, **changes)
 
     def init(self, device: torch.device | str | None = None) -> ScaleState:
         """A fresh state on ``device`` (default CPU)."""
