@@ -4,12 +4,18 @@ and HostReadCounter, which the other tests use to count host reads."""
 import csv
 import dataclasses
 import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer, ScalerStep, StepResult
-from lossscale.reporting import COLUMNS, StepLogger, step_record
+from lossscale.reporting import COLUMNS, StepLogger, atomic_write, step_record
 
 EXPECTED_COLUMNS = ("step", "stepped", "found_inf", "scale", "next_scale", "grad_norm", "accumulating", "precision",
                     "switched", "underflow", "skipped", "skipped_steps")
@@ -128,3 +134,77 @@ def test_tensorboard_writes_events_or_says_what_to_install(tmp_path):
     with StepLogger(tensorboard_dir=board) as log:
         log.log(result(skipped=True, step=3), loss=1.0)
     assert any(p.name.startswith("events.out.tfevents") for p in board.iterdir())
+
+
+def start_writer(body: str, *args: str) -> subprocess.Popen:
+    """A Python process running ``body``; it prints a line when it reaches the point the test kills it at."""
+    code = "import sys, time\nfrom lossscale.reporting import StepLogger, atomic_write\n" + textwrap.dedent(body)
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
+
+
+def kill_when(writer: subprocess.Popen, line: str) -> None:
+    for got in writer.stdout:
+        if got.strip() == line:
+            break
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=60)
+    writer.stdout.close()
+    assert writer.returncode == -signal.SIGKILL
+
+
+def test_atomic_write_killed_mid_save_leaves_the_previous_file(tmp_path):
+    path = tmp_path / "results.json"
+    with atomic_write(path) as tmp, open(tmp, "w") as f:
+        json.dump({"version": 1}, f)
+    writer = start_writer("""
+        with atomic_write(sys.argv[1]) as tmp, open(tmp, "w") as f:
+            f.write('{"version": 2, "runs": [')
+            f.write("1, " * 100_000)
+            f.flush()
+            print("half written", flush=True)
+            time.sleep(120)
+    """, str(path))
+    kill_when(writer, "half written")
+    assert json.loads(path.read_text()) == {"version": 1}
+    with atomic_write(path) as tmp, open(tmp, "w") as f:  # the next save replaces it whole
+        json.dump({"version": 3}, f)
+    assert json.loads(path.read_text()) == {"version": 3}
+
+
+def test_atomic_write_leaves_the_file_and_no_temporary_when_the_block_raises(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text("old")
+    with pytest.raises(RuntimeError, match="while writing"):
+        with atomic_write(path) as tmp, open(tmp, "w") as f:
+            f.write("new, half")
+            raise RuntimeError("while writing")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["results.json"]
+
+
+def test_step_logger_killed_keeps_the_previous_log_until_its_first_row_then_whole_rows(tmp_path):
+    path = tmp_path / "steps.csv"
+    path.write_text("the previous run's log\n")
+    before_first_row = start_writer("""
+        log = StepLogger(sys.argv[1])
+        print("created", flush=True)
+        time.sleep(120)
+    """, str(path))
+    kill_when(before_first_row, "created")
+    assert path.read_text() == "the previous run's log\n"
+
+    rows = start_writer("""
+        log = StepLogger(sys.argv[1])
+        for step in range(10**9):
+            record = {"step": step, "scale": 1024.0, "next_scale": 1024.0, "skipped": False, "loss": 1.0 / (step + 1)}
+            log.write(record)
+            if step == 200:
+                print("200 rows", flush=True)
+    """, str(path))
+    kill_when(rows, "200 rows")
+    with open(path, newline="") as f:
+        table = list(csv.reader(f))
+    header, body = table[0], table[1:]
+    assert header[-1] == "loss" and len(body) > 200
+    assert all(len(r) == len(header) for r in body)  # no torn row
+    assert [int(r[0]) for r in body] == list(range(len(body)))
+    assert path.read_text().endswith("\n")

@@ -1,18 +1,57 @@
-"""What a step decided and how to read it: the step records, a CSV/TensorBoard logger, host-read counting."""
+"""What a step decided and how to read it: the step records, a CSV/TensorBoard logger, host-read counting,
+and the one way the library writes a file (:func:`atomic_write`)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
+import io
 import math
 import os
+import tempfile
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["COLUMNS", "HostReadCounter", "ScalerStep", "StepLogger", "StepResult", "read_scalars", "step_record"]
+__all__ = ["COLUMNS", "HostReadCounter", "ScalerStep", "StepLogger", "StepResult", "atomic_write", "read_scalars",
+           "step_record"]
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike[str]) -> Iterator[str]:
+    """Yield a temporary path beside ``path``; when the block ends without an exception, it replaces ``path``.
+
+    The rule: write the whole file under a hidden temporary name in the same directory, flush it to disk, then
+    ``os.replace`` it onto ``path`` (one rename). A process killed at any point leaves ``path`` as it was before
+    (or absent if it never existed) or as the complete new file, never a part of one. An exception in the block
+    removes the temporary file and leaves ``path`` untouched.
+
+    Example:
+        >>> import json, os, tempfile
+        >>> target = os.path.join(tempfile.mkdtemp(), "results.json")
+        >>> with atomic_write(target) as tmp:
+        ...     with open(tmp, "w") as f:
+        ...         json.dump({"skipped": 2}, f)
+        >>> with open(target) as f:
+        ...     json.load(f)
+        {'skipped': 2}
+    """
+    path = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial" + os.path.splitext(name)[1], dir=directory)
+    os.close(fd)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def read_scalars(values: dict[str, Any]) -> dict[str, Any]:
@@ -135,18 +174,29 @@ class StepLogger:
     """Writes one row per optimizer step to a CSV file and, if asked, to TensorBoard.
 
     Rows have :data:`COLUMNS` (``skipped_steps``: the count of skipped steps so far), then the extra names of
-    the first row logged. Accumulation micro-steps are not logged. The CSV is flushed after each row.
-    TensorBoard gets the numeric columns as ``lossscale/<column>`` (extras under their own names) at
+    the first row logged. Accumulation micro-steps are not logged. TensorBoard gets the numeric columns as ``lossscale/<column>`` (extras under their own names) at
     ``global_step=step``.
 
+    The CSV survives a killed process: a file already at ``path_csv`` stays as it was until the new log has its
+    header and first row (they are written to a temporary file that then replaces it, as :func:`atomic_write`
+    does); after that each row goes to the file in one ``write`` of a whole line, so the file a kill leaves ends
+    with the last row written (readers such as ``csv.DictReader`` and ``pandas.read_csv`` read it as it is).
+
     Args:
-        path_csv: CSV file to write (created, or truncated); None for no CSV.
+        path_csv: CSV file to write (replaced at the first row); None for no CSV.
         tensorboard_dir: Directory for a ``torch.utils.tensorboard.SummaryWriter``; None for none.
             Needs the ``tensorboard`` package.
     """
 
     def __init__(self, path_csv: str | os.PathLike[str] | None = None,
                  tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
+        self._path = None if path_csv is None else os.fspath(path_csv)
+        self._file: Any = None
+        self._columns: tuple[str, ...] | None = None
+        if self._path is not None:  # fail here, not at the first row, if the file cannot be written
+            directory = os.path.dirname(os.path.abspath(self._path))
+            if not os.access(directory, os.W_OK):
+                raise OSError(f"StepLogger(path_csv={self._path!r}): cannot write in directory {directory!r}.")
         self._writer: Any = None
         if tensorboard_dir is not None:
             try:
@@ -156,12 +206,6 @@ class StepLogger:
                                   f"needs the tensorboard package ({err}); pip install tensorboard, or leave "
                                   f"tensorboard_dir out.") from None
             self._writer = SummaryWriter(os.fspath(tensorboard_dir))
-        self._file: Any = None
-        self._csv: Any = None
-        self._columns: tuple[str, ...] | None = None
-        if path_csv is not None:
-            self._file = open(path_csv, "w", newline="", encoding="utf-8")
-            self._csv = csv.writer(self._file)
         self.skipped_steps = 0
         self.rows = 0
 
@@ -176,18 +220,20 @@ class StepLogger:
         row = dict(record)
         self.skipped_steps += bool(row.get("skipped"))
         row["skipped_steps"] = self.skipped_steps
+        first = self._columns is None
         if self._columns is None:
             self._columns = COLUMNS + tuple(k for k in row if k not in COLUMNS)
-            if self._csv is not None:
-                self._csv.writerow(self._columns)
         unknown = [k for k in row if k not in self._columns]
         if unknown:
             raise ValueError(f"StepLogger.log(..., {unknown[0]}=...): the CSV's columns were fixed by the first row "
                              f"({', '.join(self._columns[len(COLUMNS):]) or 'no extras'}); log the same extra "
                              f"names every step.")
-        if self._csv is not None:
-            self._csv.writerow(["" if row.get(c) is None else row[c] for c in self._columns])
-            self._file.flush()
+        if self._path is not None:
+            line = _csv_line(["" if row.get(c) is None else row[c] for c in self._columns])
+            if first:
+                self._start_csv(_csv_line(self._columns) + line)
+            else:
+                self._append(line)
         if self._writer is not None:
             step = int(row.get("step") or 0)
             for name in self._columns:
@@ -198,12 +244,23 @@ class StepLogger:
         self.rows += 1
         return row
 
+    def _start_csv(self, head: str) -> None:
+        """Write the header and first row under a temporary name, move it onto the path, keep it open to append."""
+        with atomic_write(self._path) as tmp:
+            with open(tmp, "w", encoding="utf-8", newline="") as f:
+                f.write(head)
+        self._file = open(self._path, "ab", buffering=0)  # unbuffered: a row is one write() of a whole line
+
+    def _append(self, line: str) -> None:
+        data = line.encode("utf-8")
+        while data:  # a regular file takes it whole; the loop is for a rare short write
+            data = data[self._file.write(data):]
+
     def close(self) -> None:
         """Close the CSV file and the TensorBoard writer."""
         if self._file is not None:
             self._file.close()
             self._file = None
-            self._csv = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -213,6 +270,12 @@ class StepLogger:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _csv_line(values: Any) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer).writerow(values)
+    return buffer.getvalue()
 
 
 class HostReadCounter(TorchDispatchMode):

@@ -29,6 +29,7 @@ except ImportError as err:
                      f"pip install 'lossscale[demo]'") from None
 
 from lossscale.demo.train import DEFAULT, QUICK, QUICK_RUNS, RUNS, Config, load_corpus, start_worker, train_in_worker
+from lossscale.reporting import atomic_write
 
 DEFINITIONS = {
     "heldout_loss": "mean cross-entropy in nats per character on the held-out files, in float32, after the last step",
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> int:
         return 130
     wall = time.perf_counter() - started
     results = os.path.join(args.out, "results.json")
-    with open(results, "w", encoding="utf-8") as f:
+    with atomic_write(results) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump({"config": asdict(cfg) | {"loss_factor": cfg.loss_factor, "runs": names},
                    "machine": {"processor": platform.processor(), "machine": platform.machine(),
                                "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -8,6 +8,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from lossscale.reporting import atomic_write
+
 COLORS = {"fp32": "black", "fp16-noscale": "tab:red", "fp16-dynamic": "tab:blue", "fp16-predictive": "tab:orange",
           "bf16": "tab:green", "fast|step|0.9": "tab:purple"}
 
@@ -54,7 +56,8 @@ def plot_runs(path: str, runs: list[dict[str, Any]], title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.savefig(path, dpi=100)
+    with atomic_write(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
 
 
 def power_text(x: float) -> str:
