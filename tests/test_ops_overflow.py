@@ -3,6 +3,7 @@ unscale-and-check, the flag they set, attribution, and no host reads."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lossscale import HostReadCounter
 from lossscale.ops.overflow import check_, check_with_amax_, overflowing, saturation_threshold, unscale_and_check_
@@ -144,3 +145,41 @@ def test_a_raised_flag_stays_raised_and_opposite_infinities_are_caught():
     f = torch.zeros(())
     check_(big, f, "inf_nan")
     assert float(f) == 0
+
+
+@pytest.mark.parametrize("mode", ["inf_nan", "saturation"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), 65504.0])
+def test_the_largest_magnitude_is_exact_and_is_the_check(mode, bad):
+    gs = grads()
+    f = torch.zeros(())
+    assert float(check_with_amax_(gs, f, mode)) == max(float(g.abs().max()) for g in gs) and float(f) == 0
+    gs[2][17] = bad
+    amax = check_with_amax_(gs, f, mode)
+    caught = bad != 65504.0 or mode == "saturation"
+    assert float(f) == float(caught)
+    assert float(amax) == abs(bad) if bad == bad else amax.isnan()
+
+
+class KernelCounter(TorchDispatchMode):
+    """Ops that launch work (views such as stack's per-tensor unsqueeze excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_largest_magnitude_takes_the_same_kernels_for_10_or_200_tensors():
+    def kernels(n):
+        gs = [torch.randn(64) for _ in range(n)]
+        f = torch.zeros(())
+        with KernelCounter() as counter:
+            check_with_amax_(gs, f, "inf_nan")
+        return counter.ops
+
+    assert kernels(10) == kernels(200)
+    assert len(kernels(10)) <= 8, kernels(10)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lossscale import FixedScale, GradScaler, LossScaleOptimizer
+from lossscale import FixedScale, GradScaler, LossScaleOptimizer, PredictiveScale
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from _passes import count_passes  # noqa: E402
@@ -30,7 +30,7 @@ def test_no_pass_over_the_gradients_between_accumulation_boundaries(fused):
         assert counter.written == 0 or boundary, (micro, counter.ops)
 
 
-def _counted(front, fused, clip):
+def _counted(front, fused, clip, policy=None):
     """Passes over the gradients beyond the bare step, per front end (read, write), in whole passes, over six
     tensors (the count is structural: it does not depend on their size)."""
     torch.manual_seed(0)
@@ -45,10 +45,12 @@ def _counted(front, fused, clip):
 
     bare = make(params)
     if front == "LSO":
-        opt = LossScaleOptimizer(make(params), policy=FixedScale(256.0), clip_grad_norm=1.0 if clip else None)
+        opt = LossScaleOptimizer(make(params), policy=policy or FixedScale(256.0),
+                                 clip_grad_norm=1.0 if clip else None)
         run = opt.step
     else:
-        inner, scaler = make(params), GradScaler("cpu", init_scale=256.0)
+        inner = make(params)
+        scaler = GradScaler("cpu", policy=policy) if policy else GradScaler("cpu", init_scale=256.0)
         scaler.scale(torch.ones(()))
 
         def run():
@@ -73,3 +75,14 @@ def _counted(front, fused, clip):
 ])
 def test_passes_over_the_gradients_are_what_the_docs_claim(front, fused, clip, expected):
     assert _counted(front, fused, clip) == expected
+
+
+# A policy that observes the gradients' maximum (PredictiveScale): with a fused optimizer and no clipping the
+# largest magnitude is the check (1 read, no write: less than the rows above); elsewhere it is one read more than
+# a DynamicScale's passes, as neither the L2 norm nor torch's unscale kernel yields a maximum.
+@pytest.mark.parametrize("front,fused,clip,expected", [
+    ("LSO", True, False, (1, 0)), ("LSO", True, True, (2, 0)), ("LSO", False, False, (2, 1)),
+    ("LSO", False, True, (3, 1)), ("GS", True, False, (1, 0)), ("GS", False, False, (2, 1)),
+])
+def test_a_policy_that_observes_amax_reads_it_from_the_check(front, fused, clip, expected):
+    assert _counted(front, fused, clip, PredictiveScale(init_scale=256.0)) == expected

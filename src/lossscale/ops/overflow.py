@@ -10,6 +10,7 @@ so a 0/1 flag stays one; none reads it on the host. The inf/NaN check is torch's
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Iterable, Literal, Sequence
 
@@ -24,6 +25,7 @@ __all__ = [
     "group_by_device_and_dtype",
     "check_",
     "check_with_amax_",
+    "largest_magnitude",
     "unscale_and_check_",
     "overflowing",
 ]
@@ -59,46 +61,33 @@ def group_by_device_and_dtype(tensors: Iterable[torch.Tensor]
     return groups
 
 
-def _extremes(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per-tensor minima and maxima as float32 vectors (NaN propagates), or None if all are empty. One read."""
-    lows, highs = [], []
-    for g in grads:
-        if g.numel():
-            low, high = torch.aminmax(g)
-            lows.append(low)
-            highs.append(high)
-    if not lows:
-        return None
-    return torch.stack(lows).float(), torch.stack(highs).float()
+def largest_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """max |g| over ``grads`` (one device and dtype) as a 0-d float32; inf or NaN when a value is not finite.
 
-
-def _outside(lo: torch.Tensor, hi: torch.Tensor, threshold: float) -> torch.Tensor:
-    # Written as "not (inside the range)" so that NaN, which fails every comparison, counts.
-    return ~((hi < threshold) & (lo > -threshold)).all()
+    One read pass: torch's multi-tensor inf-norm (``_foreach_norm(ord=inf)``: one kernel launch per chunk of
+    tensors on CUDA, NaN propagated), then the maximum of the per-tensor results; 0 when every tensor is empty.
+    No host read."""
+    present = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined
+    if not present:
+        return torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    return torch.stack(torch._foreach_norm(present, ord=math.inf)).max().float()
 
 
 def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
-    """0-d bool: some value has magnitude >= threshold or is not finite. One read pass (``aminmax``)."""
-    ext = _extremes(grads)
-    if ext is None:
-        return torch.zeros((), dtype=torch.bool, device=grads[0].device)
-    return _outside(*ext, threshold)
+    """0-d bool: some value has magnitude >= threshold or is not finite. One read pass."""
+    # "not below the threshold", so that NaN, which fails every comparison, counts
+    return ~(largest_magnitude(grads) < threshold)
 
 
 def check_with_amax_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, mode: OverflowMode = "inf_nan",
                      threshold: float = 65504.0) -> torch.Tensor:
     """Like :func:`check_`, and also return the largest magnitude (0-d float32; inf/NaN on overflow).
-    One read pass (``aminmax``); no host read."""
-    ext = _extremes(grads)
-    if ext is None:
-        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
-    lo, hi = ext
-    if mode == "saturation":
-        bad = _outside(lo, hi, threshold)
-    else:
-        bad = ~(torch.isfinite(lo).all() & torch.isfinite(hi).all())
-    found_inf.logical_or_(bad)
-    return torch.maximum(hi.max(), -lo.min())
+    One read pass (the check is the largest magnitude: not finite, or in saturation mode >= threshold); no host
+    read."""
+    amax = largest_magnitude(grads) if grads else torch.zeros((), dtype=torch.float32, device=found_inf.device)
+    bad = ~(amax < (threshold if mode == "saturation" else math.inf))
+    found_inf.logical_or_(bad.to(found_inf.device))
+    return amax
 
 
 _ONES: dict[torch.device, torch.Tensor] = {}
