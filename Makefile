@@ -1,7 +1,7 @@
 # Two commands for a fresh machine (Python 3.11, nothing installed):
 #   make demo   -> creates .venv, installs lossscale with the demo extra, runs the quick demo
-#   make test   -> creates .venv, installs lossscale with the dev, demo, lightning and accelerate extras,
-#                  runs the test suite (the integration tests run the real frameworks)
+#   make test   -> creates .venv, installs lossscale with the dev, demo, lightning, accelerate and transformers
+#                  extras, runs the test suite (the integration tests run the real frameworks)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -25,10 +25,10 @@ $(VENV)/.installed-%: pyproject.toml
 demo: $(VENV)/.installed-demo
 	$(PY) -m lossscale demo --quick --out demo-out
 
-test: $(VENV)/.installed-dev,demo,lightning,accelerate
+test: $(VENV)/.installed-dev,demo,lightning,accelerate,transformers
 	$(PY) -m pytest
 
-bench: $(VENV)/.installed-dev,demo,lightning,accelerate
+bench: $(VENV)/.installed-dev,demo,lightning,accelerate,transformers
 	$(PY) benchmarks/run_all.py
 
 clean:

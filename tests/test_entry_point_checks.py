@@ -176,7 +176,8 @@ def loads(call: str, table: list[tuple]) -> list[Refusal]:
 
 SCALER = {
     "GradScaler(...)": EntryPoint(nothing, bad_args("GradScaler", lambda w, **kw: GradScaler("cpu", **kw), [
-        ("enabled", "yes", ValueError), ("overflow_mode", "saturate", ValueError), ("policy", "dynamic", TypeError)])
+        ("enabled", "yes", ValueError), ("overflow_mode", "saturate", ValueError), ("policy", "dynamic", TypeError),
+        ("skip_mode", "masked", ValueError)])
         + bad_args("GradScaler", lambda w, **kw: GradScaler("cpu", **kw), [
             ("init_scale", 0.0, ValueError), ("init_scale", "1024", TypeError), ("growth_factor", 1.0, ValueError),
             ("backoff_factor", 1.5, ValueError), ("growth_interval", 0, ValueError)])
@@ -323,6 +324,9 @@ OPTIMIZER = {
         ("window missing", saved_with(window=None), ValueError, ("window", "None")),
         ("window precision float8", saved_with(window=(True, "float8")), ValueError, ("window", "float8")),
         ("window at micro_step 0", saved_with(micro_step=0), ValueError, ("micro_step=0", "window")),
+        ("loss_finite 'yes'", saved_with(loss_finite="yes"), ValueError, ("loss_finite", "'yes'")),
+        ("loss_finite at micro_step 0", saved_with(micro_step=0, accumulated_grads=None, window=None,
+                                                   loss_finite=False), ValueError, ("micro_step=0", "loss_finite")),
     ])),
     "EMA(...)": EntryPoint(nothing, bad_args("EMA", lambda w, **kw: EMA(**kw), [
         ("momentum", 1.0, ValueError), ("momentum", "0.9", TypeError), ("overwrite_every", 0, ValueError)])),

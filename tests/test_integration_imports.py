@@ -12,7 +12,8 @@ import pytest
 
 def test_importing_lossscale_imports_no_framework() -> None:
     code = ("import sys, lossscale, lossscale.integrations; "
-            "print(sorted(m for m in ('lightning', 'accelerate', 'lightning_fabric') if m in sys.modules))")
+            "print(sorted(m for m in ('lightning', 'accelerate', 'lightning_fabric', 'transformers') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -21,6 +22,7 @@ def test_importing_lossscale_imports_no_framework() -> None:
     ("lightning", "lightning", "lightning"),
     ("fabric", "lightning", "lightning"),
     ("accelerate", "accelerate", "accelerate"),
+    ("transformers", "transformers", "transformers"),
 ])
 def test_a_missing_framework_names_the_extra(monkeypatch: pytest.MonkeyPatch, module: str, framework: str,
                                              extra: str) -> None:

@@ -49,6 +49,9 @@ KIND = {
     "lossscale.integrations.lightning.LossScaleMonitor": "class",
     "lossscale.integrations.lightning.LossScalePrecision": "class",
     "lossscale.integrations.lightning.MixedPrecision": "class",
+    "lossscale.integrations.transformers": "module",
+    "lossscale.integrations.transformers.LossScaleCallback": "class",
+    "lossscale.integrations.transformers.use_lossscale": "function",
     "lossscale.ops.distributed": "module",
     "lossscale.ops.distributed.init_from_env": "function",
     "lossscale.ops.distributed.is_main_process": "function",
@@ -57,7 +60,7 @@ KIND = {
 }
 #: The framework an integration needs (an extra): without it, its names are skipped, saying so.
 FRAMEWORK = {"lossscale.integrations.lightning": "lightning", "lossscale.integrations.fabric": "lightning",
-             "lossscale.integrations.accelerate": "accelerate"}
+             "lossscale.integrations.accelerate": "accelerate", "lossscale.integrations.transformers": "transformers"}
 IS_KIND = {"module": lambda o: isinstance(o, types.ModuleType), "class": inspect.isclass,
            "function": inspect.isfunction}
 

@@ -399,6 +399,29 @@ def test_host_reads_are_torchs_one_for_a_step_skipped_on_the_host_and_none_for_f
     assert reads.count - bare == scaler_reads
 
 
+@pytest.mark.parametrize("opt_name", ["fused_adamw", "fused_sgd"])
+@pytest.mark.parametrize("clip", [True, False])
+def test_skip_mode_host_never_calls_a_fused_step_that_overflows_and_otherwise_trains_as_torch(opt_name, clip):
+    kw = dict(init_scale=2.0**12, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    ref_model, ref_opt, ref_scales, _ = train(torch.amp.GradScaler("cpu", **kw), opt_name, clip=clip)
+    calls = []
+    real = OPTIMIZERS[opt_name]
+
+    def counted(ps):
+        opt = real(ps)
+        opt.register_step_pre_hook(lambda *_: calls.append(1))
+        return opt
+
+    OPTIMIZERS[opt_name] = counted
+    try:
+        model, opt, scales, stepped = train(GradScaler("cpu", skip_mode="host", **kw), opt_name, clip=clip)
+    finally:
+        OPTIMIZERS[opt_name] = real
+    assert len(calls) == len(stepped) - len(INJECT)  # the kernel never ran on an overflowing step
+    assert scales == ref_scales and stepped == [i not in INJECT for i in range(len(stepped))]
+    assert_same_training((model, opt), (ref_model, ref_opt))
+
+
 def test_saturation_mode_skips_a_saturated_step_that_inf_nan_mode_applies():
     for mode, skipped in [("inf_nan", False), ("saturation", True)]:
         model = make_model()

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from collections import abc, defaultdict
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from lossscale import stages
-from lossscale.checks import ArgumentTypeError, StateDictError, check_process_group
+from lossscale.checks import ArgumentTypeError, StateDictError, check_choice, check_process_group
 from lossscale.ops import distributed as _dist
 from lossscale.ops.overflow import OverflowMode, check_mode, check_with_amax_, saturation_threshold, unscale_and_check_
 from lossscale.policies.base import Policy, check_policy
@@ -57,15 +57,23 @@ class GradScaler:
         overflow_mode: ``"inf_nan"`` (default) or ``"saturation"`` (scaled |g| >= finfo(saturation_dtype).max).
         saturation_dtype: The low-precision format whose max defines saturation (default float16).
         process_group: Where found_inf is reduced when torch.distributed is initialized (default: world).
+        skip_mode: ``"auto"`` (torch's): an optimizer that takes ``grad_scale``/``found_inf`` skips an overflowing
+            step in its kernel (``optimizer.step`` is called), others are skipped on the host. ``"host"``: every
+            step is decided on the host (one read of found_inf) and an overflowing step never calls
+            ``optimizer.step``, fused optimizers included, for code that watches whether it was called (HF
+            Accelerate's ``optimizer_step_was_skipped``, which holds the Trainer's LR schedule).
     """
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  policy: Policy | None = None, overflow_mode: OverflowMode = "inf_nan",
-                 saturation_dtype: torch.dtype = torch.float16, process_group: Any = None) -> None:
+                 saturation_dtype: torch.dtype = torch.float16, process_group: Any = None,
+                 skip_mode: Literal["auto", "host"] = "auto") -> None:
         policy = _policy_from_args(policy, dict(init_scale=init_scale, growth_factor=growth_factor,
                                                 backoff_factor=backoff_factor, growth_interval=growth_interval))
         check_mode("GradScaler", overflow_mode)
+        check_choice("GradScaler", "skip_mode", skip_mode, ("auto", "host"))
+        self.skip_mode = skip_mode
         if not isinstance(enabled, bool):
             raise ValueError(f"GradScaler(enabled={enabled!r}): enabled must be True or False; got {enabled!r}.")
         self._device = device
@@ -180,7 +188,7 @@ class GradScaler:
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
         """Unscale (unless done), then apply ``optimizer.step(*args, **kwargs)`` only if nothing overflowed.
-        Host reads: none for a fused optimizer, else one (found_inf)."""
+        Host reads: none for a fused optimizer (``skip_mode="auto"``), else one (found_inf)."""
         if not self._enabled:
             return ScalerStep(overflow=torch.zeros((), dtype=torch.bool), value=optimizer.step(*args, **kwargs))
         if "closure" in kwargs:
@@ -192,12 +200,13 @@ class GradScaler:
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("step() was already called for this optimizer since the last update(); call "
                                "update() after step() before stepping again.")
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and self.skip_mode == "auto":
             return self._fused_step(optimizer, record, *args, **kwargs)
         if record["stage"] is OptState.READY:
             self.unscale_(optimizer)
         overflow = self._found_inf_sum([record], "GradScaler.step(optimizer)")  # a count: > 0 overflowed
-        value = optimizer.step(*args, **kwargs) if stages.applies_on_host(overflow) else None  # one host read
+        applies = stages.applies_on_host(overflow, "GradScaler.step(optimizer)")  # one host read
+        value = optimizer.step(*args, **kwargs) if applies else None
         record["stage"] = OptState.STEPPED
         return ScalerStep(overflow=overflow, value=value)
 

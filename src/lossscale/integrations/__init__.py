@@ -1,12 +1,13 @@
 """Adapters at the extension points of training frameworks; each is an optional extra, imported on demand.
 
-=======================================  ===================================  ========================
-module                                   framework extension point            extra
-=======================================  ===================================  ========================
-``lossscale.integrations.lightning``     precision plugins, a callback        ``lossscale[lightning]``
-``lossscale.integrations.fabric``        Fabric's precision plugin            ``lossscale[lightning]``
-``lossscale.integrations.accelerate``    the ``Accelerator``'s scaler slot    ``lossscale[accelerate]``
-=======================================  ===================================  ========================
+=========================================  ===================================  ===========================
+module                                     framework extension point            extra
+=========================================  ===================================  ===========================
+``lossscale.integrations.lightning``       precision plugins, a callback        ``lossscale[lightning]``
+``lossscale.integrations.fabric``          Fabric's precision plugin            ``lossscale[lightning]``
+``lossscale.integrations.accelerate``      the ``Accelerator``'s scaler slot    ``lossscale[accelerate]``
+``lossscale.integrations.transformers``    the Trainer's accelerator, callback  ``lossscale[transformers]``
+=========================================  ===================================  ===========================
 
 Importing ``lossscale`` or ``lossscale.integrations`` imports no framework; importing one of the modules
 above without its framework raises an ImportError that names the extra to install.
