@@ -1,7 +1,12 @@
-"""Shared by the benchmark scripts: machine description, alternating timers, medians, tables."""
+"""Shared by the benchmark scripts: machine description, the --device option, alternating timers, medians, tables.
+
+On a CUDA device kernels run asynchronously: every timed call is bracketed by ``torch.cuda.synchronize()`` (the
+``sync`` of :func:`alternate_samples`, from :func:`synchronizer`), so a time is the call's and its kernels'.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -13,8 +18,8 @@ from typing import Callable
 import torch
 
 
-def machine() -> dict:
-    """What the numbers were measured on."""
+def machine(device: str = "cpu") -> dict:
+    """What the numbers were measured on; on a CUDA ``device``, also the GPU's name and the CUDA version."""
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -31,7 +36,7 @@ def machine() -> dict:
         flags = ",".join(x for x in ("avx2", "avx512f", "amx_tile", "avx512_fp16") if f" {x}" in text)
     except OSError:
         pass
-    return {
+    described = {
         "cpu": cpu,
         "cpu_flags": flags,
         "cores": os.cpu_count(),
@@ -40,6 +45,29 @@ def machine() -> dict:
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+    if torch.device(device).type == "cuda":
+        described.update(device=device, gpu=torch.cuda.get_device_name(device), cuda_version=torch.version.cuda)
+    return described
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """``--device`` (default cpu): where the benchmark's tensors live and its steps run."""
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu); on CUDA every timed "
+                                                        "call is bracketed by torch.cuda.synchronize()")
+
+
+def checked_device(parser: argparse.ArgumentParser, device: str) -> str:
+    """``device`` if torch can place a tensor there, else the parser's error (one line, exit status 2)."""
+    try:
+        torch.empty(0, device=device)
+    except Exception as err:  # RuntimeError, or AssertionError from a build without that device
+        parser.error(f"argument --device: {device!r} is not usable here ({str(err).splitlines()[0]})")
+    return device
+
+
+def synchronizer(device: str) -> Callable[[], None]:
+    """What to call before and after a timed call: ``torch.cuda.synchronize`` on a CUDA device, else nothing."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
 
 def alternate_samples(contenders: dict[str, Callable[[], None]], rounds: int,

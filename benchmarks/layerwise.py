@@ -8,7 +8,7 @@ backward signal attenuated by 2**-4), alternating in one process:
     (what a global scale needs), against ``LayerScales.unscale_`` + ``update`` (per unit: aminmax,
     multiply, then ~20 ops on [units] tensors).
 
-    python benchmarks/layerwise.py [--width 256] [--blocks 12] [--batch 256] [--tiny]
+    python benchmarks/layerwise.py [--width 256] [--blocks 12] [--batch 256] [--tiny] [--device cuda]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternate, emit, machine, table  # noqa: E402
+from _common import add_device_argument, alternate, checked_device, emit, machine, synchronizer, table  # noqa: E402
 
 from lossscale.addons.layerwise import LayerScales  # noqa: E402
 
@@ -53,16 +53,17 @@ def deep_net(blocks: int, width: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*mods)
 
 
-def measure(blocks: int, width: int, batch: int, rounds: int) -> list[dict]:
-    plain, hooked = deep_net(blocks, width), deep_net(blocks, width)
+def measure(blocks: int, width: int, batch: int, rounds: int, device: str = "cpu") -> list[dict]:
+    plain, hooked = deep_net(blocks, width).to(device), deep_net(blocks, width).to(device)
     layers = LayerScales(hooked)
-    x = torch.randn(batch, width)
-    scale = torch.tensor(2.0**16)
+    x = torch.randn(batch, width, device=device)
+    scale = torch.tensor(2.0**16, device=device)
+    sync = synchronizer(device)
 
     def backward(model: torch.nn.Module) -> None:
         for p in model.parameters():
             p.grad = None
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(torch.device(device).type, dtype=torch.float16):
             out = model(x)
         (out.float().square().mean() * scale).backward()
 
@@ -81,15 +82,15 @@ def measure(blocks: int, width: int, batch: int, rounds: int) -> list[dict]:
             p.grad.copy_(s)
 
     def global_unscale() -> None:
-        found = torch.zeros(())
+        found = torch.zeros((), device=device)
         torch._foreach_mul_(grads, scale.reciprocal())
         found += (~torch.isfinite(torch.stack([g.sum() for g in grads]))).any()
 
     def layer_unscale() -> None:
         layers.update(*layers.unscale_(scale), scale)
 
-    passes = alternate({"global": lambda: backward(plain), "LayerScales": lambda: backward(hooked)}, rounds)
-    unscale = alternate({"global": global_unscale, "LayerScales": layer_unscale}, rounds, setup=restore)
+    passes = alternate({"global": lambda: backward(plain), "LayerScales": lambda: backward(hooked)}, rounds, sync=sync)
+    unscale = alternate({"global": global_unscale, "LayerScales": layer_unscale}, rounds, setup=restore, sync=sync)
     units = len(layers.units)
     return [
         {"part": "forward + backward", "global ms": passes["global"] * 1e3,
@@ -109,13 +110,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json", default=None)
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    device = checked_device(parser, args.device)
     if args.tiny:
         args.width, args.blocks, args.batch, args.rounds = 16, 3, 8, 2
-    rows = measure(args.blocks, args.width, args.batch, args.rounds)
-    md = (f"{args.blocks} blocks of Linear({args.width}, {args.width}), LayerNorm, Tanh under float16 autocast "
-          f"(CPU), batch {args.batch}; median of {args.rounds} alternating rounds:\n\n" + table(rows, list(rows[0])))
-    payload = {"machine": machine(), "rows": rows, "markdown": md}
+    rows = measure(args.blocks, args.width, args.batch, args.rounds, device)
+    md = (f"Device: {device}. {args.blocks} blocks of Linear({args.width}, {args.width}), LayerNorm, Tanh under "
+          f"float16 autocast, batch {args.batch}; median of {args.rounds} alternating rounds:\n\n"
+          + table(rows, list(rows[0])))
+    payload = {"machine": machine(device), "rows": rows, "markdown": md}
     emit("layerwise", payload, args.json)
     return payload
 

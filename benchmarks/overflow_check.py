@@ -10,6 +10,7 @@ Contenders, all on the same float32 gradients (about 100 tensors):
   floor: _foreach_mul_          a read+write pass
 
     python benchmarks/overflow_check.py --millions 50
+    python benchmarks/overflow_check.py --device cuda --millions 500
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternate, emit, machine, table  # noqa: E402
+from _common import add_device_argument, alternate, checked_device, emit, machine, synchronizer, table  # noqa: E402
 
 from lossscale.ops.overflow import check_, unscale_and_check_  # noqa: E402
 
@@ -33,13 +34,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json", default=None)
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    device = checked_device(parser, args.device)
     total = 20_000 if args.tiny else int(args.millions * 10**6)
     torch.manual_seed(0)
-    grads = [torch.randn(total // args.tensors) for _ in range(args.tensors)]
+    grads = [torch.randn(total // args.tensors, device=device) for _ in range(args.tensors)]
     nbytes = sum(g.numel() * g.element_size() for g in grads)
-    found = torch.zeros(())
-    one = torch.ones(())
+    found = torch.zeros((), device=device)
+    one = torch.ones((), device=device)
 
     contenders = {
         "lossscale inf_nan check": lambda: check_(grads, found, "inf_nan"),
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
         "floor: per-tensor sum": lambda: [g.sum() for g in grads],
         "floor: _foreach_mul_": lambda: torch._foreach_mul_(grads, one),
     }
-    t = alternate(contenders, 2 if args.tiny else args.rounds)
+    t = alternate(contenders, 2 if args.tiny else args.rounds, sync=synchronizer(device))
     read_floor = min(t["floor: _foreach_norm"], t["floor: per-tensor sum"])
     rows = []
     for name, secs in t.items():
@@ -62,10 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
         "inf_nan check bandwidth / best read floor": read_floor / t["lossscale inf_nan check"],
         "saturation check bandwidth / best read floor": read_floor / t["lossscale saturation check"],
     }
-    md = (f"{nbytes / 1e6:.0f} MB of float32 gradients in {args.tensors} tensors.\n\n"
+    md = (f"Device: {device}. {nbytes / 1e6:.0f} MB of float32 gradients in {args.tensors} tensors.\n\n"
           + table(rows, ["pass", "ms", "GB/s", "vs best read floor"]) + "\n\n"
           + table([{"ratio": k, "value": v} for k, v in summary.items()], ["ratio", "value"]))
-    payload = {"machine": machine(), "rows": rows, "summary": summary, "markdown": md}
+    payload = {"machine": machine(device), "rows": rows, "summary": summary, "markdown": md}
     emit("overflow_check", payload, args.json)
     return payload
 

@@ -11,7 +11,9 @@ Three measurements, all in one process:
   3. The demo model (``lossscale demo`` runs fp16-dynamic and fp16-predictive): skipped steps, final
      held-out loss, measured underflow and seconds, when the demo is installed.
 
-    python benchmarks/predictive.py [--seeds 3] [--tiny]
+    python benchmarks/predictive.py [--seeds 3] [--tiny] [--device cuda]
+
+``--device`` places the step-time measurement (2) and the demo (3); the streams (1) are simulated on the CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _streams as streams  # noqa: E402
-from _common import alternate, emit, grad_restorer, machine, table  # noqa: E402
+from _common import (add_device_argument, alternate, checked_device, emit, grad_restorer, machine,  # noqa: E402
+                     synchronizer, table)
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
 
@@ -52,9 +55,9 @@ def _log2(x: float) -> int:
     return int(math.log2(x))
 
 
-def step_time(total: int, rounds: int) -> dict[str, float]:
+def step_time(total: int, rounds: int, device: str = "cpu") -> dict[str, float]:
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(total // 100) * 0.02) for _ in range(100)]
+    params = [torch.nn.Parameter(torch.randn(total // 100, device=device) * 0.02) for _ in range(100)]
     base = [torch.randn_like(p) * 1e-3 * 2**16 for p in params]
     opts = {
         "DynamicScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True), policy=DynamicScale()),
@@ -64,10 +67,10 @@ def step_time(total: int, rounds: int) -> dict[str, float]:
 
     restore = grad_restorer(params, base)
 
-    return alternate({name: opt.step for name, opt in opts.items()}, rounds, setup=restore)
+    return alternate({name: opt.step for name, opt in opts.items()}, rounds, setup=restore, sync=synchronizer(device))
 
 
-def demo_comparison(steps: int | None, quick: bool) -> list[dict]:
+def demo_comparison(steps: int | None, quick: bool, device: str = "cpu") -> list[dict]:
     try:
         from lossscale.demo.cli import main as demo_main
         from lossscale.demo.train import RUNS
@@ -79,7 +82,7 @@ def demo_comparison(steps: int | None, quick: bool) -> list[dict]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
-        argv = ["--runs", "fp16-dynamic,fp16-predictive", "--out", out]
+        argv = ["--runs", "fp16-dynamic,fp16-predictive", "--out", out, "--device", device]
         if quick:
             argv.append("--quick")
         if steps is not None:
@@ -102,19 +105,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--full-demo", action="store_true", help="the demo's default run instead of --quick")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json", default=None)
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    device = checked_device(parser, args.device)
     rows = stream_rows(2_000 if args.tiny else args.stream_steps, 1 if args.tiny else args.seeds)
-    t = step_time(20_000 if args.tiny else int(args.millions * 10**6), 2 if args.tiny else args.rounds)
+    t = step_time(20_000 if args.tiny else int(args.millions * 10**6), 2 if args.tiny else args.rounds, device)
     timing = [{"policy": k, "LossScaleOptimizer.step ms": v * 1e3, "ratio to DynamicScale": v / t["DynamicScale"]}
               for k, v in t.items()]
-    demo = [] if args.tiny else demo_comparison(args.demo_steps, quick=not args.full_demo)
+    demo = [] if args.tiny else demo_comparison(args.demo_steps, quick=not args.full_demo, device=device)
 
     md = ("Seeded synthetic streams (`benchmarks/_streams.py`: a step overflows when its max |g| x scale >= 65504; "
           "underflow = mean share of gradient values float16 rounds to zero on applied steps; torch's rule is "
           "advanced by `torch._amp_update_scale_`). iid-max is the hard case: step maxima with no structure "
           "to forecast.\n\n"
           + table(rows, list(rows[0])) + "\n\n"
-          + f"Step time on {('20k' if args.tiny else f'{args.millions:g}M')} float32 parameters, fused AdamW:\n\n"
+          + f"Step time on {('20k' if args.tiny else f'{args.millions:g}M')} float32 parameters, fused AdamW, on "
+          f"{device}:\n\n"
           + table(timing, list(timing[0])))
     if demo:
         quick = "" if args.full_demo else " --quick"
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
                f"{quick} --steps {args.demo_steps}`; fp16-dynamic is DynamicScale(init_scale=2**32, "
                "growth_interval=20), fp16-predictive PredictiveScale(init_scale=2**32)):\n\n")
         md += table(demo, list(demo[0]))
-    payload = {"machine": machine(), "rows": rows, "timing": timing, "demo": demo, "markdown": md}
+    payload = {"machine": machine(device), "rows": rows, "timing": timing, "demo": demo, "markdown": md}
     emit("predictive", payload, args.json)
     return payload
 

@@ -3,9 +3,13 @@
     python benchmarks/run_all.py            # full sizes (tens of minutes on 2 CPU cores)
     python benchmarks/run_all.py --tiny     # seconds; what the test suite runs
     python benchmarks/run_all.py --only step_overhead,masked_memory --extra "step_overhead=--sizes 1,20"
+    python benchmarks/run_all.py --device cuda   # the GPU sections (GPU_BENCHMARKS; minutes on one H100)
 
-With ``--only``, the chosen sections are replaced in the existing file and the others kept. Every
-section states the command, the date and the machine (CPU flags included) it was measured on.
+With ``--only``, the chosen sections are replaced in the existing file and the others kept. A full run
+replaces its own device's sections and keeps the other's: ``--device cuda`` writes the sections titled
+"GPU: ...", each headed by the GPU's name and the torch and CUDA versions, and leaves the CPU sections
+as they were. Every section states the command, the date and the machine (CPU flags included) it was
+measured on.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ import argparse
 import datetime
 import importlib
 import json
+import shlex
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -30,6 +37,21 @@ BENCHMARKS = [
     ("end_to_end", "End to end: the demo model's training step", ["--threads", "1", "--rounds", "41"]),
     ("predictive", "Predictive scale against torch's defaults", []),
     ("layerwise", "Per-layer loss scales: hook and unscale overhead", []),
+    ("language_model", "Language model: a tiny GPT-2 with global, predictive and per-layer scales", []),
+    ("many_tensors", "Many small tensors: 2,000 tensors against torch's pipeline", []),
+]
+# (module, title, arguments for a full run) with --device cuda: each also gets --device; sized together for a few
+# minutes on one H100 (1B parameters in 100 tensors and a 350M transformer layout: about 25 GB of device memory)
+GPU = "GPU: "
+GPU_BENCHMARKS = [
+    ("step_overhead", GPU + "step overhead against torch.amp.GradScaler at 1B and 350M",
+     ["--sizes", "1000", "--optimizers", "fused AdamW,foreach Adam", "--scaling-sizes", "",
+      "--layouts", "100 tensors,transformer", "--layout-size", "350"]),
+    ("many_tensors", GPU + "many small tensors, 2,000 tensors against torch's pipeline", []),
+    ("host_reads", GPU + "host reads and synchronisations per step", []),
+    ("graphs", GPU + "a step replayed from a CUDA graph against the eager step", []),
+    ("end_to_end", GPU + "end to end, a small transformer's training step",
+     ["--d-model", "512", "--layers", "6", "--heads", "8", "--context", "256", "--sequences", "32", "--rounds", "21"]),
 ]
 
 
@@ -41,12 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-dir", default=None, help="keep each benchmark's JSON output in this folder")
     parser.add_argument("--extra", action="append", default=[],
                         help='NAME=ARGS: more arguments for one benchmark, e.g. "step_overhead=--sizes 1,20"')
+    parser.add_argument("--device", default="cpu", help="cpu (default: BENCHMARKS) or a CUDA device "
+                                                        "(GPU_BENCHMARKS, written as the GPU sections)")
     args = parser.parse_args(argv)
     extras = {k: v.split() for k, v in (e.split("=", 1) for e in args.extra)}
-    chosen = [b for b in BENCHMARKS if args.only is None or b[0] in args.only.split(",")]
+    gpu = torch.device(args.device).type == "cuda"
+    if gpu and not torch.cuda.is_available():
+        parser.error(f"argument --device: {args.device!r} is not usable here (torch.cuda.is_available() is False)")
+    device_args = ["--device", args.device] if gpu else []
+    chosen = [b for b in (GPU_BENCHMARKS if gpu else BENCHMARKS) if args.only is None or b[0] in args.only.split(",")]
     sections: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.json_dir or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
         for name, title, extra in chosen:
             try:
                 module = importlib.import_module(name)
@@ -55,25 +84,47 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # a benchmark not written yet
                 raise
             json_path = str(folder / f"{name}.json")
-            argv_b = (["--tiny"] if args.tiny else extra) + extras.get(name, [])
+            argv_b = (["--tiny"] if args.tiny else extra) + extras.get(name, []) + device_args
             module.main(argv_b + ["--json", json_path])
             with open(json_path) as f:
                 payload = json.load(f)
-            machine = ", ".join(f"{k}={v}" for k, v in payload.get("machine", {}).items())
-            command = " ".join([f"python benchmarks/{name}.py", *argv_b])
-            sections[title] = (f"## {title}\n\n`{command}` on {datetime.date.today().isoformat()}\n\n"
+            described = payload.get("machine", {})
+            machine = ", ".join(f"{k}={v}" for k, v in described.items())
+            command = " ".join([f"python benchmarks/{name}.py", *map(shlex.quote, argv_b)])
+            device = (f"Device: {described.get('gpu')}, torch {described.get('torch')}, CUDA "
+                      f"{described.get('cuda_version')}\n\n" if gpu else "")
+            sections[title] = (f"## {title}\n\n{device}`{command}` on {datetime.date.today().isoformat()}\n\n"
                                f"Machine: {machine}\n\n{payload['markdown']}\n")
     head = ["# Benchmark results", "",
             "Generated by `python benchmarks/run_all.py` (sections may be regenerated one at a time with "
-            "`--only`). Do not edit by hand.", ""]
-    merged = _merge(Path(args.out), sections) if args.only else [sections[t] for _, t, _ in chosen if t in sections]
+            "`--only`; the GPU sections by `--device cuda`). Do not edit by hand.", ""]
+    merged = _combined(Path(args.out), sections, [t for _, t, _ in chosen], gpu, bool(args.only))
     Path(args.out).write_text("\n".join(head) + "\n" + "\n".join(merged))
     print(f"wrote {args.out}")
     return 0
 
 
+def _combined(path: Path, fresh: dict[str, str], order: list[str], gpu: bool, only: bool) -> list[str]:
+    """The sections to write: with ``only``, :func:`_merge`; else this device's sections anew (in ``order``) and the
+    other device's kept from ``path``, the CPU sections first."""
+    if only:
+        return _merge(path, fresh)
+    new = [fresh[title] for title in order if title in fresh]
+    kept = [text for title, text in _sections(path).items() if title.startswith(GPU) != gpu]
+    return kept + new if gpu else new + kept
+
+
 def _merge(path: Path, fresh: dict[str, str]) -> list[str]:
     """The sections of ``path`` in their order, the fresh ones replacing theirs (new ones appended)."""
+    old = _sections(path)
+    out = [fresh.get(title, text) for title, text in old.items()]
+    out += [text for title, text in fresh.items() if title not in old]
+    return out
+
+
+def _sections(path: Path) -> dict[str, str]:
+    """title -> section text of ``path`` (none if it does not exist), in file order; a section written when the
+    machine was in the file's header gets that line."""
     old: dict[str, str] = {}
     if path.exists():
         head, *parts = path.read_text().split("\n## ")
@@ -84,9 +135,7 @@ def _merge(path: Path, fresh: dict[str, str]) -> list[str]:
                 first, rest = body.lstrip("\n").split("\n", 1)
                 body = f"\n{first}\n\n{machine[0]}\n{rest}"
             old[title.strip()] = f"## {title}\n{body.rstrip()}\n"
-    out = [fresh.get(title, text) for title, text in old.items()]
-    out += [text for title, text in fresh.items() if title not in old]
-    return out
+    return old
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ gradient, W = one write), counted structurally by a dispatch mode (``_passes.py`
 
     python benchmarks/step_overhead.py    # every optimizer at 20M, two at 1M and 100M; 100 tensors; layouts at 20M
     python benchmarks/step_overhead.py --sizes 20 --rounds 15 --optimizers "fused AdamW"
+    python benchmarks/step_overhead.py --device cuda --sizes 1000 --optimizers "fused AdamW,foreach Adam" \
+        --scaling-sizes "" --layouts "100 tensors,transformer" --layout-size 350     # 1B in 100 tensors, 350M
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternate_samples, emit, grad_restorer, machine, paired_ratio, summarize, table  # noqa: E402
+from _common import (add_device_argument, alternate_samples, checked_device, emit, grad_restorer,  # noqa: E402
+                     machine, paired_ratio, summarize, synchronizer, table)
 from _passes import count_passes, passes_text  # noqa: E402
 
 from lossscale import DynamicScale, GradScaler, LossScaleOptimizer  # noqa: E402
@@ -64,8 +67,8 @@ LAYOUTS = {
 }
 
 
-def params_of(total: int, layout: str) -> list[torch.nn.Parameter]:
-    return [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in LAYOUTS[layout](total)]
+def params_of(total: int, layout: str, device: str = "cpu") -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(shape, device=device) * 0.02) for shape in LAYOUTS[layout](total)]
 
 
 def _floors(grads: list[torch.Tensor]) -> dict:
@@ -76,10 +79,11 @@ def _floors(grads: list[torch.Tensor]) -> dict:
     }
 
 
-def _ready(scaler_type):
-    """A CPU scaler of ``scaler_type`` at SCALE that never grows, its scale tensor made as a backward would."""
-    scaler = scaler_type("cpu", init_scale=SCALE, growth_interval=10**9)
-    scaler.scale(torch.ones(()))
+def _ready(scaler_type, device: str):
+    """A scaler of ``scaler_type`` at SCALE that never grows, its scale tensor made on ``device`` as a backward
+    would."""
+    scaler = scaler_type(device, init_scale=SCALE, growth_interval=10**9)
+    scaler.scale(torch.ones((), device=device))
     return scaler
 
 
@@ -93,7 +97,8 @@ def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> d
     """The timed callables, every one stepping one shared optimizer over the shared parameters."""
     make = OPTIMIZERS[opt_name]
     shared = make(params)
-    scaler, ours_gs = _ready(torch.amp.GradScaler), _ready(GradScaler)
+    device = str(params[0].device)
+    scaler, ours_gs = _ready(torch.amp.GradScaler, device), _ready(GradScaler, device)
     lso = _lso(shared, clip)
 
     def pipeline(s, opt):
@@ -108,7 +113,7 @@ def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> d
     fns = {"bare": shared.step, "torch": pipeline(scaler, shared), "LSO": lso.step,
            "GS": pipeline(ours_gs, shared), "_skip_mode": lso.skip_mode}
     if getattr(shared, "_step_supports_amp_scaling", False):
-        fns["kernel"] = _kernel_unscaling(shared)
+        fns["kernel"] = _kernel_unscaling(shared, device)
     else:
         fns.update(_pipelines_alone(params, make, clip, pipeline))
     return fns
@@ -121,14 +126,15 @@ def _pipelines_alone(params: list[torch.nn.Parameter], make, clip: bool, pipelin
     only: a fused kernel unscales inside the step."""
     idle = make(params)
     idle.step = lambda *args, **kwargs: None
-    return {"torch alone": pipeline(_ready(torch.amp.GradScaler), idle), "LSO alone": _lso(idle, clip).step}
+    device = str(params[0].device)
+    return {"torch alone": pipeline(_ready(torch.amp.GradScaler, device), idle), "LSO alone": _lso(idle, clip).step}
 
 
-def _kernel_unscaling(opt: torch.optim.Optimizer):
+def _kernel_unscaling(opt: torch.optim.Optimizer, device: str):
     """The bare fused step handed ``grad_scale`` (1.0) and ``found_inf`` (0): what the kernel's own
     unscaling costs (it divides every gradient and stores it back), a cost no scaler that unscales in
     the kernel can avoid."""
-    one, zero = torch.ones(()), torch.zeros(())
+    one, zero = torch.ones((), device=device), torch.zeros((), device=device)
 
     def run() -> None:
         opt.grad_scale, opt.found_inf = one, zero
@@ -139,16 +145,16 @@ def _kernel_unscaling(opt: torch.optim.Optimizer):
     return run
 
 
-def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int) -> dict:
+def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int, device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    params = params_of(total, layout)
+    params = params_of(total, layout, device)
     base = [torch.randn_like(p) * 1e-3 * SCALE for p in params]
     restore = grad_restorer(params, base)
     restore("")
     fns = contenders(params, opt_name, clip)
     skip_mode = fns.pop("_skip_mode")
     fns.update(_floors([p.grad for p in params]))
-    samples = alternate_samples(fns, rounds, setup=restore)
+    samples = alternate_samples(fns, rounds, setup=restore, sync=synchronizer(device))
     t = summarize(samples, STAT)
     floor = min(t["floor sum"], t["floor norm"])
     floors = _round_floors(samples)
@@ -237,18 +243,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stat", default="median", choices=["median", "min"], help="over rounds (min: shared CPUs)")
     parser.add_argument("--tiny", action="store_true", help="a few thousand parameters (for the test suite)")
     parser.add_argument("--json", default=None)
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    device = checked_device(parser, args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     global STAT
     STAT = args.stat
     rows = []
     for total, layout, opt_name, clip in plan(args):
-        row = measure(total, layout, opt_name, clip, 2 if args.tiny else rounds_for(total, args.rounds))
+        row = measure(total, layout, opt_name, clip, 2 if args.tiny else rounds_for(total, args.rounds), device)
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               file=sys.stderr, flush=True)
-    md = (f"Times in ms, {STAT}s over {2 if args.tiny else args.rounds} alternating rounds ({MORE_ROUNDS_BELOW // 10**6}M "
+    md = (f"Device: {device}. Times in ms, {STAT}s over {2 if args.tiny else args.rounds} alternating rounds "
+          f"({MORE_ROUNDS_BELOW // 10**6}M "
           f"parameters and more; smaller rows get proportionally more, up to {MAX_ROUND_FACTOR}x: 1M rows take a "
           "few ms a step and their fixed cost is what they measure). Every contender steps one shared optimizer "
           "(one optimizer state in one place in memory: twins over optimizers of their own differ by up to 3.4% at "
@@ -269,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
           "mode: R = one read of every gradient, W = one write; *ops* = aten calls beyond the bare step (the "
           "fixed cost per step). LSO = LossScaleOptimizer, GS = "
           "lossscale.GradScaler.\n\n" + table(rows, COLUMNS))
-    payload = {"machine": machine(), "rows": rows, "markdown": md}
+    payload = {"machine": machine(device), "rows": rows, "markdown": md}
     emit("step_overhead", payload, args.json)
     return payload
 

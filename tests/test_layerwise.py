@@ -3,7 +3,11 @@ wired into LossScaleOptimizer(layerwise=...).
 
 The deep network: 12 blocks of Linear, LayerNorm, Tanh under float16 autocast on CPU, each block's backward signal
 attenuated by 2**-4 (2**-48 from the last block to the first, more than float16's whole range). With one global
-scale the first blocks get no gradient at all; per-layer scales keep every module's gradients.
+scale the first blocks get no gradient at all; per-layer scales keep every module's gradients, from the first step.
+
+The language models: a tiny GPT-2 (transformers, built from a config) and a Llama-style model written here, both with
+tied input and output embeddings and residual streams, with per-layer scales on the whole model or on the blocks
+only; checked against a float32 backward pass.
 """
 
 import copy
@@ -267,9 +271,11 @@ def test_layer_scales_name_every_unit_and_give_total_scales(calibrated):
 
 
 def test_wrong_wiring_is_a_clear_error():
-    shared = torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="shared by units"):
-        LayerScales([shared, torch.nn.Sequential(shared)])
+    inner = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"unit '1:Sequential' contains unit '0:Linear'.*pass either the outer"):
+        LayerScales([inner, torch.nn.Sequential(inner)])
+    with pytest.raises(ValueError, match="are the same module; list each unit once"):
+        LayerScales([inner, inner])
 
     class OwnsAndContains(torch.nn.Module):
         def __init__(self):
@@ -391,11 +397,11 @@ def test_checkpoint_mid_run_continues_the_same_trajectory():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
-def test_a_parameter_outside_every_unit_is_refused():
-    model = deep_net()
-    extra = torch.nn.Parameter(torch.zeros(3))
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\[48\] of the inner optimizer belongs to no unit"):
-        LossScaleOptimizer(torch.optim.SGD([*model.parameters(), extra], lr=0.1), layerwise=model)
+def test_an_optimizer_with_no_parameter_in_any_unit_is_refused():
+    model, other = deep_net(), deep_net(seed=1)
+    with pytest.raises(ValueError, match=r"layerwise=Sequential\): none of the inner optimizer's 48 parameters "
+                                         r"belongs to a unit.*pass the model whose parameters the optimizer updates"):
+        LossScaleOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), layerwise=model)
 
 
 @pytest.mark.parametrize("skip_mode", ["host", "masked"])
@@ -416,3 +422,380 @@ def test_an_overflow_skips_the_step_exactly_with_clipping_and_each_skip_mode(ski
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     after = opt.state[next(model.parameters())]
     assert all(torch.equal(v, after[k]) for k, v in state.items())
+
+
+# --- the first backward pass sets the factors --------------------------------------------------------
+
+def test_every_unit_has_its_gradient_from_the_first_step():
+    """The first backward sets each factor as the gradient reaches its unit, so no step is spent calibrating: from
+    step 0 every parameter's unscaled gradient is nonzero and close to float32's (once each unit's factor rose
+    from the global scale step by step, and the first three blocks had all-zero gradients for four steps)."""
+    model = deep_net()
+    for step, grads, skipped, layers, _ in train(model, 5, layerwise=True):
+        ref = model_before_step(model, grads, step)
+        for p in ref.parameters():
+            p.grad = None
+        loss_of(ref, step, half=False).backward()
+        for i, (g, p) in enumerate(zip(grads, ref.parameters())):
+            assert bool((g != 0).any()), f"step {step}: parameter {i} has an all-zero gradient"
+            error = float((g - p.grad).norm() / p.grad.norm())
+            assert error < 0.02, f"step {step}: parameter {i} is {error:.3%} from float32's"
+        if step == 0:
+            assert float(layers.exponent[0]) >= 32  # the first block's factor, set in the first backward pass
+        else:
+            assert max(zero_shares(model_before_step(model, grads, step), grads, step)) < 1e-3
+    assert skipped == 0
+
+
+def test_factors_set_by_the_first_backward_stay_for_the_rest_of_the_window():
+    """Micro-batches accumulate at one factor per unit: only the very first backward pass sets factors."""
+    model = deep_net()
+    layers = LayerScales(model)
+    (loss_of(model, 0, half=True) * 2.0**16).backward()
+    first = layers.exponent.clone()
+    (loss_of(model, 1, half=True) * 2.0**16).backward()
+    assert float(first.max()) >= 32 and torch.equal(layers.exponent, first)
+
+
+def test_forward_backward_and_step_read_nothing_on_the_host_from_the_first_step():
+    model = deep_net()
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), layerwise=model, skip_mode="masked")
+    for step in range(3):  # the first backward (sets the factors, reads the wiring), then steady steps
+        with HostReadCounter() as reads:
+            opt.zero_grad()
+            opt.backward(loss_of(model, step, half=True))
+            opt.step()
+        assert reads.count == 0, f"step {step}"
+
+
+def test_a_checkpoint_before_the_first_backward_still_sets_the_factors_there():
+    model = deep_net()
+    saved = LayerScales(deep_net()).state_dict()
+    assert saved["calibrated"] is False
+    layers = LayerScales(model)
+    layers.load_state_dict(saved)
+    (loss_of(model, 0, half=True) * 2.0**16).backward()
+    assert float(layers.exponent.max()) >= 32
+    older = {k: v for k, v in saved.items() if k != "calibrated"}  # a checkpoint from before the flag
+    layers.load_state_dict({**older, "observed": [True] * len(older["observed"])})
+    assert layers.state_dict()["calibrated"] is True
+    with pytest.raises(ValueError, match="calibrated must be a bool"):
+        layers.load_state_dict({**saved, "calibrated": 1})
+
+
+# --- language models: tied embeddings, residual streams, parameters outside the units ------------------
+
+VOCAB, CONTEXT, DIM = 64, 16, 32
+
+
+def gpt2(n_layer=2):
+    """A tiny GPT-2 (transformers, random init): the input and output embeddings are one parameter."""
+    import transformers  # a dev dependency: a missing package fails here, loudly
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=DIM, n_layer=n_layer, n_head=2,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class LlamaBlock(torch.nn.Module):
+    """Pre-norm attention (rotary positions, causal) and a SwiGLU MLP, each on a residual stream."""
+
+    def __init__(self, dim, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.gate, self.up = torch.nn.Linear(dim, 2 * dim, bias=False), torch.nn.Linear(dim, 2 * dim, bias=False)
+        self.down = torch.nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (proj(h).view(b, t, self.heads, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        q, k = (rotate(z, cos, sin) for z in (q, k))
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        scores = scores.float().masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+        attn = (scores.softmax(-1).to(v.dtype) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.o(attn)
+        h = self.mlp_norm(x)
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+def rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + turned * sin).to(x.dtype)
+
+
+class TinyLlama(torch.nn.Module):
+    """A Llama-style language model whose output projection is the input embedding: an ``nn.Linear`` sharing its
+    weight (``tie="module"``), or ``F.linear`` on the embedding's weight in this forward (``tie="functional"``)."""
+
+    def __init__(self, tie="module", blocks=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.blocks = torch.nn.ModuleList(LlamaBlock(DIM) for _ in range(blocks))
+        self.norm = RMSNorm(DIM)
+        self.tie = tie
+        if tie == "module":
+            self.lm_head = torch.nn.Linear(DIM, VOCAB, bias=False)
+            self.lm_head.weight = self.embed.weight
+        half = DIM // 4  # half of a head's width (2 heads)
+        angles = torch.outer(torch.arange(CONTEXT).float(), 10000.0 ** (-torch.arange(half).float() / half))
+        self.register_buffer("cos", torch.cat([angles.cos()] * 2, -1), persistent=False)
+        self.register_buffer("sin", torch.cat([angles.sin()] * 2, -1), persistent=False)
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x, self.cos[: ids.shape[1]], self.sin[: ids.shape[1]])
+        h = self.norm(x)
+        logits = self.lm_head(h) if self.tie == "module" else torch.nn.functional.linear(h, self.embed.weight)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), labels[:, 1:].reshape(-1))
+
+
+LANGUAGE_MODELS = {
+    "gpt2": (gpt2, lambda m: m),
+    "gpt2, blocks only": (gpt2, lambda m: list(m.transformer.h)),
+    "gpt2, embeddings and blocks": (gpt2, lambda m: [m.transformer.wte, *m.transformer.h, m.lm_head]),
+    "llama": (TinyLlama, lambda m: m),
+    "llama, blocks only": (TinyLlama, lambda m: list(m.blocks)),
+    "llama, functional tie": (lambda: TinyLlama(tie="functional"), lambda m: m),
+}
+
+
+def lm_batch(step):
+    return torch.randint(0, VOCAB, (4, CONTEXT), generator=torch.Generator().manual_seed(step))
+
+
+def lm_loss(model, ids, half=False):
+    with torch.autocast("cpu", dtype=torch.float16, enabled=half):
+        out = model(ids, labels=ids)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def lm_grads(model, ids):
+    for p in model.parameters():
+        p.grad = None
+    lm_loss(model, ids).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", list(LANGUAGE_MODELS))
+def test_language_models_unscale_exactly_whatever_the_factors(case):
+    unscales_exactly(case)
+
+
+def unscales_exactly(case):
+    """Float32, factors far apart (2**1 .. 2**23 per unit) against factors 1, on the same wiring: the unscaled
+    gradients are equal bit for bit, since every contribution to a gradient carries its unit's factor, a power of two,
+    whatever the wiring: residual streams, tied embeddings (one factor for the units that share the parameter),
+    parameters outside the units. Both are within float32's rounding of the plain backward (whose sums of three or
+    more contributions may run in another order)."""
+    build, units_of = LANGUAGE_MODELS[case]
+    runs = {}
+    for name, exponent in (("apart", lambda i: float(1 + (7 * i) % 23)), ("ones", lambda i: 0.0)):
+        model = build()
+        layers = LayerScales(units_of(model))
+        layers.load_state_dict({**layers.state_dict(), "calibrated": True,
+                                "exponent": [exponent(i) for i in range(len(layers.units))]})
+        grads = []
+        for step in range(2):  # the first backward reads the wiring; the second runs on it
+            for p in model.parameters():
+                p.grad = None
+            (lm_loss(model, lm_batch(step)) * 8.0).backward()
+            found, _ = layers.unscale_(torch.tensor(8.0), params=list(model.parameters()))
+            assert not bool(found.any())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        runs[name] = layers, grads
+    ref = build()
+    for step in range(2):
+        expected = lm_grads(ref, lm_batch(step))
+        for name, want in expected.items():
+            got = runs["apart"][1][step][name]
+            assert torch.equal(got, runs["ones"][1][step][name]), f"step {step}: {name}"
+            assert float((got - want).norm() / want.norm()) < 1e-5, f"step {step}: {name}"
+    layers = runs["apart"][0]
+    assert float(layers.exponent.max()) >= 8
+    return layers
+
+
+def test_units_that_share_a_parameter_carry_one_factor():
+    model = gpt2()
+    layers = LayerScales(model)
+    names = [name for name, _ in layers.units]
+    wte, head = names.index("transformer.wte"), names.index("lm_head")
+    assert len(layers.parameters()) == len(list(model.parameters()))  # the shared weight once
+    state = {**layers.state_dict(), "exponent": [float(i % 5 + 3) for i in range(len(names))], "calibrated": True}
+    layers.load_state_dict(state)  # a group takes its smallest exponent
+    assert float(layers.exponent[wte]) == float(layers.exponent[head]) == 3.0
+    assert "1 shared" in repr(layers)
+    ids = lm_batch(0)
+    for step in range(3):
+        (lm_loss(model, ids, half=True) * 2.0**12).backward()
+        found, amax = layers.unscale_(torch.tensor(2.0**12))
+        layers.update(found, amax, torch.tensor(2.0**12))
+        assert float(layers.exponent[wte]) == float(layers.exponent[head]), f"step {step}"
+
+
+def test_a_parameter_used_outside_its_unit_pins_the_unit_at_the_global_scale():
+    """``F.linear(h, embed.weight)`` in the model's own forward: that use carries the global scale, so the embedding
+    unit does too (its factor stays 1), and the weight's gradient is exact."""
+    layers = unscales_exactly("llama, functional tie")
+    names = [name for name, _ in layers.units]
+    embed = names.index("embed")
+    assert float(layers.exponent[embed]) == 0.0
+    assert all(e >= 1 for i, e in enumerate(layers.exponent.tolist()) if i != embed)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "gpt2, blocks only", "llama"])
+def test_language_models_through_the_optimizer_stay_within_a_percent_of_float32(case):
+    """Float16 autocast, AdamW, per-layer scales on the whole model (tied embeddings) or on the blocks only (the
+    embeddings, final norm and head at the global scale): every parameter's unscaled gradient within 1% of the
+    float32 backward's at the same weights, at every step."""
+    build, units_of = LANGUAGE_MODELS[case]
+    model, ref = build(), build()
+    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), layerwise=units_of(model))
+    compared = 0
+    for step in range(5):
+        ids = lm_batch(step)
+        ref.load_state_dict(model.state_dict())
+        expected = lm_grads(ref, ids)
+        opt.zero_grad()
+        opt.backward(lm_loss(model, ids, half=True))
+        result = opt.step()
+        compared += bool(result.stepped)  # a skipped step's gradients hold the overflow
+        for name, p in model.named_parameters():
+            error = float((p.grad - expected[name]).norm() / expected[name].norm())
+            assert not bool(result.stepped) or error < 0.01, f"step {step}: {name} is {error:.3%} from float32's"
+    assert compared >= 4
+    if case != "gpt2, blocks only":  # the per-module factors differ: the test exercises them
+        totals = [float(s) for s in result.layer_scales.values()]
+        assert max(totals) >= 8 * min(totals), result.layer_scales
+
+
+def test_update_refuses_measurements_of_another_shape():
+    layers = LayerScales(deep_net())
+    with pytest.raises(ValueError, match=r"LayerScales.update\(found_inf, amax\): both must hold one entry per unit "
+                                         r"\(24\), or 25 with the parameters outside the units last.*got shapes "
+                                         r"\(3,\) and \(3,\)"):
+        layers.update(torch.zeros(3, dtype=torch.bool), torch.zeros(3))
+
+
+def test_an_overflow_outside_the_units_skips_the_step_and_backs_off_the_global_scale():
+    model = gpt2()
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), layerwise=list(model.transformer.h))
+    opt.backward(lm_loss(model, lm_batch(0), half=True))
+    model.transformer.wpe.weight.grad[0, 0] = math.inf  # wpe belongs to no unit
+    before = [p.detach().clone() for p in model.parameters()]
+    result = opt.step()
+    assert bool(result.found_inf) and not bool(result.stepped)
+    assert float(result.next_scale) == float(result.scale) / 2
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_change_of_wiring_between_steps_is_read_again():
+    """Layer drop: a block skipped on odd steps changes which units run; the wiring is read again each time and
+    the gradients stay exact (float32, factors far apart)."""
+
+    class Dropping(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = torch.nn.ModuleList(Residual() for _ in range(3))
+            self.head = torch.nn.Linear(WIDTH, 1)
+            self.skip = None
+
+        def forward(self, x):
+            for i, block in enumerate(self.blocks):
+                if i != self.skip:
+                    x = block(x)
+            return self.head(x).square().mean()
+
+    model, ref = Dropping(), Dropping()
+    layers = LayerScales(model)
+    state = {**layers.state_dict(), "calibrated": True,
+             "exponent": [float(3 * i % 11 + 1) for i in range(len(layers.units))]}
+    layers.load_state_dict(state)
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0))
+    for step in range(4):
+        model.skip = ref.skip = 1 if step % 2 else None
+        for m in (model, ref):
+            for p in m.parameters():
+                p.grad = None
+        (model(x) * 4.0).backward()
+        layers.unscale_(torch.tensor(4.0))
+        ref(x).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            assert p.grad is None or torch.equal(p.grad, q.grad), f"step {step}: {name}"
+
+
+def test_a_change_of_wiring_without_a_change_of_order_is_refused():
+    """The units run in their usual order, but the loss now also reads the first unit's output: the second unit's
+    input, scaled as its region's only reader, would reach the loss's share at another scale. (Read again because
+    the second unit's inputs changed; a change of readers that changes no unit's inputs or outputs goes unseen.)"""
+
+    class Adds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.eye(4))
+
+        def forward(self, y, extra=None):
+            return y @ self.weight if extra is None else y @ self.weight + extra
+
+    class Leaky(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(4, 4), Adds()
+
+        def forward(self, x, leak):
+            y = self.first(x)
+            if not leak:
+                return self.second(y).sum()
+            return self.second(y, extra=torch.ones(4, requires_grad=True)).sum() + y.sum()
+
+    model = Leaky()
+    LayerScales(model)
+    x = torch.ones(2, 4)
+    for _ in range(2):
+        model(x, leak=False).backward()
+    with pytest.raises(RuntimeError, match=r"the wiring around unit 'second' changed while the units ran in "
+                                           r"their usual order \(its input 0 is no longer read by it alone\)"):
+        model(x, leak=True).backward()
+
+
+def test_independent_overflows_are_each_attributed_to_their_own_unit():
+    """In a residual network a unit's float16 weight gradient can overflow on its own: every overflowing unit whose
+    later readers did not overflow too is a culprit and backs off, in the same step; one that a later reader's
+    overflow explains (an inf spreads into the units that feed it) keeps its factor."""
+    model = gpt2()
+    layers = LayerScales(model)
+    names = [name for name, _ in layers.units]
+    n = len(names)
+    layers.load_state_dict({**layers.state_dict(), "calibrated": True, "exponent": [3.0] * n})
+    (lm_loss(model, lm_batch(0), half=True) * 2.0**8).backward()  # reads the wiring
+    first, second, reader = (names.index(f"transformer.h.{name}") for name in ("0.attn.c_attn", "1.mlp.c_fc",
+                                                                              "0.attn.c_proj"))
+    for overflowing, lowered in (([first, second], [first, second]), ([first, reader], [reader])):
+        before = layers.exponent.clone()
+        found = torch.zeros(n, dtype=torch.bool)
+        found[overflowing] = True
+        assert not bool(layers.update(found, torch.where(found, math.inf, 1.0), torch.tensor(2.0**8)))
+        assert (layers.exponent != before).nonzero().flatten().tolist() == sorted(lowered)
+        assert all(float(layers.exponent[i]) < float(before[i]) for i in lowered)

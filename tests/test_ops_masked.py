@@ -1,11 +1,14 @@
 """lossscale.ops.masked.MaskedSkip: a step undone where found_inf; in chunks (torch's separable optimizers)
-bit-identical to one whole snapshot and within its memory budget; whole where a step hook must fire once.
-Through LossScaleOptimizer(skip_mode="masked"), against an fp32 control and with its host reads: test_optimizer.py."""
+bit-identical to one whole snapshot and within its memory budget; whole where a step hook must fire once; found_inf
+never copied to the host, and to another device once per step. Through LossScaleOptimizer(skip_mode="masked"),
+against an fp32 control and with its host reads: test_optimizer.py; its host synchronisations on CUDA:
+tests/cuda/test_syncs.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lossscale.ops.masked import MaskedSkip
 
@@ -80,3 +83,73 @@ def test_with_a_step_hook_the_snapshot_is_whole_and_the_hook_fires_once_per_step
     assert _masked_run(params, inner, masked, steps=4) == [True, False, True]
     assert len(calls) == 4  # the plain first step and three masked ones
     assert masked.extra_bytes >= 3 * sum(p.numel() * 4 for p in params)  # params + two moments
+
+
+class DeviceCrossings(TorchDispatchMode):
+    """Records, before it runs, every op that moves data from one device to another (``_to_copy``, ``copy_``) and
+    every host read of a tensor that is not in host memory (``_local_scalar_dense``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name == "_to_copy" and kwargs.get("device") is not None:
+            source, target = args[0].device, torch.device(kwargs["device"])
+        elif name == "copy_":
+            source, target = args[1].device, args[0].device
+        elif name == "_local_scalar_dense":
+            source, target = args[0].device, torch.device("cpu")
+        else:
+            return func(*args, **kwargs)
+        if source != target or name == "_local_scalar_dense" and source.type != "cpu":
+            self.seen.append((name, str(source), str(target)))
+        return func(*args, **kwargs)
+
+
+def _on(device: str, n: int = 6) -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(torch.randn(8, device=device)) for _ in range(n)]
+    for p in params:
+        p.grad = torch.randn(8, device=device)
+    return params
+
+
+# The meta device stands in for an accelerator here: its values never reach the host, as a CUDA tensor's reach it
+# only through a synchronisation. The same rule on a real GPU, counted with torch.cuda.set_sync_debug_mode:
+# tests/cuda/test_syncs.py.
+
+@pytest.mark.parametrize("budget", [0.25, None])
+def test_state_on_the_flags_device_is_restored_without_moving_the_flag(budget):
+    params = _on("meta")
+    opt = torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    opt.step()  # creates the momentum buffers, on meta
+    with DeviceCrossings() as crossings:
+        MaskedSkip(budget).step(opt, torch.ones((), device="meta"))
+    assert crossings.seen == []
+
+
+@pytest.mark.parametrize("budget", [0.25, None])
+def test_a_step_counter_in_host_memory_beside_an_accelerators_flag_is_refused_before_anything_moves(budget):
+    params = _on("meta")
+    opt = torch.optim.Adam(params, lr=1e-2)  # capturable=False: state["step"] is a CPU tensor
+    opt.step()
+    assert opt.state[params[0]]["step"].device.type == "cpu"
+    with DeviceCrossings() as crossings, pytest.raises(ValueError) as err:
+        MaskedSkip(budget).step(opt, torch.ones((), device="meta"))
+    assert crossings.seen == []
+    message = str(err.value)
+    for needle in ("skip_mode='masked'", "Adam keeps state 'step' of param_groups[0][0] in host memory (cpu)",
+                   "found_inf is on meta", "capturable=True", "skip_mode='host'"):
+        assert needle in message, needle
+
+
+@pytest.mark.parametrize("budget", [0.25, None])
+def test_the_flag_goes_to_each_other_device_once_per_step_not_once_per_tensor(budget):
+    params = _on("meta")
+    opt = torch.optim.Adam(params, lr=1e-2)  # step counters on the CPU, beside the flag; moments on meta
+    opt.step()
+    with DeviceCrossings() as crossings:
+        MaskedSkip(budget).step(opt, torch.zeros(()))
+    assert crossings.seen == [("_to_copy", "cpu", "meta")]

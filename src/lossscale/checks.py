@@ -203,3 +203,8 @@ def check_scale_bounds(call: str, min_scale: Any, max_scale: Any, init_scale: An
     if min_scale > max_scale:
         raise ValueError(f"{call}({lo}={min_scale!r}, {hi}={max_scale!r}): {lo} must be <= {hi}; got {lo} > {hi}.")
     check_scale(call, init, init_scale, low=min_scale, high=max_scale)
+
+
+def capturing(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is on a CUDA device whose current stream is capturing a CUDA graph. No host read."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from lossscale.checks import ArgumentTypeError
+from lossscale.checks import ArgumentTypeError, capturing
 from lossscale.ops import distributed as _dist
 from lossscale.ops.overflow import OverflowMode, check_, check_with_amax_, one, overflowing
 
@@ -206,8 +206,18 @@ def fused_step_(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | Non
         del optimizer.found_inf
 
 
-def applies_on_host(overflow: torch.Tensor) -> bool:
-    """Whether a step skipped on the host applies: ``not overflow`` (a flag or a count), the one host read."""
+def applies_on_host(overflow: torch.Tensor, call: str = "step()") -> bool:
+    """Whether a step skipped on the host applies: ``not overflow`` (a flag or a count), the one host read.
+
+    Raises:
+        RuntimeError: naming ``call``, under CUDA graph capture (a graph cannot capture a host read).
+    """
+    if capturing(overflow):
+        raise RuntimeError(
+            f"{call} under CUDA graph capture: this step is skipped on the host, which reads found_inf there, and a "
+            f"graph cannot capture a host read. Capture a fused optimizer built with capturable=True (e.g. "
+            f"torch.optim.AdamW(params, fused=True, capturable=True): skipped in its kernel), or use "
+            f"LossScaleOptimizer(skip_mode='masked') over an optimizer built with capturable=True.")
     return not bool(overflow)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lossscale.checks import checked_scale
+from lossscale.checks import capturing, checked_scale
 from lossscale.policies.base import Policy, check_policy, move_state, state_from_dict, state_to_dict
 from lossscale.policies.dynamic import DynamicScale
 
@@ -93,12 +93,26 @@ class LossScale:
     def update(self, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
                loss_finite: torch.Tensor | None = None) -> None:
         """Advance the rule by one step, then the policy's floor rule (may raise FloorError).
-        Host reads: none, unless the policy raises at its floor (``at_floor="raise"``: one)."""
+        Host reads: none, unless the policy raises at its floor (``at_floor="raise"``: one).
+
+        Under CUDA graph capture the new state is written into the current state's tensors (one multi-tensor
+        copy), so each replay of the graph reads and advances the same state; outside capture the state is
+        replaced and the tensors read before stay as they were."""
+        old = self._state
         if self._policy.observes_loss_finite:
-            self._state = self._policy.update(self._state, found_inf, amax=amax, loss_finite=loss_finite)
+            new = self._policy.update(old, found_inf, amax=amax, loss_finite=loss_finite)
         else:
-            self._state = self._policy.update(self._state, found_inf, amax=amax)
-        self._policy.check_floor(self._state)
+            new = self._policy.update(old, found_inf, amax=amax)
+        if not capturing(old.scale):
+            self._state = new
+            self._policy.check_floor(new)
+            return
+        if getattr(self._policy, "at_floor", None) == "raise":  # its floor rule reads the state on the host
+            raise RuntimeError(f"LossScale.update under CUDA graph capture: the floor rule of {self._policy!r} "
+                               f"(at_floor='raise') reads the state on the host, which a graph cannot capture. Use "
+                               f"at_floor='skip' (the default) for a captured step.")
+        _write_into(old, new)
+        self._policy.check_floor(old)
 
     def state_dict(self) -> dict[str, Any]:
         """Every state field as plain numbers (host reads)."""
@@ -115,3 +129,11 @@ class LossScale:
 
     def __repr__(self) -> str:
         return f"LossScale({self._policy!r})"
+
+
+def _write_into(target: Any, source: Any) -> None:
+    """Copy every field of the state record ``source`` into ``target``'s tensor of that field, in place."""
+    pairs = [(getattr(target, f.name), getattr(source, f.name)) for f in dataclasses.fields(target)]
+    pairs = [(t, s) for t, s in pairs if t is not s]
+    if pairs:
+        torch._foreach_copy_([t for t, _ in pairs], [s for _, s in pairs])

@@ -2,7 +2,8 @@
 
 Keys: ``inner`` (the inner optimizer's state_dict), ``policy_state`` (every field of the scale's state),
 ``micro_step`` and ``boundaries`` (the accumulation position), and where they apply ``accumulated_grads``
-and ``window`` (saved mid-window), ``ema``, ``layerwise``, ``schedule`` and ``seen_switch``.
+and ``window`` (saved mid-window), ``loss_finite`` (mid-window, for a policy that observes the losses), ``ema``,
+``layerwise``, ``schedule`` and ``seen_switch``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from lossscale.checks import check_int_in_range, checked_state_dict, unlike_tensor
 
-__all__ = ["checked_position", "checked_window", "checked_seen_switch"]
+__all__ = ["checked_position", "checked_window", "checked_loss_finite", "checked_seen_switch"]
 
 _REQUIRED = ("inner", "policy_state", "micro_step", "boundaries")
 
@@ -53,6 +54,20 @@ def checked_window(call: str, state_dict: dict[str, Any], params: list[Any], mic
         raise ValueError(f"{call}: micro_step={micro} (mid-window) needs window = (scaled: bool, precision: one of "
                          f"{list(_PRECISIONS)}); got {window!r}.")
     return list(grads), tuple(window)
+
+
+def checked_loss_finite(call: str, state_dict: dict[str, Any], micro: int) -> bool | None:
+    """Whether every loss of the window so far was finite (saved mid-window for a policy that observes the losses),
+    or None where the checkpoint holds no such entry."""
+    finite = state_dict.get("loss_finite")
+    if finite is None:
+        return None
+    if not micro:
+        raise ValueError(f"{call}: micro_step=0 (a window's start) holds no loss_finite; got loss_finite={finite!r}.")
+    if not isinstance(finite, bool):
+        raise ValueError(f"{call}: loss_finite must be a bool (whether every loss of the window so far was finite); "
+                         f"got {finite!r}.")
+    return finite
 
 
 def checked_seen_switch(call: str, state_dict: dict[str, Any]) -> bool | None:

@@ -14,7 +14,7 @@ import torch
 from lossscale import stages
 from lossscale.addons.layerwise import LayerScales
 from lossscale.addons.schedule import PrecisionSchedule, check_attachable
-from lossscale.checks import ArgumentTypeError
+from lossscale.checks import ArgumentTypeError, capturing
 from lossscale.ops.clip import global_clip_coefficient, global_norm_squared, grouped_norm_squared
 from lossscale.ops.masked import MaskedSkip
 from lossscale.ops.overflow import check_, unscale_and_check_
@@ -75,6 +75,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         in its kernel, unscaling and clipping folded into ``grad_scale``. No host read.
         ``"host"``: found_inf is read once and ``inner.step()`` is not called (torch's behaviour).
         ``"masked"``: the inner step runs and parameters and state are restored where found_inf; no host read.
+        On a GPU the optimizer state must live there too (torch's optimizers: ``capturable=True`` or
+        ``fused=True``); a state tensor in host memory (a ``step`` counter) raises a ValueError at the first
+        masked step.
         ``"auto"``: ``"fused"`` where the optimizer takes it and no stage writes unscaled gradients, else ``"host"``.
 
     Passes over the gradients per boundary: fused without clipping, one read+write (the check); fused with
@@ -100,7 +103,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         schedule: A :class:`~lossscale.PrecisionSchedule`; scaling runs only while it is in float16.
         check_when_unscaled: Keep catching inf/NaN (and skipping) while scaling is off (bf16/fp32 phase).
         layerwise: A model, a list of modules or a :class:`~lossscale.addons.layerwise.LayerScales`: one extra
-            power-of-two scale per module on top of the global one.
+            power-of-two scale per module on top of the global one (the optimizer's other parameters follow it).
         underflow_stride: n: the underflow meter (``StepResult.underflow``) samples every n-th scaled value.
         transform_unscaled: ``fn(grads, process_group=..., sharded=...)``, run on the unscaled gradients after
             the overflow check (e.g. :class:`~lossscale.ops.clip.PerTensorClip`).
@@ -354,6 +357,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if options.ema is not None:
             options.ema.update(stepped, run.boundaries)
         if active:
+            if capturing(scale):  # the update writes the next scale into this tensor: the result keeps this one
+                scale = scale.clone()
             self._advance(found, amax, layers, layer_obs, scale)
         run.loss_finite = None
         return StepResult(stepped=stepped, found_inf=overflow, scale=scale if active else torch.ones_like(scale),
@@ -391,7 +396,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                         ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
         """Per-layer unscale and check, agreed over ranks; the clip norm of the unscaled gradients."""
         options = self.options
-        found_u, amax_u = layers.unscale_(scale)
+        found_u, amax_u = layers.unscale_(scale, params=self._params())  # [units + 1]: the rest at the scale
         observed = stages.agree_amax_(torch.stack([found_u.float(), amax_u.float()]), options.process_group)
         found_u, amax_u = observed[0] > 0, observed[1]
         found.logical_or_(found_u.any().to(found.device))
@@ -451,7 +456,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if mode == "masked" and not self._masked.ready(self.inner):
             mode = "host"
         if mode == "host":
-            if stages.applies_on_host(overflow):
+            call = ("LossScaleOptimizer.step() with skip_mode='host'" if self._run.skip_mode == "host" else
+                    "LossScaleOptimizer.step() before the optimizer state exists (skip_mode='masked' decides that "
+                    "step on the host; step once before capturing)")
+            if stages.applies_on_host(overflow, call):
                 self._decay(None)
                 self.inner.step()
             return
@@ -512,16 +520,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def attach_layerwise(self, layerwise: Any) -> None:
         """Keep one scale per module of ``layerwise`` (a model, a list of modules, or a
-        :class:`~lossscale.addons.layerwise.LayerScales`) on top of the global one; its units own every parameter."""
+        :class:`~lossscale.addons.layerwise.LayerScales`) on top of the global one; parameters outside its units
+        follow the global scale, and at least one of the inner optimizer's parameters must belong to a unit."""
         device = next(p.device for p in self._params())
         layers = layerwise if isinstance(layerwise, LayerScales) else LayerScales(layerwise, device=device)
         covered = {id(p) for p in layers.parameters()}
-        stray = [f"param_groups[{i}][{j}]" for i, g in enumerate(self.inner.param_groups)
-                 for j, p in enumerate(g["params"]) if id(p) not in covered]
-        if stray:
-            raise ValueError(f"LossScaleOptimizer(layerwise=...): {stray[0]} of the inner optimizer belongs to no "
-                             f"unit of the per-layer scales ({len(stray)} such parameters); pass the model whose "
-                             f"parameters the optimizer updates, or a list of modules that holds all of them.")
+        if not any(id(p) in covered for p in self._params()):
+            raise ValueError(f"LossScaleOptimizer(layerwise={type(layerwise).__name__}): none of the inner "
+                             f"optimizer's {len(self._params())} parameters belongs to a unit of the per-layer "
+                             f"scales; pass the model whose parameters the optimizer updates, or modules of it.")
         self._run.layers = layers
         self._configure(self.options)
 
@@ -551,6 +558,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             state_dict["accumulated_grads"] = [None if p.grad is None else p.grad.detach().clone()
                                                for p in self._params()]
             state_dict["window"] = run.window
+            if run.loss_finite is not None:  # a policy that observes the losses: whether the window's were finite
+                state_dict["loss_finite"] = bool(run.loss_finite)
         for key, part in self._parts():
             state_dict[key] = part.state_dict()
         if run.schedule is not None:
@@ -573,6 +582,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         params = self._params()
         micro, boundaries = checkpoint.checked_position(call, state_dict, self.options.accumulation_steps)
         grads, window = checkpoint.checked_window(call, state_dict, params, micro)
+        loss_finite = checkpoint.checked_loss_finite(call, state_dict, micro)
         parts = [(key, part) for key, part in self._parts() if key in state_dict]
         for key, part in parts:
             part.check_state_dict(state_dict[key])
@@ -589,6 +599,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._loss_scale.load_state_dict(before)
             raise
         run.micro, run.boundaries, run.window = micro, boundaries, window
+        run.loss_finite = None if loss_finite is None else torch.tensor(loss_finite, device=self._device)
         for p, grad in zip(params, grads):
             p.grad = None if grad is None else grad.to(p.device).clone()
         for key, part in parts:

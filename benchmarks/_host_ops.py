@@ -1,0 +1,42 @@
+"""Count the host-side ops of a call: the aten ops the host dispatches, outside torch's multi-tensor kernels.
+
+``torch.profiler`` records every aten op, nested ones included (the ``unsqueeze`` of each input inside
+``stack``). An op nested inside a multi-tensor kernel (``_foreach_*``, ``_fused_*``, ``_amp_foreach_*``) is not
+counted: on CPU those kernels loop over their tensors op by op, on CUDA each is one launch, and either way that
+cost is the kernel's, the same for every caller. What is left is what the caller's own code asks of the host: on
+CUDA each of these ops is host time (a view) or a kernel launch. Counted, not timed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable
+
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = ["MULTI_TENSOR_KERNELS", "host_ops", "growth_per_tensor"]
+
+MULTI_TENSOR_KERNELS = ("aten::_foreach_", "aten::_fused_", "aten::_amp_foreach_")
+
+
+def host_ops(fn: Callable[[], Any]) -> Counter:
+    """aten op name -> calls while ``fn()`` runs once, those nested in a multi-tensor kernel left out."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    counts: Counter = Counter()
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith(MULTI_TENSOR_KERNELS):
+            parent = parent.cpu_parent
+        if parent is None:
+            counts[event.name] += 1
+    return counts
+
+
+def growth_per_tensor(small: Counter, large: Counter, n_small: int, n_large: int) -> dict[str, float]:
+    """Ops whose count grows with the number of tensors: name -> extra calls per extra tensor."""
+    names = set(small) | set(large)
+    return {name: (large[name] - small[name]) / (n_large - n_small) for name in sorted(names)
+            if large[name] != small[name]}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU checks in one run, on a machine with a CUDA device (issue 28). From the repository's root:
+#
+#     OUT=/some/folder bash benchmarks/gpu_check.sh          # default OUT: ./gpu-check-out
+#
+# 1. tests/cuda (twins against torch.amp.GradScaler, host syncs per step, CUDA graph capture and replay, the quick
+#    demo on cuda): expected about 2 minutes on one H100 or H200, stopped after 4.
+# 2. benchmarks/run_all.py --device cuda, one benchmark at a time (GPU_BENCHMARKS, merged with --only, so one that
+#    fails leaves the others' sections): the GPU sections of a copy of benchmarks/RESULTS.md, expected about 3
+#    minutes, each benchmark stopped after 150 s or when the script's BUDGET (default 540 s, under the device
+#    tool's 600 s per command) runs out.
+#
+# Writes six files under OUT: env.txt (nvidia-smi, python, torch, CUDA), cuda-tests.txt and cuda-tests.xml (pytest's
+# report), benchmarks.txt (the benchmarks' log), RESULTS.md (the CPU sections as they were, the GPU sections new:
+# copy it over benchmarks/RESULTS.md) and json.tar.gz (each benchmark's JSON). The repository's own files are left
+# alone. Uses python3 (PYTHON to change it) with lossscale from src/ on PYTHONPATH; needs torch with CUDA, pytest,
+# matplotlib and tqdm (the demo). Exits 1 if a test or a benchmark failed.
+
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-check-out}
+PYTHON=${PYTHON:-python3}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$OUT/json"
+BUDGET=${BUDGET:-540}
+status=0
+started=$SECONDS
+
+{
+    nvidia-smi
+    "$PYTHON" -c "import sys, torch; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'CUDA',
+torch.version.cuda); print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+echo "== tests/cuda"
+timeout 240 "$PYTHON" -m pytest tests/cuda -q -rs -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" 2>&1 \
+    | tee "$OUT/cuda-tests.txt" || status=1
+echo "== tests/cuda took $((SECONDS - started)) s"
+
+cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+names=$("$PYTHON" -c "import sys; sys.path.insert(0, 'benchmarks'); import run_all
+print(' '.join(name for name, _, _ in run_all.GPU_BENCHMARKS))")
+for name in $names; do
+    left=$((BUDGET - (SECONDS - started)))
+    if [ "$left" -lt 20 ]; then
+        status=1
+        echo "== $name NOT RUN: the budget of $BUDGET s is spent" | tee -a "$OUT/benchmarks.txt"
+        continue
+    fi
+    echo "== benchmark $name (at $((SECONDS - started)) s)"
+    if ! timeout $((left < 150 ? left : 150)) "$PYTHON" benchmarks/run_all.py --device cuda --only "$name" \
+            --out "$OUT/RESULTS.md" --json-dir "$OUT/json" 2>&1 | tee -a "$OUT/benchmarks.txt"; then
+        status=1
+        echo "== $name FAILED" | tee -a "$OUT/benchmarks.txt"
+    fi
+done
+tar -czf "$OUT/json.tar.gz" -C "$OUT" json && rm -rf "$OUT/json"
+echo "== done in $((SECONDS - started)) s, status $status"
+exit $status

@@ -1,0 +1,103 @@
+"""Host-side ops per step against the number of tensors, counted structurally (benchmarks/_host_ops.py: the aten ops
+the host dispatches outside torch's multi-tensor kernels; no timing).
+
+With many small tensors a step is bound by the host, so what grows with the number of tensors is what matters: an op
+per tensor is a launch or a view per tensor on CUDA. The rule: lossscale adds no op per tensor beyond what torch's own
+pipeline (torch.amp.GradScaler + clip_grad_norm_) adds around the same optimizer. Where it adds any, the test names
+them. Pass counts (bytes read and written): test_passes.py. Host syncs on CUDA: tests/cuda/test_syncs.py.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from _host_ops import growth_per_tensor, host_ops  # noqa: E402
+
+SMALL, LARGE = 10, 200
+OPTIMIZERS = {
+    "fused AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "foreach Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True),
+    "foreach SGD momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True),
+}
+STACK_VIEWS = {"aten::unsqueeze", "aten::as_strided"}  # torch.stack of per-tensor norms: one view per tensor
+
+
+def _counted(contender: str, opt_name: str, n: int, clip: bool, skip_mode: str = "auto"):
+    """Host ops of one steady step of ``contender`` over ``n`` tensors of 64 values."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(n)]
+    grads = [torch.randn(64) * 256 for _ in params]
+    opt = OPTIMIZERS[opt_name](params)
+    if contender == "bare":
+        run = opt.step
+    elif contender == "LossScaleOptimizer":
+        run = LossScaleOptimizer(opt, policy=DynamicScale(init_scale=256.0, growth_interval=10**9),
+                                 clip_grad_norm=1.0 if clip else None, skip_mode=skip_mode).step
+    else:
+        scaler = (torch.amp.GradScaler if contender == "torch" else GradScaler)("cpu", init_scale=256.0,
+                                                                                growth_interval=10**9)
+        scaler.scale(torch.ones(()))
+
+        def run():
+            if clip:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+            scaler.step(opt)
+            scaler.update()
+
+    def put_grads():
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+
+    for _ in range(2):  # the first steps create the optimizer state (and masked mode decides them on the host)
+        put_grads()
+        run()
+    put_grads()
+    return host_ops(run)
+
+
+def _extra_growth(contender: str, opt_name: str, clip: bool, skip_mode: str = "auto",
+                  sizes: tuple[int, int] = (SMALL, LARGE)) -> dict[str, float]:
+    """Ops per extra tensor that ``contender`` adds to the bare optimizer step."""
+    def growth(who):
+        return growth_per_tensor(_counted(who, opt_name, sizes[0], clip, skip_mode),
+                                 _counted(who, opt_name, sizes[1], clip, skip_mode), *sizes)
+    ours, bare = growth(contender), growth("bare")
+    extra = {name: ours.get(name, 0.0) - bare.get(name, 0.0) for name in set(ours) | set(bare)}
+    return {name: rate for name, rate in extra.items() if rate}
+
+
+@pytest.mark.parametrize("opt_name", ["fused AdamW", "foreach Adam"])
+@pytest.mark.parametrize("clip", [True, False])
+def test_grad_scaler_adds_no_op_per_tensor_to_torchs_pipeline(opt_name, clip):
+    ours, torchs = _extra_growth("GradScaler", opt_name, clip), _extra_growth("torch", opt_name, clip)
+    assert ours == torchs
+    # torch's own clip_grad_norm_: one .to() per norm and torch.stack of the norms; nothing without a clip
+    assert torchs == ({"aten::to": 1.0, "aten::unsqueeze": 1.0, "aten::as_strided": 1.0} if clip else {})
+
+
+@pytest.mark.parametrize("opt_name", ["fused AdamW", "foreach Adam"])
+@pytest.mark.parametrize("clip", [True, False])
+def test_loss_scale_optimizer_adds_fewer_ops_per_tensor_than_torchs_pipeline(opt_name, clip):
+    ours, torchs = _extra_growth("LossScaleOptimizer", opt_name, clip), _extra_growth("torch", opt_name, clip)
+    assert sum(ours.values()) <= sum(torchs.values())
+    # With a clip: the squared norm of the scaled gradients stacks the per-tensor norms of one _foreach_norm (a
+    # view per tensor, no launch); torch's clip_grad_norm_ does the same and adds a .to() per norm.
+    assert ours == ({name: 1.0 for name in STACK_VIEWS} if clip else {})
+
+
+@pytest.mark.parametrize("opt_name,selects", [("foreach SGD momentum", 2), ("foreach Adam", 4)])
+def test_masked_skip_adds_one_select_per_parameter_and_state_tensor(opt_name, selects):
+    # 8 and 80 SGD tensors pack into the same number of chunks; Adam's chunks differ by a few between the sizes
+    # (its 0-d step counters), and each chunk's optimizer step adds its own fixed ops: under one per tensor.
+    sizes = (8, 80)
+    extra = _extra_growth("LossScaleOptimizer", opt_name, False, "masked", sizes)
+    assert extra.pop("aten::where") == selects  # torch has no multi-tensor select: one where per restored tensor
+    assert all(rate < 1 for rate in extra.values()), extra
+    if opt_name == "foreach SGD momentum":
+        assert extra == {}
