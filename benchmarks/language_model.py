@@ -77,7 +77,7 @@ class Run:
             self.opt = LossScaleOptimizer(inner, policy=policy, layerwise=self.model if name == "per-layer" else None)
         self.skipped, self.seconds = 0, []
         self.flushed: dict[str, list[int]] = {}  # layer -> [entries flushed, entries live], summed over measurements
-        self.first_share: float | None = None
+        self.shares: dict[int, float] = {}  # measured step -> share of the live entries this run left zero
         self.last_result: Any = None
 
     def backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -106,7 +106,7 @@ class Run:
         else:
             self.opt.step()
 
-    def measure_flushed(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def measure_flushed(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
         """Entries a float32 backward of (x, y) has nonzero that this run's gradients (of the same batch) left zero."""
         names, params = zip(*self.model.named_parameters())
         reference = torch.autograd.grad(F.cross_entropy(self.model(x).logits.float().view(-1, VOCAB), y.reshape(-1)),
@@ -118,8 +118,7 @@ class Run:
             counts[0] += zero
             counts[1] += live
             flushed, total = flushed + zero, total + live
-        if self.first_share is None:
-            self.first_share = flushed / max(total, 1)
+        self.shares[step] = flushed / max(total, 1)
 
     @torch.no_grad()
     def heldout_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -131,7 +130,7 @@ def train(args: argparse.Namespace, device: str) -> tuple[dict[str, Run], float]
     cfg = Config(files=args.files, sequences=args.sequences, context=args.context, seed=0)
     corpus = load_corpus(cfg)
     runs = {name: Run(name, args, device) for name in RUNS}
-    measured = {0, min(10, args.steps - 1), args.steps - 1}
+    measured = {min(k, args.steps - 1) for k in (0, 10, 100)} | {args.steps - 1}
     sync = synchronizer(device)
     began = time.perf_counter()
     for step in range(args.steps):
@@ -145,7 +144,7 @@ def train(args: argparse.Namespace, device: str) -> tuple[dict[str, Run], float]
             sync()
             elapsed = time.perf_counter() - start
             if step in measured and name != "float32":  # not timed
-                run.measure_flushed(x, y)
+                run.measure_flushed(x, y, step)
             sync()
             start = time.perf_counter()
             run.step()
@@ -171,10 +170,11 @@ def rows_of(runs: dict[str, Run]) -> tuple[list[dict], list[dict]]:
         if run.flushed:
             flushed = sum(f for f, _ in run.flushed.values())
             live = sum(t for _, t in run.flushed.values())
-            row.update({"underflow, first step": f"{run.first_share:.2e}", "underflow, mean": f"{flushed / live:.2e}"})
+            row.update({f"underflow, step {k}": f"{share:.2e}" for k, share in sorted(run.shares.items())})
+            row["underflow, mean"] = f"{flushed / live:.2e}"
             by_layer.append({"run": name, **{layer: f"{f / max(t, 1):.1e}" for layer, (f, t) in run.flushed.items()}})
         else:
-            row.update({"underflow, first step": "-", "underflow, mean": "-"})
+            row["underflow, mean"] = "-"
         if run.last_result is not None and run.last_result.layer_scales:
             exponents = [math.log2(float(s) / float(run.last_result.scale)) for s in
                          run.last_result.layer_scales.values()]
@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"characters of {args.files} standard-library modules, batch {args.sequences} x {args.context}, fused "
           f"AdamW (lr {args.lr:g}), {args.steps} steps from the same weights; float16 autocast except the float32 "
           f"run ({seconds:.0f} s in all). *underflow*: share of the gradient entries a float32 backward pass of the "
-          f"same batch has nonzero that the run's gradients left zero, at steps 0, 10 and the last (*first step*: "
-          f"step 0). *time / torch's*: median over steps of the step's time over torch's scaler's in the same "
+          f"same batch has nonzero that the run's gradients left zero, at the steps named (0, 10, 100 and the last) "
+          f"and their mean over those steps. *time / torch's*: median over steps of the step's time over torch's scaler's in the same "
           f"step, with its 95% interval.\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
           + "\n\nUnderflow by layer (``wte``: the tied input and output embedding):\n\n"
           + table(by_layer, list(by_layer[0])))

@@ -52,6 +52,9 @@ GPU_BENCHMARKS = [
     ("graphs", GPU + "a step replayed from a CUDA graph against the eager step", []),
     ("end_to_end", GPU + "end to end, a small transformer's training step",
      ["--d-model", "512", "--layers", "6", "--heads", "8", "--context", "256", "--sequences", "32", "--rounds", "21"]),
+    ("language_model", GPU + "GPT-2 medium's shape with global, predictive and per-layer scales",
+     ["--layers", "24", "--d-model", "1024", "--heads", "16", "--context", "256", "--sequences", "16",
+      "--steps", "120", "--files", "120"]),
 ]
 
 
