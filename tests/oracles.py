@@ -137,7 +137,7 @@ class PredictiveOracle:
             self.observed += 1
         self.extra = max(self.extra - 1.0 / p.forget_interval, 0.0) + (1.0 if missed and p.learn_margin else 0.0)
         w = self.observed / (self.observed + 50)
-        width = w * self.excess / 0.1 + (1 - w) * 0.5
+        width = w * self.excess / 0.1 + (1 - w) * 0.3
         self.pre = math.log2(self.limit) - self.level - (self.threshold + width * math.log(0.1 * p.target_interval)
                                                          + self.extra + p.margin)
         forecast = 2.0 ** min(max(math.floor(self.pre), -126), 127)

@@ -16,8 +16,9 @@ __all__ = ["PredictiveScale", "PredictiveState"]
 
 #: The tail is measured above the level's 90th percentile and extrapolated as an exponential tail.
 TAIL_SHARE = 0.1
-#: Before ``PRIOR_STEPS`` observations the tail width leans on this prior (powers of two).
-PRIOR_WIDTH, PRIOR_STEPS = 0.5, 50
+#: Before ``PRIOR_STEPS`` observations the tail width leans on this prior (powers of two per e-fold of rarity:
+#: 0.3 * ln(0.1 * 20,000) = 2.3 powers of headroom at the first observation with the default target).
+PRIOR_WIDTH, PRIOR_STEPS = 0.3, 50
 #: How fast the 90th-percentile threshold moves (powers of two per step).
 THRESHOLD_RATE = 0.05
 #: Before any clean observation an overflow says only "too large": back off this many powers of two.
@@ -69,7 +70,7 @@ class PredictiveScale(Policy):
             level += r / history                            (level = x on the first observation)
             excess += (max(r - threshold, 0) - excess) / tail_history
             threshold += 0.05 * ((r > threshold) - 0.1)    # tracks the 90th percentile of r
-        width = mean excess above the threshold / 0.1, blended with a prior 0.5 over the first 50
+        width = mean excess above the threshold / 0.1, blended with a prior 0.3 over the first 50
         extra = max(extra - 1 / forget_interval, 0) + (1 if evidence and learn_margin and observed before)
         headroom = threshold + width * ln(0.1 * target_interval) + extra + margin
         scale = 2 ** floor(log2(limit) - level - headroom)  # exponential tail: P(overflow) ~ 1/target
@@ -98,8 +99,8 @@ class PredictiveScale(Policy):
         >>> import torch
         >>> policy = PredictiveScale(init_scale=2.0**10)
         >>> state = policy.update(policy.init(), torch.tensor(False), amax=torch.tensor(1.0 * 2**10))
-        >>> float(state.scale)  # unscaled amax 1.0; headroom ~0.5 * ln(2000) = 3.8 powers of two
-        4096.0
+        >>> float(state.scale)  # unscaled amax 1.0; headroom ~0.3 * ln(2000) = 2.3 powers of two
+        8192.0
     """
 
     init_scale: float = 2.0**16
