@@ -62,15 +62,19 @@ def group_by_device_and_dtype(tensors: Iterable[torch.Tensor]
 
 
 def largest_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """max |g| over ``grads`` (one device and dtype) as a 0-d float32; inf or NaN when a value is not finite.
+    """max |g| over ``grads`` (one device and dtype) as a 0-d float32; inf or NaN when a value is not finite; 0 when
+    every tensor is empty.
 
-    One read pass: torch's multi-tensor inf-norm (``_foreach_norm(ord=inf)``: one kernel launch per chunk of
-    tensors on CUDA, NaN propagated), then the maximum of the per-tensor results; 0 when every tensor is empty.
-    No host read."""
+    One read pass, no host read. On an accelerator: torch's multi-tensor inf-norm (``_foreach_norm(ord=inf)``, one
+    kernel per chunk of tensors on CUDA, NaN propagated). On the CPU, where launches cost nothing and torch's
+    inf-norm writes ``|g|`` before its maximum, ``aminmax`` per tensor."""
     present = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined
     if not present:
         return torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-    return torch.stack(torch._foreach_norm(present, ord=math.inf)).max().float()
+    if present[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(present, ord=math.inf)).max().float()
+    lows, highs = zip(*(torch.aminmax(g) for g in present))
+    return torch.maximum(torch.stack(highs).max(), -torch.stack(lows).min()).float()
 
 
 def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
