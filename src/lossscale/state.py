@@ -107,10 +107,11 @@ class LossScale:
             self._state = new
             self._policy.check_floor(new)
             return
-        if getattr(self._policy, "at_floor", None) == "raise":  # its floor rule reads the state on the host
+        if self._policy.floor_reads_host:
             raise RuntimeError(f"LossScale.update under CUDA graph capture: the floor rule of {self._policy!r} "
-                               f"(at_floor='raise') reads the state on the host, which a graph cannot capture. Use "
-                               f"at_floor='skip' (the default) for a captured step.")
+                               f"reads the state on the host, which a graph cannot capture. Use a policy that "
+                               f"keeps skipping at its floor (DynamicScale's at_floor='skip', the default) for a "
+                               f"captured step.")
         _write_into(old, new)
         self._policy.check_floor(old)
 

@@ -67,6 +67,8 @@ class Policy:
     - ``observes_loss_finite`` (False): True asks for ``update(..., loss_finite=...)``, whether every loss of the
       step was finite (0-d bool).
     - ``check_floor(state)``: the floor rule, run after every update; may raise :class:`FloorError`.
+    - ``floor_reads_host`` (False): True where ``check_floor`` reads the state on the host (it cannot run inside a
+      CUDA graph).
     - ``min_scale`` / ``max_scale`` (2**-126 / float32 max): the bounds every scale set from outside is
       checked against.
     """
@@ -87,6 +89,11 @@ class Policy:
 
     def check_floor(self, state: Any) -> None:
         """The floor rule after an update: by default none (the scale stays at its floor and steps skip)."""
+
+    @property
+    def floor_reads_host(self) -> bool:
+        """Whether :meth:`check_floor` reads the state on the host (by default it does nothing)."""
+        return False
 
 
 def check_policy(call: str, policy: Any) -> None:

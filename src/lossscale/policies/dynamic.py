@@ -179,6 +179,11 @@ class DynamicScale(Policy):
             return scale * to_float32(factor)  # exact float32 operands: float32 product, rounded once
         return (scale.double() * factor).float()
 
+    @property
+    def floor_reads_host(self) -> bool:
+        """True with ``at_floor="raise"``: :meth:`check_floor` reads the floor counter on the host."""
+        return self.at_floor == "raise"
+
     def check_floor(self, state: ScaleState) -> None:
         """Raise :class:`FloorError` if ``at_floor="raise"`` and the scale hit its floor (then one host read)."""
         if self.at_floor != "raise":
