@@ -21,19 +21,22 @@ INF_AT = {1, 6, 11}  # micro-batches whose loss is inf: optimizer steps 0, 3 and
 BATCHES = 16
 
 
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide state (a singleton), so that the next Accelerator is built afresh."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(autouse=True)
 def fresh_state() -> Iterator[None]:
-    """Accelerate's state is a process-wide singleton: each test builds its own accelerators."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    """Each test builds its own accelerators."""
+    reset_accelerate_state()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 def accelerator(**kwargs: Any) -> Accelerator:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     return Accelerator(cpu=True, **kwargs)
 
 

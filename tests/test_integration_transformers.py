@@ -11,7 +11,6 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.integrations import integration_utils
 
@@ -19,6 +18,7 @@ import lossscale
 from lossscale import PredictiveScale
 from lossscale.checks import StateDictError
 from lossscale.integrations.transformers import LossScaleCallback, use_lossscale
+from test_integration_accelerate import reset_accelerate_state
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCH_ARGS = dict(init_scale=2.0**8, growth_interval=2)
@@ -30,12 +30,10 @@ CONFIG = GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2
 
 @pytest.fixture(autouse=True)
 def fresh_state() -> Iterator[None]:
-    """Accelerate's state is a process-wide singleton: each Trainer builds its own accelerator."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    """Each Trainer builds its own accelerator."""
+    reset_accelerate_state()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -65,8 +63,7 @@ def trainer(out: Path, scaler: str, callbacks: list[TrainerCallback] | None = No
             **args: Any) -> Trainer:
     """A Trainer on a fresh tiny GPT-2 with torch's scaler (as the Trainer makes it on a GPU), lossscale's, or
     none yet (``scaler="none"``); ``overflow`` puts an inf into the gradients of the steps in INF_AT."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
     args = dict(output_dir=str(out), fp16=True, use_cpu=True, max_steps=STEPS, per_device_train_batch_size=2,

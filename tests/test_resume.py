@@ -691,10 +691,9 @@ class AccelerateCase(Case):
                 "scaler": torch_keys(live.acc.scaler.state_dict())}
 
     def close(self) -> None:
-        from accelerate.state import AcceleratorState, GradientState
+        from test_integration_accelerate import reset_accelerate_state
 
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerate_state()
 
 
 # --- every object --------------------------------------------------------------------------------------------
