@@ -34,7 +34,11 @@ torch.version.cuda); print('device', torch.cuda.get_device_name() if torch.cuda.
 cat "$OUT/env.txt"
 
 echo "== tests/cuda"
-timeout 240 "$PYTHON" -m pytest tests/cuda -q -rs -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" 2>&1 \
+# Warnings are reported in pytest's summary rather than raised (-W default): the GPU's torch may warn where CI's does
+# not, and one such warning should not hide the rest of a test. Four workers where pytest-xdist is installed.
+workers=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n 4")
+timeout 240 "$PYTHON" -m pytest tests/cuda -q -rfEs -W default --durations=8 $workers -p no:cacheprovider \
+    --junitxml="$OUT/cuda-tests.xml" 2>&1 \
     | tee "$OUT/cuda-tests.txt" || status=1
 echo "== tests/cuda took $((SECONDS - started)) s"
 

@@ -156,8 +156,12 @@ class FixedScale(Policy):
 
 
 def move_state(state: Any, device: torch.device | str) -> Any:
-    """Any state record with every field on ``device`` (a copy only where it moves)."""
-    return dataclasses.replace(state, **{f.name: getattr(state, f.name).to(device) for f in dataclasses.fields(state)})
+    """Any state record with every field on ``device`` (a copy only where it moves). A copy from host memory to an
+    accelerator does not wait for the device (no host synchronisation: the values are staged before the call
+    returns); a copy to host memory is a blocking one, so the values can be read at once."""
+    non_blocking = torch.device(device).type != "cpu"
+    return dataclasses.replace(state, **{f.name: getattr(state, f.name).to(device, non_blocking=non_blocking)
+                                         for f in dataclasses.fields(state)})
 
 
 def state_to_dict(state: Any) -> dict[str, float | int | list]:

@@ -1,0 +1,53 @@
+"""Per-layer scales on a GPU (issue 31): GPT-2 with tied input and output embeddings (transformers, built from a
+config, random init), float16 autocast on CUDA, ``LossScaleOptimizer(layerwise=model)``: every parameter's unscaled
+gradient within 1% of a float32 backward's at the same weights, at every step that was taken (the CPU twin:
+tests/test_layerwise.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lossscale import LossScaleOptimizer
+
+VOCAB, CONTEXT = 256, 128
+
+
+def gpt2(layers, width, heads):
+    transformers = pytest.importorskip("transformers", reason="the GPT-2 model comes from transformers")
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=width, n_layer=layers,
+                                     n_head=heads, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).cuda()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model
+
+
+def loss_of(model, ids, half):
+    with torch.autocast("cuda", dtype=torch.float16, enabled=half):
+        return model(ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("units", ["model", "blocks"])
+def test_gpt2_with_tied_embeddings_unscales_within_a_percent_of_float32_on_cuda(units):
+    model, ref = gpt2(6, 256, 8), gpt2(6, 256, 8)
+    layerwise = model if units == "model" else list(model.transformer.h)
+    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), layerwise=layerwise)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    taken = 0
+    for step in range(6):
+        ids = torch.randint(0, VOCAB, (8, CONTEXT), device="cuda", generator=generator)
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad(set_to_none=True)
+        loss_of(ref, ids, half=False).backward()
+        opt.zero_grad()
+        opt.backward(loss_of(model, ids, half=True))
+        result = opt.step()
+        if not bool(result.stepped):  # a skipped step's gradients hold the overflow
+            continue
+        taken += 1
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            error = float((p.grad.float() - q.grad).norm() / q.grad.norm())
+            assert error < 0.01, f"step {step}: {name} is {error:.3%} from float32's"
+    assert taken >= 4, f"only {taken} of 6 steps taken"
