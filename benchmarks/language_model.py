@@ -13,7 +13,11 @@ The runs take their steps in lockstep (step k of every run, the order rotating e
 drifts moves them alike; a step's time is forward + backward + optimizer step. Reported per run: held-out loss (a
 float32 pass over held-out files), skipped steps, the share of gradient entries a float32 backward pass has nonzero
 that the run's own backward left zero (overall, and per layer: embeddings, each block, the final norm), and the step
-time over torch's scaler's (median of per-step ratios, with its 95% interval).
+time over torch's scaler's (median of per-step ratios, with its 95% interval). Each training step is timed from an
+idle device (synchronised before and after), so the host's time per step counts in full; after training, a
+free-running measure times ``--free-steps`` consecutive steps with no synchronisation between them (as a training
+loop that reads nothing back runs: the host queues work while the device computes), ``--free-rounds`` rounds with
+the order rotating, reported as ms per step and its median ratio to torch's scaler's over the rounds.
 
     python benchmarks/language_model.py [--steps 150] [--layers 4] [--d-model 128] [--tiny] [--device cuda]
 """
@@ -158,7 +162,33 @@ def train(args: argparse.Namespace, device: str) -> tuple[dict[str, Run], float]
     return runs, time.perf_counter() - began
 
 
-def rows_of(runs: dict[str, Run]) -> tuple[list[dict], list[dict]]:
+def free_running(runs: dict[str, Run], args: argparse.Namespace, device: str) -> dict[str, list[float]]:
+    """Seconds per step of ``args.free_steps`` consecutive steps without a synchronisation between them, per round;
+    the training statistics (skips) are left as training made them."""
+    cfg = Config(files=args.files, sequences=args.sequences, context=args.context, seed=0)
+    corpus = load_corpus(cfg)
+    batches = [tuple(t.to(device) for t in batch(corpus.train, cfg, args.steps + k, 0)) for k in range(args.free_steps)]
+    sync = synchronizer(device)
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    skipped = {name: run.skipped for name, run in runs.items()}
+    for r in range(args.free_rounds + 1):  # the first round warms up
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            run = runs[name]
+            sync()
+            start = time.perf_counter()
+            for x, y in batches:
+                run.backward(x, y)
+                run.step()
+            sync()
+            if r:
+                times[name].append((time.perf_counter() - start) / len(batches))
+    for name, run in runs.items():
+        run.skipped = skipped[name]
+    return times
+
+
+def rows_of(runs: dict[str, Run], free: dict[str, list[float]] | None = None) -> tuple[list[dict], list[dict]]:
     """The summary table and the underflow-by-layer table."""
     times = {name: run.seconds for name, run in runs.items()}
     summary, by_layer = [], []
@@ -167,6 +197,10 @@ def rows_of(runs: dict[str, Run]) -> tuple[list[dict], list[dict]]:
         row: dict[str, Any] = {"run": name, "held-out loss": run.heldout, "skipped": run.skipped,
                                "step ms": 1e3 * sorted(run.seconds)[len(run.seconds) // 2],
                                "time / torch's": ratio, "95% CI": f"{low:.3f}-{high:.3f}"}
+        if free:
+            free_ratio, free_low, free_high = paired_ratio(free, name, REFERENCE)
+            row.update({"free-running ms": 1e3 * sorted(free[name])[len(free[name]) // 2],
+                        "free-running / torch's": free_ratio, "free-running 95% CI": f"{free_low:.3f}-{free_high:.3f}"})
         if run.flushed:
             flushed = sum(f for f, _ in run.flushed.values())
             live = sum(t for _, t in run.flushed.values())
@@ -195,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--heldout-sequences", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--free-rounds", type=int, default=5, help="rounds of the free-running measure")
+    parser.add_argument("--free-steps", type=int, default=10, help="consecutive steps per free-running round")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json", default=None)
     add_device_argument(parser)
@@ -205,8 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tiny:
         args.steps, args.layers, args.d_model, args.heads = 4, 2, 32, 2
         args.context, args.sequences, args.files, args.heldout_sequences = 32, 4, 4, 8
+        args.free_rounds, args.free_steps = 2, 2
     runs, seconds = train(args, device)
-    summary, by_layer = rows_of(runs)
+    free = free_running(runs, args, device) if args.free_rounds > 0 else None
+    summary, by_layer = rows_of(runs, free)
     parameters = sum(p.numel() for p in runs["float32"].model.parameters())
     md = (f"Device: {device}. GPT-2 from a config ({args.layers} layers, width {args.d_model}, {args.heads} heads, "
           f"context {args.context}, vocabulary {VOCAB}, {parameters / 1e6:.2f}M parameters, tied embeddings), "
@@ -215,7 +253,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"run ({seconds:.0f} s in all). *underflow*: share of the gradient entries a float32 backward pass of the "
           f"same batch has nonzero that the run's gradients left zero, at the steps named (0, 10, 100 and the last) "
           f"and their mean over those steps. *time / torch's*: median over steps of the step's time over torch's scaler's in the same "
-          f"step, with its 95% interval.\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
+          f"step, with its 95% interval (each step timed from an idle device). *free-running*: "
+          f"{args.free_steps} consecutive steps with no synchronisation between them, per step, median over "
+          f"{args.free_rounds} rounds, and the median of per-round ratios to torch's scaler's.\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
           + "\n\nUnderflow by layer (``wte``: the tied input and output embedding):\n\n"
           + table(by_layer, list(by_layer[0])))
     payload = {"machine": machine(device), "rows": summary, "by_layer": by_layer, "markdown": md}
