@@ -11,9 +11,12 @@
 #    on one H100, each benchmark stopped after 150 s or when the script's BUDGET (default 540 s, under the device
 #    tool's 600 s per command) runs out.
 #
-# Writes six files under OUT: env.txt (nvidia-smi, python, torch, CUDA), cuda-tests.txt and cuda-tests.xml (pytest's
-# report), benchmarks.txt (the benchmarks' log), RESULTS.md (the CPU sections as they were, the GPU sections new:
-# copy it over benchmarks/RESULTS.md) and json.tar.gz (each benchmark's JSON). The repository's own files are left
+# 3. benchmarks/profile_step.py at the end-to-end model's size and at GPT-2 medium's: where a step's time goes, op by
+#    op, for torch's scaler and LossScaleOptimizer with DynamicScale and PredictiveScale (under a minute).
+#
+# Writes seven files under OUT: env.txt (nvidia-smi, python, torch, CUDA), cuda-tests.txt and cuda-tests.xml
+# (pytest's report), benchmarks.txt (the benchmarks' log), RESULTS.md (the CPU sections as they were, the GPU sections
+# new: copy it over benchmarks/RESULTS.md), json.tar.gz (each benchmark's JSON) and profile.txt (the profiles). The repository's own files are left
 # alone. Uses python3 (PYTHON to change it) with lossscale from src/ on PYTHONPATH; needs torch with CUDA, pytest,
 # matplotlib and tqdm (the demo). Exits 1 if a test or a benchmark failed.
 
@@ -59,6 +62,18 @@ for name in $names; do
         status=1
         echo "== $name FAILED" | tee -a "$OUT/benchmarks.txt"
     fi
+done
+echo "== profile_step (at $((SECONDS - started)) s)"
+for size in "--d-model 512 --layers 6 --heads 8 --context 256 --sequences 32" \
+            "--d-model 1024 --layers 24 --heads 16 --context 256 --sequences 16"; do
+    left=$((BUDGET - (SECONDS - started)))
+    if [ "$left" -lt 30 ]; then
+        echo "== profile_step $size NOT RUN: the budget of $BUDGET s is spent" | tee -a "$OUT/profile.txt"
+        continue
+    fi
+    # shellcheck disable=SC2086  # the sizes are words
+    timeout $((left < 90 ? left : 90)) "$PYTHON" benchmarks/profile_step.py --device cuda $size >> "$OUT/profile.txt" 2>&1 \
+        || echo "== profile_step $size FAILED" | tee -a "$OUT/profile.txt"
 done
 tar -czf "$OUT/json.tar.gz" -C "$OUT" json && rm -rf "$OUT/json"
 echo "== done in $((SECONDS - started)) s, status $status"

@@ -64,3 +64,17 @@ def test_paired_ratio_is_the_median_of_per_round_ratios_with_the_sign_test_inter
     mid, low, high = _common.paired_ratio(times, "x", "torch")
     # n = 100: ranks 50 -+ 9.8 -> the 40th and 61st smallest (1-based), around the median 1.0495
     assert mid == pytest.approx(1.0495) and low == pytest.approx(1.039) and high == pytest.approx(1.060)
+
+
+def test_the_step_profiler_times_and_profiles_every_contender():
+    """benchmarks/profile_step.py, a diagnostic outside RESULTS.md, at its tiny size in a subprocess."""
+    proc = subprocess.run([sys.executable, str(BENCH / "profile_step.py"), "--tiny"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = ["torch.amp.GradScaler", "LossScaleOptimizer, DynamicScale", "LossScaleOptimizer, PredictiveScale"]
+    for name in names:
+        row = next(line for line in proc.stdout.splitlines() if line.startswith(f"| {name} |"))
+        whole, step, host = (float(v) for v in row.strip("| ").split(" | ")[1:])
+        assert 0 < host <= step <= whole, row
+        assert f"== {name}, 1 step(s) under the profiler" in proc.stdout
+    assert proc.stdout.count("Self CPU time total") == len(names)

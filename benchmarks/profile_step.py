@@ -1,0 +1,156 @@
+"""Where one training step's time goes: torch's scaler against LossScaleOptimizer, op by op (a diagnostic).
+
+The model of ``end_to_end.py`` (the demo's character transformer; its size from the same options) takes float16
+autocast steps (forward, backward, optimizer step with fused AdamW) under each contender: torch.amp.GradScaler,
+``LossScaleOptimizer`` with ``DynamicScale()`` and with ``PredictiveScale()``. Each contender has its own copy of
+the same model. Printed per contender:
+
+* the median time of a whole step from an idle device, and how much of the optimizer step's call is host time
+  (the call returns before its kernels finish on a GPU);
+* from ``torch.profiler`` over ``--profiled`` steps: the ops with the most self device time and the most self host
+  time, and how many kernels one step launches.
+
+No RESULTS.md section: the ratios live in ``end_to_end.py`` and ``language_model.py``; this says why they are what
+they are. ``benchmarks/gpu_check.sh`` runs it on a GPU.
+
+    python benchmarks/profile_step.py --device cuda --d-model 512 --layers 6 --heads 8 --context 256 --sequences 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_device_argument, checked_device, synchronizer  # noqa: E402
+
+from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
+from lossscale.demo.train import QUICK, CharTransformer, batch, load_corpus  # noqa: E402
+
+
+def contenders(cfg, device: str) -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
+    """name -> (forward and backward, optimizer step), each contender on its own copy of one model."""
+    kind = torch.device(device).type
+    x, y = (t.to(device) for t in batch(load_corpus(cfg).train, cfg, 0, 0))
+    out: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
+
+    def model():
+        torch.manual_seed(cfg.seed)
+        return CharTransformer(cfg).to(device)
+
+    def loss_of(m):
+        with torch.autocast(kind, dtype=torch.float16):
+            logits = m(x)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler(kind)
+
+    def torch_backward(m=m, opt=opt):
+        opt.zero_grad()
+        scaler.scale(loss_of(m)).backward()
+
+    def torch_step(opt=opt):
+        scaler.step(opt)
+        scaler.update()
+
+    out["torch.amp.GradScaler"] = (torch_backward, torch_step)
+    for name, policy in (("LossScaleOptimizer, DynamicScale", DynamicScale()),
+                         ("LossScaleOptimizer, PredictiveScale", PredictiveScale())):
+        m = model()
+        lso = LossScaleOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), policy=policy)
+
+        def backward(m=m, lso=lso):
+            lso.zero_grad()
+            lso.backward(loss_of(m))
+
+        out[name] = (backward, lso.step)
+    return out
+
+
+def measure(calls: dict[str, tuple[Callable[[], None], Callable[[], None]]], rounds: int, device: str
+            ) -> dict[str, tuple[float, float, float]]:
+    """name -> (median ms of a whole step, median ms of the optimizer step, median host ms of its call)."""
+    sync = synchronizer(device)
+    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(rounds + 1):  # the first round warms up
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            backward, step = calls[name]
+            sync()
+            start = time.perf_counter()
+            backward()
+            sync()
+            stepping = time.perf_counter()
+            step()
+            returned = time.perf_counter()
+            sync()
+            done = time.perf_counter()
+            if r:
+                samples[name].append((done - start, done - stepping, returned - stepping))
+    return {name: tuple(1e3 * statistics.median(s[i] for s in rows) for i in range(3))  # type: ignore[misc]
+            for name, rows in samples.items()}
+
+
+def profiled(backward: Callable[[], None], step: Callable[[], None], steps: int, device: str, top: int) -> str:
+    """The profiler's tables (self device time, self host time) and kernels per step, as text."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    sync = synchronizer(device)
+    sync()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            backward()
+            step()
+        sync()
+    averages = prof.key_averages()
+    parts = []
+    if ProfilerActivity.CUDA in activities:
+        kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        parts.append(f"kernels per step: {kernels / steps:.0f}")
+        parts.append(averages.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60))
+    parts.append(averages.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, float]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--profiled", type=int, default=3, help="steps under the profiler per contender")
+    parser.add_argument("--top", type=int, default=12, help="rows per profiler table")
+    parser.add_argument("--tiny", action="store_true")
+    size = parser.add_argument_group("the model (default: the demo's --quick one)")
+    for name in ("d-model", "layers", "heads", "context", "sequences"):
+        size.add_argument(f"--{name}", type=int, default=None)
+    add_device_argument(parser)
+    args = parser.parse_args(argv)
+    device = checked_device(parser, args.device)
+    cfg = dataclasses.replace(QUICK, files=4, sequences=4, context=16) if args.tiny else QUICK
+    sizes = {k: getattr(args, k) for k in ("d_model", "layers", "heads", "context", "sequences")}
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in sizes.items() if v is not None})
+    if args.tiny:
+        args.rounds, args.profiled, args.top = 2, 1, 5
+    calls = contenders(cfg, device)
+    times = measure(calls, args.rounds, device)
+    print(f"Device {device} ({torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}), torch "
+          f"{torch.__version__}; model {cfg.layers} layers, d_model {cfg.d_model}, batch {cfg.sequences} x "
+          f"{cfg.context}; medians over {args.rounds} rounds, each call from an idle device.\n")
+    print("| contender | step ms | optimizer step ms | host ms of the optimizer step's call |\n|---|---|---|---|")
+    for name, (whole, step, host) in times.items():
+        print(f"| {name} | {whole:.3f} | {step:.3f} | {host:.3f} |")
+    for name, (backward, step) in calls.items():
+        print(f"\n== {name}, {args.profiled} step(s) under the profiler\n")
+        print(profiled(backward, step, args.profiled, device, args.top))
+    return times
+
+
+if __name__ == "__main__":
+    main()
