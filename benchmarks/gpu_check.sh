@@ -12,7 +12,8 @@
 #    tool's 600 s per command) runs out.
 #
 # 3. benchmarks/profile_step.py at the end-to-end model's size and at GPT-2 medium's: where a step's time goes, op by
-#    op, for torch's scaler and LossScaleOptimizer with DynamicScale and PredictiveScale (under a minute).
+#    op, for torch's scaler and LossScaleOptimizer with DynamicScale, PredictiveScale and per-layer scales (about a
+#    minute).
 #
 # Writes seven files under OUT: env.txt (nvidia-smi, python, torch, CUDA), cuda-tests.txt and cuda-tests.xml
 # (pytest's report), benchmarks.txt (the benchmarks' log), RESULTS.md (the CPU sections as they were, the GPU sections

@@ -2,8 +2,8 @@
 
 The model of ``end_to_end.py`` (the demo's character transformer; its size from the same options) takes float16
 autocast steps (forward, backward, optimizer step with fused AdamW) under each contender: torch.amp.GradScaler,
-``LossScaleOptimizer`` with ``DynamicScale()`` and with ``PredictiveScale()``. Each contender has its own copy of
-the same model. Printed per contender:
+``LossScaleOptimizer`` with ``DynamicScale()``, with ``PredictiveScale()`` and with per-layer scales
+(``layerwise=model``). Each contender has its own copy of the same model. Printed per contender:
 
 * the median time of a whole step from an idle device, and how much of the optimizer step's call is host time
   (the call returns before its kernels finish on a GPU);
@@ -64,10 +64,12 @@ def contenders(cfg, device: str) -> dict[str, tuple[Callable[[], None], Callable
         scaler.update()
 
     out["torch.amp.GradScaler"] = (torch_backward, torch_step)
-    for name, policy in (("LossScaleOptimizer, DynamicScale", DynamicScale()),
-                         ("LossScaleOptimizer, PredictiveScale", PredictiveScale())):
+    for name, policy, layerwise in (("LossScaleOptimizer, DynamicScale", DynamicScale(), False),
+                                    ("LossScaleOptimizer, PredictiveScale", PredictiveScale(), False),
+                                    ("LossScaleOptimizer, per-layer", DynamicScale(), True)):
         m = model()
-        lso = LossScaleOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), policy=policy)
+        lso = LossScaleOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), policy=policy,
+                                 layerwise=m if layerwise else None)
 
         def backward(m=m, lso=lso):
             lso.zero_grad()
