@@ -12,9 +12,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable
 
-from torch.profiler import ProfilerActivity, profile
+import torch
 
-__all__ = ["MULTI_TENSOR_KERNELS", "host_ops", "growth_per_tensor"]
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["MULTI_TENSOR_KERNELS", "host_ops", "kernel_tensors", "growth_per_tensor"]
 
 MULTI_TENSOR_KERNELS = ("aten::_foreach_", "aten::_fused_", "aten::_amp_foreach_")
 
@@ -33,6 +37,28 @@ def host_ops(fn: Callable[[], Any]) -> Counter:
         if parent is None:
             counts[event.name] += 1
     return counts
+
+
+class _TensorArguments(TorchDispatchMode):
+    """Counts the tensors each top-level aten op is handed (the ops a kernel runs inside itself are not seen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.counts[str(func.overloadpacket)] += sum(isinstance(a, torch.Tensor) for a in tree_leaves((args, kwargs)))
+        return func(*args, **kwargs)
+
+
+def kernel_tensors(fn: Callable[[], Any]) -> Counter:
+    """aten op name -> tensors handed to it while ``fn()`` runs once: what a multi-tensor kernel's host side walks
+    (on CUDA: per-tensor metadata, and for ``_foreach_norm`` one result tensor per input), ops nested inside a kernel
+    left out."""
+    with _TensorArguments() as mode:
+        fn()
+    return mode.counts
 
 
 def growth_per_tensor(small: Counter, large: Counter, n_small: int, n_large: int) -> dict[str, float]:

@@ -9,7 +9,9 @@ restored into the same tensors before every timed call (outside the timing), and
 - ``torch``: torch.amp.GradScaler's pipeline (``unscale_``, ``clip_grad_norm_``, ``step``, ``update``), eager and
   replayed;
 - ``GS``: lossscale.GradScaler driven the same way, eager and replayed;
-- ``LSO``: ``LossScaleOptimizer(clip_grad_norm=1.0)``.step(), eager and replayed.
+- ``LSO``: ``LossScaleOptimizer(clip_grad_norm=1.0)``.step(), eager and replayed;
+- ``LSO flat``: the same with ``flat_grads=True``, one wrapper for its eager step and its graph (the gradients are
+  views of its buffer for every contender).
 
 Reported: ms per step and each over the bare eager step, and the replayed step over its own eager one.
 
@@ -66,6 +68,8 @@ def replayed(step: Callable[[], object], restore: Callable[[str], None]) -> Call
 def contenders(params: list[torch.nn.Parameter], restore: Callable[[str], None], device: str) -> dict:
     """Eager and replayed steps; each front end's graph over its own scaler or wrapper, one shared optimizer."""
     shared = torch.optim.AdamW(params, lr=1e-9, fused=True, capturable=True)
+    flat = LossScaleOptimizer(shared, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9),
+                              clip_grad_norm=1.0, flat_grads=True)
 
     def lso() -> Callable[[], object]:
         return LossScaleOptimizer(shared, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9),
@@ -76,12 +80,16 @@ def contenders(params: list[torch.nn.Parameter], restore: Callable[[str], None],
             return shared.step
         if name == "LSO":
             return lso()
+        if name == "LSO flat":
+            return flat.step
         return _pipeline(torch.amp.GradScaler if name == "torch" else GradScaler, shared, params, device)
 
-    names = ("bare", "torch", "GS", "LSO")
-    fns = {f"{name} eager": fresh(name) for name in names}
-    fns.update({f"{name} graph": replayed(fresh(name), restore) for name in names})
+    fns = {f"{name} eager": fresh(name) for name in NAMES}
+    fns.update({f"{name} graph": replayed(fresh(name), restore) for name in NAMES})
     return fns
+
+
+NAMES = ("bare", "torch", "GS", "LSO", "LSO flat")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -104,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     fns = contenders(params, restore, device)
     t = summarize(alternate_samples(fns, rounds, setup=restore, sync=synchronizer(device)))
     rows = []
-    for name in ("bare", "torch", "GS", "LSO"):
+    for name in NAMES:
         eager, graph = t[f"{name} eager"], t[f"{name} graph"]
         rows.append({"step": name, "eager ms": eager * 1e3, "graph ms": graph * 1e3,
                      "eager / bare eager": eager / t["bare eager"], "graph / bare eager": graph / t["bare eager"],
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"global-norm clip 1.0; medians over {rounds} alternating rounds, every call bracketed by "
           f"torch.cuda.synchronize(), the gradients restored before each call (outside the timing). bare = the "
           f"optimizer step alone, torch = torch.amp.GradScaler + clip_grad_norm_, GS = lossscale.GradScaler driven "
-          f"the same way, LSO = LossScaleOptimizer(clip_grad_norm=1.0).\n\n"
+          f"the same way, LSO = LossScaleOptimizer(clip_grad_norm=1.0), LSO flat = the same with flat_grads=True.\n\n"
           + table(rows, ["step", "eager ms", "graph ms", "eager / bare eager", "graph / bare eager", "graph / eager"]))
     payload = {"machine": machine(device), "rows": rows, "markdown": md}
     emit("graphs", payload, args.json)

@@ -7,13 +7,16 @@ autocast, with fused AdamW, from the same weights in every run:
   * float32 (the reference for the held-out loss), no scaling;
   * float16, ``torch.amp.GradScaler`` (torch's defaults);
   * float16, ``LossScaleOptimizer`` with ``DynamicScale()`` (torch's rule), ``PredictiveScale()``, and
-    ``layerwise=model`` (one factor per module on top of ``DynamicScale()``; the tied embeddings share one).
+    ``layerwise=model`` (one factor per module on top of ``DynamicScale()``; the tied embeddings share one);
+  * the first two again with ``flat_grads=True`` (every gradient a view of one buffer: the step's passes are one
+    kernel each, where otherwise the host walks every gradient tensor).
 
 The runs take their steps in lockstep (step k of every run, the order rotating each step), so a machine whose speed
 drifts moves them alike; a step's time is forward + backward + optimizer step. Reported per run: held-out loss (a
 float32 pass over held-out files), skipped steps, the share of gradient entries a float32 backward pass has nonzero
 that the run's own backward left zero (overall, and per layer: embeddings, each block, the final norm), and the step
-time over torch's scaler's (median of per-step ratios, with its 95% interval). Each training step is timed from an
+time over torch's scaler's (median of per-step ratios, with its 95% interval); PredictiveScale's runs also over
+DynamicScale's with the same gradients (flat or not). Each training step is timed from an
 idle device (synchronised before and after), so the host's time per step counts in full; after training, a
 free-running measure times ``--free-steps`` consecutive steps with no synchronisation between them (as a training
 loop that reads nothing back runs: the host queues work while the device computes), ``--free-rounds`` rounds with
@@ -41,8 +44,11 @@ from _common import add_device_argument, checked_device, emit, machine, paired_r
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
 from lossscale.demo.train import VOCAB, Config, batch, load_corpus  # noqa: E402
 
-RUNS = ["float32", "torch GradScaler", "DynamicScale", "PredictiveScale", "per-layer"]
+RUNS = ["float32", "torch GradScaler", "DynamicScale", "PredictiveScale", "DynamicScale flat", "PredictiveScale flat",
+        "per-layer"]
 REFERENCE = "torch GradScaler"
+#: PredictiveScale's runs, each against the DynamicScale run with the same gradients
+AGAINST_DYNAMIC = {"PredictiveScale": "DynamicScale", "PredictiveScale flat": "DynamicScale flat"}
 
 
 def gpt2(args: argparse.Namespace, device: str) -> torch.nn.Module:
@@ -77,8 +83,9 @@ class Run:
         if name in ("float32", REFERENCE):
             self.opt: Any = inner
         else:
-            policy = PredictiveScale() if name == "PredictiveScale" else DynamicScale()
-            self.opt = LossScaleOptimizer(inner, policy=policy, layerwise=self.model if name == "per-layer" else None)
+            policy = PredictiveScale() if name.startswith("PredictiveScale") else DynamicScale()
+            self.opt = LossScaleOptimizer(inner, policy=policy, layerwise=self.model if name == "per-layer" else None,
+                                          flat_grads=name.endswith(" flat"))
         self.skipped, self.seconds = 0, []
         self.flushed: dict[str, list[int]] = {}  # layer -> [entries flushed, entries live], summed over measurements
         self.shares: dict[int, float] = {}  # measured step -> share of the live entries this run left zero
@@ -201,6 +208,11 @@ def rows_of(runs: dict[str, Run], free: dict[str, list[float]] | None = None) ->
             free_ratio, free_low, free_high = paired_ratio(free, name, REFERENCE)
             row.update({"free-running ms": 1e3 * sorted(free[name])[len(free[name]) // 2],
                         "free-running / torch's": free_ratio, "free-running 95% CI": f"{free_low:.3f}-{free_high:.3f}"})
+        if name in AGAINST_DYNAMIC and AGAINST_DYNAMIC[name] in runs:
+            against = AGAINST_DYNAMIC[name]
+            row["time / DynamicScale's"] = paired_ratio(times, name, against)[0]
+            if free:
+                row["free-running / DynamicScale's"] = paired_ratio(free, name, against)[0]
         if run.flushed:
             flushed = sum(f for f, _ in run.flushed.values())
             live = sum(t for _, t in run.flushed.values())
@@ -253,7 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"run ({seconds:.0f} s in all). *underflow*: share of the gradient entries a float32 backward pass of the "
           f"same batch has nonzero that the run's gradients left zero, at the steps named (0, 10, 100 and the last) "
           f"and their mean over those steps. *time / torch's*: median over steps of the step's time over torch's scaler's in the same "
-          f"step, with its 95% interval (each step timed from an idle device). *free-running*: "
+          f"step, with its 95% interval (each step timed from an idle device); *time / DynamicScale's*: the same "
+          f"against the DynamicScale run with the same gradients (flat or not). *flat*: flat_grads=True. *free-running*: "
           f"{args.free_steps} consecutive steps with no synchronisation between them, per step, median over "
           f"{args.free_rounds} rounds, and the median of per-round ratios to torch's scaler's.\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
           + "\n\nUnderflow by layer (``wte``: the tied input and output embedding):\n\n"

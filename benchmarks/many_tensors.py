@@ -7,7 +7,9 @@ Every contender steps one shared optimizer over the same parameters, the gradien
 - ``bare``: ``optimizer.step()`` alone;
 - ``torch``: torch.amp.GradScaler's pipeline (``unscale_`` + ``clip_grad_norm_`` where clipped, ``step``, ``update``);
 - ``GS``: lossscale.GradScaler driven exactly as torch's;
-- ``LSO``: ``LossScaleOptimizer(..., clip_grad_norm=)``.step() with torch's rule.
+- ``LSO``: ``LossScaleOptimizer(..., clip_grad_norm=)``.step() with torch's rule;
+- ``LSO flat``: the same with ``flat_grads=True`` (every gradient a view of one buffer: the step's passes are one
+  kernel over it). Built first, so every contender steps over the same gradient views.
 
 Reported: ms per step, each over the bare step, LSO and GS over torch's (the median of per-round ratios with its 95%
 interval), and the host ops of one step (aten ops outside torch's multi-tensor kernels, ``_host_ops.py``): how many,
@@ -46,6 +48,8 @@ def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> d
     """The timed callables over one shared optimizer."""
     device = str(params[0].device)
     shared = OPTIMIZERS[opt_name](params)
+    flat = LossScaleOptimizer(shared, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9),
+                              clip_grad_norm=1.0 if clip else None, flat_grads=True)
 
     def scaler_of(kind: type):
         scaler = kind(device, init_scale=SCALE, growth_interval=10**9)
@@ -62,7 +66,7 @@ def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> d
     lso = LossScaleOptimizer(shared, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9),
                              clip_grad_norm=1.0 if clip else None)
     return {"bare": shared.step, "torch": scaler_of(torch.amp.GradScaler), "GS": scaler_of(GradScaler),
-            "LSO": lso.step}
+            "LSO": lso.step, "LSO flat": flat.step}
 
 
 def _layout(tensors: int, size: int, device: str) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
@@ -97,11 +101,11 @@ def measure(tensors: int, size: int, opt_name: str, clip: bool, rounds: int, dev
     samples = alternate_samples(contenders(params, opt_name, clip), rounds, setup=restore, sync=synchronizer(device))
     t = summarize(samples)
     row = {"layout": f"{tensors} x {size}", "optimizer": opt_name, "clip": "global norm" if clip else "none"}
-    for name in ("bare", "torch", "GS", "LSO"):
+    for name in NAMES:
         row[f"{name} ms"] = t[name] * 1e3
-    for name in ("torch", "GS", "LSO"):
+    for name in NAMES[1:]:
         row[f"{name} / bare"] = t[name] / t["bare"]
-    for name in ("GS", "LSO"):
+    for name in NAMES[2:]:
         ratio, low, high = paired_ratio(samples, name, "torch")
         row[f"{name} / torch"] = ratio
         row[f"{name} / torch 95% CI"] = f"{low:.3f}-{high:.3f}"
@@ -112,10 +116,10 @@ def measure(tensors: int, size: int, opt_name: str, clip: bool, rounds: int, dev
     return row
 
 
-COLUMNS = ["layout", "optimizer", "clip", "bare ms", "torch ms", "GS ms", "LSO ms", "torch / bare", "GS / bare",
-           "LSO / bare", "GS / torch", "GS / torch 95% CI", "LSO / torch", "LSO / torch 95% CI", "bare host ops",
-           "torch host ops", "GS host ops", "LSO host ops", "bare ops per tensor", "torch ops per tensor",
-           "GS ops per tensor", "LSO ops per tensor"]
+NAMES = ("bare", "torch", "GS", "LSO", "LSO flat")
+COLUMNS = (["layout", "optimizer", "clip"] + [f"{n} ms" for n in NAMES] + [f"{n} / bare" for n in NAMES[1:]]
+           + [f"{n} / torch{ci}" for n in NAMES[2:] for ci in ("", " 95% CI")] + [f"{n} host ops" for n in NAMES]
+           + [f"{n} ops per tensor" for n in NAMES])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -139,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"median of per-round ratios to torch's pipeline with its 95% interval. *host ops*: aten ops of one step "
           f"outside torch's multi-tensor kernels (counted with the profiler, `_host_ops.py`); *ops per tensor*: how "
           f"many more for each extra tensor (counted at this size and at a tenth of it). torch = torch.amp.GradScaler "
-          f"+ clip_grad_norm_, GS = lossscale.GradScaler driven the same way, LSO = LossScaleOptimizer.\n\n"
+          f"+ clip_grad_norm_, GS = lossscale.GradScaler driven the same way, LSO = LossScaleOptimizer, LSO flat = "
+          f"LossScaleOptimizer(flat_grads=True).\n\n"
           + table(rows, COLUMNS))
     payload = {"machine": machine(device), "rows": rows, "markdown": md}
     emit("many_tensors", payload, args.json)

@@ -276,6 +276,7 @@ OPTIMIZER = {
         ("weight_decay", -1.0, ValueError), ("skip_mode", "none", ValueError),
         ("check_when_unscaled", "yes", ValueError), ("underflow_stride", 0, ValueError),
         ("schedule", "fast|step|0.9", TypeError), ("sharded_grads", "yes", ValueError),
+        ("flat_grads", "yes", ValueError),
         ("module", "model", TypeError), ("process_group", "nccl", TypeError),
         ("transform_unscaled", 3, TypeError)])
         + bad_args(LSO, lambda w, **kw: LossScaleOptimizer(w.opt, **kw), [

@@ -16,7 +16,7 @@ import torch
 from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from _host_ops import growth_per_tensor, host_ops  # noqa: E402
+from _host_ops import growth_per_tensor, host_ops, kernel_tensors  # noqa: E402
 
 SMALL, LARGE = 10, 200
 OPTIMIZERS = {
@@ -27,17 +27,18 @@ OPTIMIZERS = {
 STACK_VIEWS = {"aten::unsqueeze", "aten::as_strided"}  # torch.stack of per-tensor norms: one view per tensor
 
 
-def _counted(contender: str, opt_name: str, n: int, clip: bool, skip_mode: str = "auto"):
-    """Host ops of one steady step of ``contender`` over ``n`` tensors of 64 values."""
+def _counted(contender: str, opt_name: str, n: int, clip: bool, skip_mode: str = "auto", count=host_ops):
+    """``count`` (host ops) of one steady step of ``contender`` over ``n`` tensors of 64 values."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64)) for _ in range(n)]
     grads = [torch.randn(64) * 256 for _ in params]
     opt = OPTIMIZERS[opt_name](params)
     if contender == "bare":
         run = opt.step
-    elif contender == "LossScaleOptimizer":
+    elif contender.startswith("LossScaleOptimizer"):
         run = LossScaleOptimizer(opt, policy=DynamicScale(init_scale=256.0, growth_interval=10**9),
-                                 clip_grad_norm=1.0 if clip else None, skip_mode=skip_mode).step
+                                 clip_grad_norm=1.0 if clip else None, skip_mode=skip_mode,
+                                 flat_grads=contender.endswith("flat")).step
     else:
         scaler = (torch.amp.GradScaler if contender == "torch" else GradScaler)("cpu", init_scale=256.0,
                                                                                 growth_interval=10**9)
@@ -50,23 +51,26 @@ def _counted(contender: str, opt_name: str, n: int, clip: bool, skip_mode: str =
             scaler.step(opt)
             scaler.update()
 
-    def put_grads():
+    def put_grads():  # in place where a gradient exists (flat gradients stay views of their buffer)
         for p, g in zip(params, grads):
-            p.grad = g.clone()
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
 
     for _ in range(2):  # the first steps create the optimizer state (and masked mode decides them on the host)
         put_grads()
         run()
     put_grads()
-    return host_ops(run)
+    return count(run)
 
 
 def _extra_growth(contender: str, opt_name: str, clip: bool, skip_mode: str = "auto",
-                  sizes: tuple[int, int] = (SMALL, LARGE)) -> dict[str, float]:
-    """Ops per extra tensor that ``contender`` adds to the bare optimizer step."""
+                  sizes: tuple[int, int] = (SMALL, LARGE), count=host_ops) -> dict[str, float]:
+    """Ops (or what ``count`` counts) per extra tensor that ``contender`` adds to the bare optimizer step."""
     def growth(who):
-        return growth_per_tensor(_counted(who, opt_name, sizes[0], clip, skip_mode),
-                                 _counted(who, opt_name, sizes[1], clip, skip_mode), *sizes)
+        return growth_per_tensor(_counted(who, opt_name, sizes[0], clip, skip_mode, count),
+                                 _counted(who, opt_name, sizes[1], clip, skip_mode, count), *sizes)
     ours, bare = growth(contender), growth("bare")
     extra = {name: ours.get(name, 0.0) - bare.get(name, 0.0) for name in set(ours) | set(bare)}
     return {name: rate for name, rate in extra.items() if rate}
@@ -101,3 +105,21 @@ def test_masked_skip_adds_one_select_per_parameter_and_state_tensor(opt_name, se
     assert all(rate < 1 for rate in extra.values()), extra
     if opt_name == "foreach SGD momentum":
         assert extra == {}
+
+
+@pytest.mark.parametrize("opt_name", ["fused AdamW", "foreach Adam"])
+@pytest.mark.parametrize("clip", [True, False])
+def test_with_flat_gradients_the_optimizer_adds_nothing_per_tensor(opt_name, clip):
+    # Neither an op nor a tensor handed to a kernel per extra parameter: every pass of ours is one kernel over the
+    # buffer. What is left is the fused optimizer's own: given found_inf, torch's fused AdamW takes its step
+    # counters back (_foreach_sub_ of the counters and found_inf once per counter), under torch's scaler too.
+    own = {"aten._foreach_sub_": 2.0} if opt_name == "fused AdamW" else {}
+    assert _extra_growth("LossScaleOptimizer flat", opt_name, clip) == {}
+    assert _extra_growth("LossScaleOptimizer flat", opt_name, clip, count=kernel_tensors) == own
+    # Without the buffer the same step hands its kernels every gradient (and stacks per-tensor norms), as torch's
+    # pipeline does with one more pass.
+    per_gradient = {"aten._foreach_norm": 1.0, "aten.stack": 1.0} if clip else {
+        "aten._amp_foreach_non_finite_check_and_unscale_": 1.0}
+    if clip and opt_name == "foreach Adam":
+        per_gradient["aten._foreach_mul_"] = 1.0  # the unscale x clip pass (a fused kernel folds it in)
+    assert _extra_growth("LossScaleOptimizer", opt_name, clip, count=kernel_tensors) == {**per_gradient, **own}

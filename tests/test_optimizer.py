@@ -60,12 +60,13 @@ def run_steps(opt, model, data, inject=(), start=0) -> list[tuple]:
 
 @pytest.mark.parametrize("make_opt,skip_mode", [(SGD, "host"), (SGD, "masked"), (FUSED_SGD, "fused"),
                                                 (ADAM, "masked"), (FUSED_ADAMW, "fused")])
-def test_twin_run_equals_an_fp32_control_that_skips_by_hand(make_opt, skip_mode):
+@pytest.mark.parametrize("flat", [False, True])
+def test_twin_run_equals_an_fp32_control_that_skips_by_hand(make_opt, skip_mode, flat):
     control, data = model_and_data()
     model = copy.deepcopy(control)
     ref_opt = make_opt(control.parameters())
     opt = LossScaleOptimizer(make_opt(model.parameters()), policy=DynamicScale(init_scale=2.0**8, growth_interval=3),
-                             skip_mode=skip_mode)
+                             skip_mode=skip_mode, flat_grads=flat)
     assert opt.skip_mode == skip_mode
     stepped, scales = [], []
     for i, (x, y) in enumerate(data):
@@ -89,11 +90,13 @@ def test_twin_run_equals_an_fp32_control_that_skips_by_hand(make_opt, skip_mode)
 
 
 @pytest.mark.parametrize("make_opt,skip_mode", [(SGD, "host"), (FUSED_ADAMW, "fused")])
-def test_clipping_equals_clip_grad_norm_on_the_control(make_opt, skip_mode):
+@pytest.mark.parametrize("flat", [False, True])
+def test_clipping_equals_clip_grad_norm_on_the_control(make_opt, skip_mode, flat):
     control, data = model_and_data(3)
     model = copy.deepcopy(control)
     ref_opt = make_opt(control.parameters())
-    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=FixedScale(2.0**10), clip_grad_norm=0.05)
+    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=FixedScale(2.0**10), clip_grad_norm=0.05,
+                             flat_grads=flat)
     assert opt.skip_mode == skip_mode
     for x, y in data[:10]:
         ref_opt.zero_grad()
@@ -110,11 +113,13 @@ def test_clipping_equals_clip_grad_norm_on_the_control(make_opt, skip_mode):
 
 
 @pytest.mark.parametrize("make_opt", [SGD, FUSED_ADAMW, ADAM])
-def test_accumulation_of_four_micro_batches_equals_one_batch_of_the_mean(make_opt):
+@pytest.mark.parametrize("flat", [False, True])
+def test_accumulation_of_four_micro_batches_equals_one_batch_of_the_mean(make_opt, flat):
     control, data = model_and_data(5)
     model = copy.deepcopy(control)
     ref_opt = make_opt(control.parameters())
-    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=FixedScale(2.0**12), accumulation_steps=4)
+    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=FixedScale(2.0**12), accumulation_steps=4,
+                             flat_grads=flat)
     for k in range(3):
         batch = data[4 * k:4 * k + 4]
         ref_opt.zero_grad()
@@ -134,13 +139,15 @@ def test_accumulation_of_four_micro_batches_equals_one_batch_of_the_mean(make_op
 
 @pytest.mark.parametrize("make_opt,skip_mode", [(ADAM, "masked"), (ADAM, "host"), (FUSED_ADAMW, "fused"),
                                                 (SGD, "masked"), (FUSED_ADAMW, "masked")])
-def test_random_overflows_skip_exactly_the_poisoned_steps_and_never_corrupt(make_opt, skip_mode):
+@pytest.mark.parametrize("flat", [False, True])
+def test_random_overflows_skip_exactly_the_poisoned_steps_and_never_corrupt(make_opt, skip_mode, flat):
     """With clipping, hysteresis, EMA and weight decay: an inf or NaN at a random place of a quarter of the inputs."""
     rng = random.Random(7)
     model, _ = model_and_data(11)
     ema = EMA(0.9)
     opt = LossScaleOptimizer(make_opt(model.parameters()), policy=DynamicScale(init_scale=2.0**20, growth_interval=5,
-                             hysteresis=2), skip_mode=skip_mode, clip_grad_norm=1.0, ema=ema, weight_decay=0.01)
+                             hysteresis=2), skip_mode=skip_mode, clip_grad_norm=1.0, ema=ema, weight_decay=0.01,
+                             flat_grads=flat)
     gen = torch.Generator().manual_seed(0)
     poisoned, skipped = [], []
     for _ in range(80):
@@ -538,3 +545,42 @@ def test_a_proxy_that_copies_the_dict_shares_the_scale_and_the_accumulation_posi
     result = opt.step()
     assert bool(result.found_inf) and proxy.last_result is result and float(proxy.scale) == 32.0
 
+
+
+# --- flat gradients (the buffer itself: test_ops_flat.py) -------------------------------------------------------
+
+def _flat_run(zero, steps=6):
+    model, data = model_and_data(9)
+    opt = LossScaleOptimizer(FUSED_ADAMW(model.parameters()), policy=DynamicScale(init_scale=2.0**10,
+                             growth_interval=2), clip_grad_norm=0.5, flat_grads=True)
+    for i, (x, y) in enumerate(data[:steps]):
+        zero(model, opt)
+        opt.backward(loss_fn(model, x, y))
+        if i == 3:
+            model[0].weight.grad[0, 0] = INF
+        opt.step()
+    return model, opt
+
+
+def test_flat_gradients_set_to_none_elsewhere_are_copied_back_with_one_warning():
+    kept, _ = _flat_run(lambda model, opt: opt.zero_grad())
+    with pytest.warns(UserWarning, match=r"flat_grads=True\): some gradients were not views .* model.zero_grad\("
+                                         r"set_to_none=False\)") as record:
+        detached, opt = _flat_run(lambda model, opt: model.zero_grad())
+    assert len(record) == 1  # once per optimizer, though every step found them detached
+    assert opt._run.flat.attached(list(detached.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(detached.parameters(), kept.parameters()))
+
+
+def test_flat_gradients_follow_a_new_parameter_group_and_can_be_turned_off():
+    model, opt = _flat_run(lambda model, opt: opt.zero_grad(), steps=2)
+    extra = torch.nn.Parameter(torch.ones(5))
+    opt.add_param_group({"params": [extra]})
+    assert extra.grad is not None and opt._run.flat.attached(opt._params())
+    opt.zero_grad()
+    (model(torch.ones(1, 6)).sum() + (extra * 3).sum()).backward()
+    assert torch.equal(extra.grad, torch.full((5,), 3.0))
+    assert bool(opt.step().stepped) and not torch.equal(extra, torch.ones(5))
+    opt.configure(flat_grads=False)
+    opt.zero_grad()
+    assert opt._run.flat is None and all(p.grad is None for p in opt._params())

@@ -36,7 +36,8 @@ def _run(opt, model, batches, inject, start):
     return out
 
 
-def test_a_round_trip_mid_window_with_hysteresis_in_flight_continues_the_same_trajectory():
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_round_trip_mid_window_with_hysteresis_in_flight_continues_the_same_trajectory(flat):
     inject = {4, 12, 16}
     gen = torch.Generator().manual_seed(3)
     batches = [(torch.randn(16, 3, generator=gen), torch.randn(16, 2, generator=gen)) for _ in range(20)]
@@ -46,7 +47,7 @@ def test_a_round_trip_mid_window_with_hysteresis_in_flight_continues_the_same_tr
         opt = LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True),
                                  policy=DynamicScale(init_scale=2.0**9, growth_interval=2, hysteresis=2,
                                                      hysteresis_mode="cumulative"),
-                                 accumulation_steps=3, ema=ema)
+                                 accumulation_steps=3, ema=ema, flat_grads=flat)
         return model, opt, ema
 
     model, opt, ema = make()
@@ -60,6 +61,8 @@ def test_a_round_trip_mid_window_with_hysteresis_in_flight_continues_the_same_tr
     model, opt, ema = make()
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
+    if flat:  # the accumulated gradients were loaded into the buffer
+        assert opt._run.flat.attached(list(model.parameters()))
     rest = _run(opt, model, batches[10:], inject, 10)
     assert first + rest == full
     assert len({s for *_, s in full}) > 1 and [a for a, *_ in full].count(False) == 6

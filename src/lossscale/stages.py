@@ -35,6 +35,7 @@ __all__ = [
     "check_optimizer",
     "scale_loss",
     "grouped_gradients",
+    "flat_groups",
     "measure_",
     "guarded_found",
     "inverse_",
@@ -113,6 +114,12 @@ def grouped_gradients(optimizer: torch.optim.Optimizer, call: str, *, allow_fp16
                                f"a gradient. Call backward on the scaled loss before stepping; a step with no "
                                f"gradients would count as a clean step and grow the scale.")
     return groups
+
+
+def flat_groups(buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor]) -> Groups:
+    """The flat gradient buffers (:class:`~lossscale.ops.flat.FlatGrads`) as the tensors to check and unscale
+    in place: one per (device, dtype). No pass."""
+    return Groups({key: [buffer] for key, buffer in buffers.items()})
 
 
 def _all_plain(grads: list[torch.Tensor]) -> bool:

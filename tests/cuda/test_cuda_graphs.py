@@ -19,7 +19,7 @@ from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 GROWTH_INTERVAL = 2
 WARM_UP = 3
 SEQUENCE = [False, True, True, False, False, False, False, True, False]  # True: an inf in the replay's input
-FRONTS = ["GradScaler", "LossScaleOptimizer fused", "LossScaleOptimizer masked"]
+FRONTS = ["GradScaler", "LossScaleOptimizer fused", "LossScaleOptimizer fused flat", "LossScaleOptimizer masked"]
 
 
 @dataclass
@@ -55,14 +55,14 @@ def _build(front: str) -> Setup:
             return {"found_inf": decision.overflow > 0}
         return Setup(model, inner, x, step, lambda: float(scaler.get_scale_tensor()))
 
-    if front == "LossScaleOptimizer fused":
+    if front.startswith("LossScaleOptimizer fused"):
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
         skip_mode = "fused"
     else:
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True, capturable=True)
         skip_mode = "masked"
     opt = LossScaleOptimizer(inner, policy=DynamicScale(growth_interval=GROWTH_INTERVAL), clip_grad_norm=1.0,
-                             skip_mode=skip_mode)
+                             skip_mode=skip_mode, flat_grads=front.endswith("flat"))
 
     def step() -> dict[str, torch.Tensor]:
         opt.zero_grad(set_to_none=True)

@@ -54,10 +54,10 @@ def _scaler_step(scaler_type: type, opt_name: str, clip: bool) -> Callable[[bool
     return step
 
 
-def _optimizer_step(opt_name: str, skip_mode: str, clip: bool) -> Callable[[bool], None]:
+def _optimizer_step(opt_name: str, skip_mode: str, clip: bool, flat: bool = False) -> Callable[[bool], None]:
     model = _model()
     opt = LossScaleOptimizer(OPTIMIZERS[opt_name](model.parameters()), policy=DynamicScale(growth_interval=10**6),
-                             clip_grad_norm=1.0 if clip else None, skip_mode=skip_mode)
+                             clip_grad_norm=1.0 if clip else None, skip_mode=skip_mode, flat_grads=flat)
     x, y = torch.randn(16, 32, device="cuda"), torch.randn(16, 8, device="cuda")
 
     def step(overflow: bool) -> None:
@@ -107,8 +107,9 @@ def test_grad_scaler_with_a_non_fused_optimizer_syncs_as_torch_does(clip):
 @pytest.mark.parametrize("opt_name,skip_mode", [("fused AdamW", "fused"), ("fused AdamW", "masked"),
                                                 ("capturable foreach AdamW", "masked"),
                                                 ("foreach SGD momentum", "masked")])
-def test_loss_scale_optimizer_in_fused_and_masked_modes_makes_no_host_sync(opt_name, skip_mode, clip):
-    assert syncs_per_step(_optimizer_step(opt_name, skip_mode, clip)) == 0
+@pytest.mark.parametrize("flat", [False, True])
+def test_loss_scale_optimizer_in_fused_and_masked_modes_makes_no_host_sync(opt_name, skip_mode, clip, flat):
+    assert syncs_per_step(_optimizer_step(opt_name, skip_mode, clip, flat)) == 0
 
 
 @pytest.mark.parametrize("clip", [False, True])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from lossscale.addons.layerwise import LayerScales
 from lossscale.addons.schedule import PrecisionSchedule, check_attachable
 from lossscale.checks import ArgumentTypeError, capturing
 from lossscale.ops.clip import global_clip_coefficient, global_norm_squared, grouped_norm_squared
+from lossscale.ops.flat import FlatGrads
 from lossscale.ops.masked import MaskedSkip
 from lossscale.ops.overflow import check_, unscale_and_check_
 from lossscale.ops.underflow import underflow_share
@@ -47,6 +49,8 @@ class _Run:
     seen_switch: bool = False
     loss_finite: torch.Tensor | None = None  # every loss of the window finite (policies that observe it)
     layers: LayerScales | None = None
+    flat: FlatGrads | None = None  # the gradient buffer (flat_grads=True)
+    flat_warned: bool = False
 
 
 class LossScaleOptimizer(torch.optim.Optimizer):
@@ -107,6 +111,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         underflow_stride: n: the underflow meter (``StepResult.underflow``) samples every n-th scaled value.
         transform_unscaled: ``fn(grads, process_group=..., sharded=...)``, run on the unscaled gradients after
             the overflow check (e.g. :class:`~lossscale.ops.clip.PerTensorClip`).
+        flat_grads: Keep every gradient as a view of one buffer per (device, dtype)
+            (:class:`~lossscale.ops.flat.FlatGrads`), so that the step's passes (check, norm, amax, unscale) are
+            one kernel per buffer whatever the number of parameters. Every parameter then always has a gradient
+            (zeros where a backward gave none) and ``zero_grad()`` zeroes the buffer in place, whatever
+            ``set_to_none`` says, as DDP's ``gradient_as_bucket_view=True``; gradients set to None or replaced
+            elsewhere (``model.zero_grad()``) are copied back in at the next step, with a warning the first time.
+            Dense ``torch.Tensor`` parameters only (not FSDP2's DTensors).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, *, policy: Policy | LossScale | None = None,
@@ -123,6 +134,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                                     f"{type(module).__name__}.")
         if policy is not None and not isinstance(policy, LossScale):
             check_policy("LossScaleOptimizer", policy)
+        for i, group in enumerate(inner.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.dtype == torch.float16:
+                    raise ValueError(
+                        f"LossScaleOptimizer(inner): param_groups[{i}][{j}] is a float16 parameter; its unscaled "
+                        f"gradients (scaled values / scale) would underflow in float16 and its updates round away. "
+                        f"Keep the parameters in float32 and run the forward pass under torch.autocast(dtype="
+                        f"torch.float16) (mixed precision), or keep float32 master copies for the optimizer.")
         self.inner = inner
         self._run = _Run(options=StepOptions(**options))
         self._configure(self._run.options)
@@ -143,14 +162,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self.options.ema.bind(params)
         if schedule is not None:
             self.attach_schedule(schedule)
-        for i, group in enumerate(inner.param_groups):
-            for j, p in enumerate(group["params"]):
-                if p.dtype == torch.float16:
-                    raise ValueError(
-                        f"LossScaleOptimizer(inner): param_groups[{i}][{j}] is a float16 parameter; its unscaled "
-                        f"gradients (scaled values / scale) would underflow in float16 and its updates round away. "
-                        f"Keep the parameters in float32 and run the forward pass under torch.autocast(dtype="
-                        f"torch.float16) (mixed precision), or keep float32 master copies for the optimizer.")
         if layerwise is not None:
             self.attach_layerwise(layerwise)
 
@@ -181,8 +192,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.inner.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the inner optimizer."""
+        """Add a group to the inner optimizer (with ``flat_grads``, a new buffer holds every gradient)."""
         self.inner.add_param_group(param_group)
+        if self._run.flat is not None:
+            self._run.flat = self._flat_grads()
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.inner.param_groups for p in g["params"]]
@@ -211,6 +224,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         run = self._run
         run.options, run.skip_mode = options, skip_mode
         run.explicit_unscale = skip_mode != "fused" or options.writes_unscaled or run.layers is not None
+        if not options.flat_grads:
+            run.flat = None
+        elif run.flat is None:
+            run.flat = self._flat_grads()
+
+    def _flat_grads(self) -> FlatGrads:
+        """A gradient buffer over the inner optimizer's parameters, the gradients present copied in."""
+        names = [f"param_groups[{i}][{j}]" for i, g in enumerate(self.inner.param_groups) for j in range(len(g["params"]))]
+        return FlatGrads(self._params(), "LossScaleOptimizer", names)
 
     @property
     def skip_mode(self) -> str:
@@ -283,9 +305,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.scale_loss(loss).backward(**kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients at the start of an accumulation window; a no-op in the middle of one."""
+        """Clear gradients at the start of an accumulation window; a no-op in the middle of one. With
+        ``flat_grads``, the buffer is zeroed in place and the gradients stay its views (``set_to_none`` does not
+        apply: a None would take the next backward out of the buffer)."""
         if self._run.micro == 0:
-            self.inner.zero_grad(set_to_none=set_to_none)
+            if self._run.flat is not None:
+                self._run.flat.zero_()
+            else:
+                self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> StepResult:  # type: ignore[override]
         """Count a micro-batch; at an accumulation boundary run the boundary step and return its decision.
@@ -317,7 +344,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         active, precision = run.window
         run.window = None
         checking = active or options.check_when_unscaled
-        groups = stages.grouped_gradients(self.inner, "LossScaleOptimizer.step()")
+        groups = self._grouped_gradients()
         scale = self._loss_scale.scale
         found = stages.guarded_found(scale, self._device) if active else torch.zeros(
             (), dtype=torch.float32, device=self._device)
@@ -365,6 +392,25 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                           next_scale=self._loss_scale.scale, grad_norm=grad_norm, step=run.boundaries - 1,
                           precision=precision, switched=self._consume_switch(precision), underflow=underflow,
                           loss=loss, layer_scales=layer_scales)
+
+    def _grouped_gradients(self) -> stages.Groups:
+        """The gradients to pass over: each flat buffer (its views attached again first where a gradient was set
+        to None or replaced, with a warning the first time), else every gradient."""
+        run = self._run
+        if run.flat is None:
+            return stages.grouped_gradients(self.inner, "LossScaleOptimizer.step()")
+        params = self._params()
+        if not run.flat.attached(params):
+            if len(params) != len(run.flat.params) or not all(map(operator.is_, params, run.flat.params)):
+                run.flat = self._flat_grads()  # the parameter groups changed under us
+            elif run.flat.attach() and not run.flat_warned:
+                run.flat_warned = True
+                warnings.warn("LossScaleOptimizer(flat_grads=True): some gradients were not views of the gradient "
+                              "buffer at this step (set to None, e.g. by model.zero_grad(), or replaced), so they "
+                              "were copied back into it, one copy each. Zero them with opt.zero_grad() (or "
+                              "model.zero_grad(set_to_none=False)) to keep them in place.", UserWarning,
+                              stacklevel=5)
+        return stages.flat_groups(run.flat.buffers)
 
     def _measure(self, groups: stages.Groups, found: torch.Tensor, active: bool,
                  checking: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
@@ -602,6 +648,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         run.loss_finite = None if loss_finite is None else torch.tensor(loss_finite, device=self._device)
         for p, grad in zip(params, grads):
             p.grad = None if grad is None else grad.to(p.device).clone()
+        if run.flat is not None:
+            run.flat.attach()
         for key, part in parts:
             part.load_state_dict(state_dict[key])
         if run.schedule is not None and "schedule" in state_dict:

@@ -34,6 +34,7 @@ class StepOptions:
     check_when_unscaled: bool = True
     underflow_stride: int | None = None
     transform_unscaled: GradTransform | None = None
+    flat_grads: bool = False
 
     def __post_init__(self) -> None:
         call = "LossScaleOptimizer"
@@ -57,6 +58,7 @@ class StepOptions:
         check_choice(call, "skip_mode", self.skip_mode, ("auto", "fused", "host", "masked"))
         check_choice(call, "check_when_unscaled", self.check_when_unscaled, (True, False))
         check_choice(call, "sharded_grads", self.sharded_grads, (None, True, False))
+        check_choice(call, "flat_grads", self.flat_grads, (True, False))
         saturation_threshold(self.saturation_dtype, call)
         if self.underflow_stride is not None:
             check_int_at_least(call, "underflow_stride", self.underflow_stride, 1)
