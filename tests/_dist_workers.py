@@ -280,9 +280,11 @@ DDP_INPUT = {8: 1}
 DDP_SKIPPED = sorted(set(DDP_AFTER) | set(DDP_INPUT))
 
 
-def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str | None, agree: bool) -> dict:
+def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str | None, agree: bool,
+            flat_grads: bool = False) -> dict:
     """DDP + LossScaleOptimizer for 20 steps with rank-local overflows. ``agree=False`` reduces
-    found_inf over a one-rank group: the control showing what the reduction prevents."""
+    found_inf over a one-rank group: the control showing what the reduction prevents. ``flat_grads``: also
+    whether the gradients were still views of the buffer after each step (DDP wrote into them in place)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer
@@ -293,8 +295,9 @@ def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str
              "per_param": {"transform_unscaled": PerTensorClip(0.2)}}[clip]
     opt = LossScaleOptimizer(OPTIMIZERS[opt_name](model.parameters()),
                              policy=DynamicScale(init_scale=2.0**10, growth_interval=3), skip_mode=skip_mode,
-                             process_group=None if agree else own_group(rank, world_size), **clips)
-    stepped, scales, reduces, reads = [], [], [], []
+                             process_group=None if agree else own_group(rank, world_size), flat_grads=flat_grads,
+                             **clips)
+    stepped, scales, reduces, reads, attached = [], [], [], [], []
     for step in range(20):
         opt.zero_grad()
         x, y = batch(step, rows_of(rank, world_size))
@@ -310,10 +313,12 @@ def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str
         scales.append(float(result.next_scale))
         reduces.append(calls[0])
         reads.append(counter.count)
+        if flat_grads:
+            attached.append(opt._run.flat.attached(list(model.parameters())))
         if not stepped[-1] and not torch.equal(flat(model), before):
             raise AssertionError(f"step {step}: skipped, yet the parameters changed")
     return {"stepped": stepped, "scales": scales, "all_reduces": reduces, "host_reads": reads,
-            "params": flat(model), "skip_mode": opt.skip_mode}
+            "params": flat(model), "skip_mode": opt.skip_mode, "attached": attached}
 
 
 def accumulation(rank: int, world_size: int) -> dict:

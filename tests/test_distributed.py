@@ -139,6 +139,16 @@ def test_ddp_ranks_stay_bit_identical_through_rank_local_overflows(ranks, opt_na
 
 
 @pytest.mark.distributed
+def test_ddp_with_flat_gradients_writes_into_the_buffer_and_takes_the_same_steps(ranks):
+    per_tensor = ranks.run("lso_ddp", "fused_adamw", "auto", "norm", True)
+    flat = ranks.run("lso_ddp", "fused_adamw", "auto", "norm", True, True)
+    assert same_everywhere(flat, "stepped") == same_everywhere(per_tensor, "stepped")
+    assert same_everywhere(flat, "scales") == same_everywhere(per_tensor, "scales")
+    torch.testing.assert_close(same_everywhere(flat, "params"), per_tensor[0]["params"], rtol=1e-5, atol=1e-7)
+    assert all(out["attached"] == [True] * 20 for out in flat)  # DDP copied the reduced gradients in place
+
+
+@pytest.mark.distributed
 def test_ddp_control_without_the_reduction_the_replicas_fork(ranks):
     # found_inf reduced over a one-rank group: each rank decides alone, and the replicas diverge.
     results = ranks.run("lso_ddp", "fused_adamw", "auto", "norm", False)

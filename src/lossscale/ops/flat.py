@@ -100,12 +100,14 @@ class FlatGrads:
         self.views = [self.buffers[(p.device, p.dtype)].narrow(0, off, p.numel()).as_strided(p.shape, p.stride())
                       if part else None for p, part, off in zip(self.params, taking_part, offsets)]
 
+    def holds(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether ``params`` are this buffer's parameters, in its order. One identity test per parameter."""
+        return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+
     def attached(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether ``params`` are this buffer's parameters and each ``.grad`` is its view (None where a parameter
-        does not take part). One identity test per parameter; no device op."""
-        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
-            return False
-        return all(map(operator.is_, [p.grad for p in params], self.views))
+        does not take part). Two identity tests per parameter; no device op."""
+        return self.holds(params) and all(map(operator.is_, [p.grad for p in params], self.views))
 
     def zero_(self) -> None:
         """Zero every buffer in place (one kernel per buffer); the views stay attached."""

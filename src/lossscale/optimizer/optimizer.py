@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -134,17 +133,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                                     f"{type(module).__name__}.")
         if policy is not None and not isinstance(policy, LossScale):
             check_policy("LossScaleOptimizer", policy)
-        for i, group in enumerate(inner.param_groups):
-            for j, p in enumerate(group["params"]):
-                if p.dtype == torch.float16:
-                    raise ValueError(
-                        f"LossScaleOptimizer(inner): param_groups[{i}][{j}] is a float16 parameter; its unscaled "
-                        f"gradients (scaled values / scale) would underflow in float16 and its updates round away. "
-                        f"Keep the parameters in float32 and run the forward pass under torch.autocast(dtype="
-                        f"torch.float16) (mixed precision), or keep float32 master copies for the optimizer.")
         self.inner = inner
         self._run = _Run(options=StepOptions(**options))
-        self._configure(self._run.options)
+        self._configure(self._run.options, flat=False)
         # What torch.optim.Optimizer.__init__ sets up, minus the parameter groups (they are the inner one's).
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -162,8 +153,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self.options.ema.bind(params)
         if schedule is not None:
             self.attach_schedule(schedule)
+        for i, group in enumerate(inner.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.dtype == torch.float16:
+                    raise ValueError(
+                        f"LossScaleOptimizer(inner): param_groups[{i}][{j}] is a float16 parameter; its unscaled "
+                        f"gradients (scaled values / scale) would underflow in float16 and its updates round away. "
+                        f"Keep the parameters in float32 and run the forward pass under torch.autocast(dtype="
+                        f"torch.float16) (mixed precision), or keep float32 master copies for the optimizer.")
         if layerwise is not None:
             self.attach_layerwise(layerwise)
+        self._configure(self.options)  # the gradient buffer, once every parameter is known to be accepted
 
     # --- the inner optimizer's groups, state and defaults ---------------------------------------
 
@@ -218,20 +218,22 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """Change step options (checked as at construction), e.g. ``opt.configure(clip_grad_norm=1.0)``."""
         self._configure(dataclasses.replace(self._run.options, **changes))
 
-    def _configure(self, options: StepOptions) -> None:
-        """Install ``options`` and what they resolve to for the inner optimizer."""
+    def _configure(self, options: StepOptions, flat: bool = True) -> None:
+        """Install ``options`` and what they resolve to for the inner optimizer (the gradient buffer too, unless
+        ``flat`` is False: during construction, before the parameters are checked)."""
         skip_mode = options.resolved_skip_mode(self.inner)
         run = self._run
         run.options, run.skip_mode = options, skip_mode
         run.explicit_unscale = skip_mode != "fused" or options.writes_unscaled or run.layers is not None
         if not options.flat_grads:
             run.flat = None
-        elif run.flat is None:
+        elif run.flat is None and flat:
             run.flat = self._flat_grads()
 
     def _flat_grads(self) -> FlatGrads:
         """A gradient buffer over the inner optimizer's parameters, the gradients present copied in."""
-        names = [f"param_groups[{i}][{j}]" for i, g in enumerate(self.inner.param_groups) for j in range(len(g["params"]))]
+        names = [f"param_groups[{i}][{j}]" for i, group in enumerate(self.inner.param_groups)
+                 for j in range(len(group["params"]))]
         return FlatGrads(self._params(), "LossScaleOptimizer", names)
 
     @property
@@ -401,7 +403,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             return stages.grouped_gradients(self.inner, "LossScaleOptimizer.step()")
         params = self._params()
         if not run.flat.attached(params):
-            if len(params) != len(run.flat.params) or not all(map(operator.is_, params, run.flat.params)):
+            if not run.flat.holds(params):
                 run.flat = self._flat_grads()  # the parameter groups changed under us
             elif run.flat.attach() and not run.flat_warned:
                 run.flat_warned = True
