@@ -43,18 +43,18 @@ BENCHMARKS = [
 # (module, title, arguments for a full run) with --device cuda: each also gets --device; sized together for a few
 # minutes on one H100 (1B parameters in 100 tensors and a 350M transformer layout: about 25 GB of device memory)
 GPU = "GPU: "
-GPU_BENCHMARKS = [
-    ("step_overhead", GPU + "step overhead against torch.amp.GradScaler at 1B and 350M",
-     ["--sizes", "1000", "--optimizers", "fused AdamW,foreach Adam", "--scaling-sizes", "",
-      "--layouts", "100 tensors,transformer", "--layout-size", "350"]),
+GPU_BENCHMARKS = [  # the open measurements first (issues 28 and 31), so that a run cut short by its budget has them
     ("many_tensors", GPU + "many small tensors, 2,000 tensors against torch's pipeline", []),
-    ("host_reads", GPU + "host reads and synchronisations per step", []),
-    ("graphs", GPU + "a step replayed from a CUDA graph against the eager step", []),
-    ("end_to_end", GPU + "end to end, a small transformer's training step",
-     ["--d-model", "512", "--layers", "6", "--heads", "8", "--context", "256", "--sequences", "32", "--rounds", "21"]),
     ("language_model", GPU + "GPT-2 medium's shape with global, predictive and per-layer scales",
      ["--layers", "24", "--d-model", "1024", "--heads", "16", "--context", "256", "--sequences", "16",
       "--steps", "120", "--files", "120"]),
+    ("graphs", GPU + "a step replayed from a CUDA graph against the eager step", []),
+    ("host_reads", GPU + "host reads and synchronisations per step", []),
+    ("end_to_end", GPU + "end to end, a small transformer's training step",
+     ["--d-model", "512", "--layers", "6", "--heads", "8", "--context", "256", "--sequences", "32", "--rounds", "21"]),
+    ("step_overhead", GPU + "step overhead against torch.amp.GradScaler at 1B and 350M",
+     ["--sizes", "1000", "--optimizers", "fused AdamW,foreach Adam", "--scaling-sizes", "",
+      "--layouts", "100 tensors,transformer", "--layout-size", "350"]),
 ]
 
 
@@ -118,11 +118,14 @@ def _combined(path: Path, fresh: dict[str, str], order: list[str], gpu: bool, on
 
 
 def _merge(path: Path, fresh: dict[str, str]) -> list[str]:
-    """The sections of ``path`` in their order, the fresh ones replacing theirs (new ones appended)."""
+    """The sections of ``path`` in their order, the fresh ones replacing theirs; new ones appended to their device's
+    sections (a CPU one before the first GPU section)."""
     old = _sections(path)
     out = [fresh.get(title, text) for title, text in old.items()]
-    out += [text for title, text in fresh.items() if title not in old]
-    return out
+    first_gpu = next((i for i, title in enumerate(old) if title.startswith(GPU)), len(out))
+    new = [(title, text) for title, text in fresh.items() if title not in old]
+    return (out[:first_gpu] + [text for title, text in new if not title.startswith(GPU)] + out[first_gpu:]
+            + [text for title, text in new if title.startswith(GPU)])
 
 
 def _sections(path: Path) -> dict[str, str]:

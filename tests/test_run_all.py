@@ -28,3 +28,10 @@ def test_a_full_run_replaces_its_own_devices_sections_and_keeps_the_others(tmp_p
     cpu_run = run_all._combined(old, {"A": "## A\n\nnew a\n"}, ["A"], gpu=False, only=False)
     assert [s.split("\n", 1)[0] for s in cpu_run] == ["## A", "## GPU: A"]  # a section no benchmark writes goes
     assert cpu_run[0] == "## A\n\nnew a\n" and "old gpu a" in cpu_run[1]
+
+
+def test_a_new_section_joins_its_devices_sections(tmp_path):
+    old = tmp_path / "RESULTS.md"
+    old.write_text("# Benchmark results\n\n## A\n\nMachine: cpu\n\nold a\n\n## GPU: A\n\nMachine: gpu\n\nold gpu a\n")
+    merged = run_all._merge(old, {"GPU: B": "## GPU: B\n\nnew gpu b\n", "B": "## B\n\nnew b\n"})
+    assert [m.split("\n", 1)[0] for m in merged] == ["## A", "## B", "## GPU: A", "## GPU: B"]
