@@ -663,14 +663,16 @@ def test_a_parameter_used_outside_its_unit_pins_the_unit_at_the_global_scale():
     assert all(e >= 1 for i, e in enumerate(layers.exponent.tolist()) if i != embed)
 
 
-@pytest.mark.parametrize("case", ["gpt2", "gpt2, blocks only", "llama"])
-def test_language_models_through_the_optimizer_stay_within_a_percent_of_float32(case):
+@pytest.mark.parametrize("case,flat", [("gpt2", False), ("gpt2, blocks only", False), ("llama", False),
+                                       ("gpt2", True)])
+def test_language_models_through_the_optimizer_stay_within_a_percent_of_float32(case, flat):
     """Float16 autocast, AdamW, per-layer scales on the whole model (tied embeddings) or on the blocks only (the
     embeddings, final norm and head at the global scale): every parameter's unscaled gradient within 1% of the
-    float32 backward's at the same weights, at every step."""
+    float32 backward's at the same weights, at every step; also with the gradients in one buffer (flat_grads)."""
     build, units_of = LANGUAGE_MODELS[case]
     model, ref = build(), build()
-    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), layerwise=units_of(model))
+    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), layerwise=units_of(model),
+                             flat_grads=flat)
     compared = 0
     for step in range(5):
         ids = lm_batch(step)
