@@ -64,6 +64,10 @@ def test_zeroing_keeps_the_views_and_a_detached_gradient_is_copied_back_in():
     assert flat.attach() == 1  # one copy: the replaced gradient; the None became a zero view
     assert flat.attached(params)
     assert not params[0].grad.any() and torch.equal(params[1].grad, torch.full_like(params[1], 2.0))
+    for p in params:  # every gradient released (Lightning's model.zero_grad() before validating)
+        p.grad = None
+    assert flat.attach() == 0 and flat.attached(params)
+    assert not any(buffer.any() for buffer in flat.buffers.values())
 
 
 def test_gradients_present_at_construction_are_kept_and_a_new_participant_gets_a_new_buffer():

@@ -562,14 +562,25 @@ def _flat_run(zero, steps=6):
     return model, opt
 
 
-def test_flat_gradients_set_to_none_elsewhere_are_copied_back_with_one_warning():
+def test_flat_gradients_set_to_none_elsewhere_go_back_into_the_buffer_before_the_backward():
     kept, _ = _flat_run(lambda model, opt: opt.zero_grad())
-    with pytest.warns(UserWarning, match=r"flat_grads=True\): some gradients were not views .* model.zero_grad\("
-                                         r"set_to_none=False\)") as record:
-        detached, opt = _flat_run(lambda model, opt: model.zero_grad())
-    assert len(record) == 1  # once per optimizer, though every step found them detached
-    assert opt._run.flat.attached(list(detached.parameters()))
-    assert all(torch.equal(p, q) for p, q in zip(detached.parameters(), kept.parameters()))
+    released, opt = _flat_run(lambda model, opt: model.zero_grad())  # Lightning does it before validating
+    assert opt._run.flat.attached(list(released.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(released.parameters(), kept.parameters()))
+
+
+def test_flat_gradients_made_outside_the_buffer_are_copied_back_with_one_warning():
+    def replace(model, opt):
+        opt.zero_grad()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # a new tensor: the backward goes into it, not into the buffer
+    kept, _ = _flat_run(lambda model, opt: opt.zero_grad())
+    with pytest.warns(UserWarning, match=r"flat_grads=True\): some gradients were not views .* opt.zero_grad\(\)"
+                                         r".* opt.backward\(loss\)") as record:
+        replaced, opt = _flat_run(replace)
+    assert len(record) == 1 and record[0].filename == __file__  # once per optimizer, though every step copied
+    assert opt._run.flat.attached(list(replaced.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(replaced.parameters(), kept.parameters()))
 
 
 def test_flat_gradients_follow_a_new_parameter_group_and_can_be_turned_off():

@@ -9,8 +9,8 @@ gradients the same way.
 Autograd accumulates into an existing ``.grad`` in place, so a backward writes straight into the buffer while the
 views stay attached. Zeroing the buffer (:meth:`FlatGrads.zero_`) keeps them attached; setting a ``.grad`` to None
 (``model.zero_grad()``) or to another tensor detaches it, and :meth:`FlatGrads.attach` copies such gradients back
-in. Every parameter that takes part always has a gradient: zeros where a backward gave it none, as after
-``zero_grad(set_to_none=False)``.
+in (gradients set to None cost nothing to put back: they become zeroed views). Every parameter that takes part always
+has a gradient: zeros where a backward gave it none, as after ``zero_grad(set_to_none=False)``.
 """
 
 from __future__ import annotations
@@ -71,12 +71,16 @@ class FlatGrads:
         else:
             old = [p.grad for p in self.params]
         copied = 0
+        released = all(grad is None for grad, view in zip(old, self.views) if view is not None)
         with torch.no_grad():
+            if released:  # every gradient set to None (model.zero_grad()): one zero_ per buffer
+                self.zero_()
             for p, view, grad in zip(self.params, self.views, old):
                 if view is None or grad is view:
                     continue
                 if grad is None:
-                    view.zero_()
+                    if not released:
+                        view.zero_()
                 else:
                     if grad.is_sparse or type(grad) is not torch.Tensor:
                         raise ValueError(f"flat_grads=True: a parameter of shape {tuple(p.shape)} got a "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,6 +28,15 @@ from lossscale.reporting import StepResult
 from lossscale.state import LossScale
 
 __all__ = ["LossScaleOptimizer"]
+
+def _outside_caller() -> int:
+    """The ``stacklevel`` that points a warning raised by the caller at the first frame outside lossscale and
+    torch (the user's line, however many of our calls and torch's wrappers are between)."""
+    level, frame = 2, sys._getframe(2)  # 1 is the caller itself
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("lossscale", "torch"):
+        level, frame = level + 1, frame.f_back
+    return level
+
 
 #: The optional parts a checkpoint may hold, by key.
 _PARTS = {"ema": "an EMA", "layerwise": "per-layer scales", "schedule": "a precision schedule"}
@@ -114,8 +124,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             (:class:`~lossscale.ops.flat.FlatGrads`), so that the step's passes (check, norm, amax, unscale) are
             one kernel per buffer whatever the number of parameters. Every parameter then always has a gradient
             (zeros where a backward gave none) and ``zero_grad()`` zeroes the buffer in place, whatever
-            ``set_to_none`` says, as DDP's ``gradient_as_bucket_view=True``; gradients set to None or replaced
-            elsewhere (``model.zero_grad()``) are copied back in at the next step, with a warning the first time.
+            ``set_to_none`` says, as DDP's ``gradient_as_bucket_view=True``. Gradients set to None elsewhere
+            (``model.zero_grad()``) become zeroed views again at the next ``scale_loss``/``backward``; other tensors
+            in ``.grad`` are copied in (at ``scale_loss`` or at the step), with a warning the first time.
             Dense ``torch.Tensor`` parameters only (not FSDP2's DTensors).
     """
 
@@ -291,6 +302,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         run = self._run
         if run.window is None:
             run.window = (self.scaling_active, self._precision())
+        if run.flat is not None and not run.flat.attached(params := self._params()):
+            self._attach_flat(params)  # before the backward, so that it writes into the buffer
         if not run.window[0] and self.options.accumulation_steps == 1:
             stages.check_loss("LossScaleOptimizer.scale_loss(loss)", loss)
             return loss
@@ -403,16 +416,22 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             return stages.grouped_gradients(self.inner, "LossScaleOptimizer.step()")
         params = self._params()
         if not run.flat.attached(params):
-            if not run.flat.holds(params):
-                run.flat = self._flat_grads()  # the parameter groups changed under us
-            elif run.flat.attach() and not run.flat_warned:
-                run.flat_warned = True
-                warnings.warn("LossScaleOptimizer(flat_grads=True): some gradients were not views of the gradient "
-                              "buffer at this step (set to None, e.g. by model.zero_grad(), or replaced), so they "
-                              "were copied back into it, one copy each. Zero them with opt.zero_grad() (or "
-                              "model.zero_grad(set_to_none=False)) to keep them in place.", UserWarning,
-                              stacklevel=5)
+            self._attach_flat(params)
         return stages.flat_groups(run.flat.buffers)
+
+    def _attach_flat(self, params: list[torch.Tensor]) -> None:
+        """Put the buffer's views back in ``.grad``: a new buffer where the parameter groups changed; gradients
+        set to None become zeroed views; other tensors are copied in, with a warning the first time."""
+        run = self._run
+        if not run.flat.holds(params):
+            run.flat = self._flat_grads()
+        elif run.flat.attach() and not run.flat_warned:
+            run.flat_warned = True
+            warnings.warn("LossScaleOptimizer(flat_grads=True): some gradients were not views of the gradient buffer "
+                          "(replaced by other tensors, or set to None and then made by a backward that did not go "
+                          "through opt.backward() or opt.scale_loss()), so they were copied back into it, one copy "
+                          "each. Zero gradients with opt.zero_grad(), and backpropagate with opt.backward(loss), to "
+                          "keep them in place.", UserWarning, stacklevel=_outside_caller())
 
     def _measure(self, groups: stages.Groups, found: torch.Tensor, active: bool,
                  checking: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
