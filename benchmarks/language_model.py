@@ -264,11 +264,12 @@ def main(argv: list[str] | None = None) -> dict:
           f"AdamW (lr {args.lr:g}), {args.steps} steps from the same weights; float16 autocast except the float32 "
           f"run ({seconds:.0f} s in all). *underflow*: share of the gradient entries a float32 backward pass of the "
           f"same batch has nonzero that the run's gradients left zero, at the steps named (0, 10, 100 and the last) "
-          f"and their mean over those steps. *time / torch's*: median over steps of the step's time over torch's scaler's in the same "
-          f"step, with its 95% interval (each step timed from an idle device); *time / DynamicScale's*: the same "
-          f"against the DynamicScale run with the same gradients (flat or not). *flat*: flat_grads=True. *free-running*: "
-          f"{args.free_steps} consecutive steps with no synchronisation between them, per step, median over "
-          f"{args.free_rounds} rounds, and the median of per-round ratios to torch's scaler's.\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
+          f"and their mean over those steps. *time / torch's*: median over steps of the step's time over torch's "
+          f"scaler's in the same step, with its 95% interval (each step timed from an idle device); *time / "
+          f"DynamicScale's*: the same against the DynamicScale run with the same gradients (flat or not). *flat*: "
+          f"flat_grads=True. *free-running*: {args.free_steps} consecutive steps with no synchronisation between "
+          f"them, per step, median over {args.free_rounds} rounds, and the median of per-round ratios to torch's "
+          f"scaler's.\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
           + "\n\nUnderflow by layer (``wte``: the tied input and output embedding):\n\n"
           + table(by_layer, list(by_layer[0])))
     payload = {"machine": machine(device), "rows": summary, "by_layer": by_layer, "markdown": md}

@@ -4,6 +4,7 @@
 
     scale_loss          loss * scale (/ accumulation)                          no pass, no host read
     grouped_gradients   the tensors to check and unscale in place, by device   no pass
+                        (flat_groups: the flat buffers of ops.flat.FlatGrads, one per device and dtype)
     guarded_found       found_inf: 1 where the scale itself is corrupted       0-d ops
     measure_            overflow (+ amax) of the scaled gradients              1 pass
     inverse_            1/scale (1 where the guard refused the scale)          0-d ops

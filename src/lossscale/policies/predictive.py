@@ -79,8 +79,8 @@ class PredictiveScale(Policy):
         scale = clamp(power of two, min_scale, max_scale)
 
     ``limit`` is ``torch.finfo(dtype).max`` (65504 for float16); the scale is always a power of two.
-    Cost: about 80 ops on 0-d tensors, each a kernel launch on a GPU (state fields with a leading dimension advance that many
-    independent scales); no host read.
+    Cost: about 80 ops on 0-d tensors, each a kernel launch on a GPU (state fields with a leading dimension
+    advance that many independent scales); no host read.
 
     Args:
         init_scale: First scale (rounded down to a power of two).
