@@ -92,6 +92,12 @@ def test_parameters_a_buffer_cannot_hold_are_refused_by_name():
     with pytest.raises(ValueError, match="parameter 0 has layout torch.sparse_coo"):
         FlatGrads([torch.nn.Parameter(torch.randn(3, 3).to_sparse())], "test")
 
+    class Shard(torch.Tensor):  # what FSDP2's DTensor parameters look like to the check: a tensor subclass
+        pass
+
+    with pytest.raises(ValueError, match="parameter 0 is a Shard; flat gradients need dense torch.Tensor"):
+        FlatGrads([torch.nn.Parameter(torch.randn(3).as_subclass(Shard))], "test")
+
 
 def test_a_sparse_gradient_is_refused_when_attached_again():
     embedding = torch.nn.Embedding(10, 4, sparse=True)
