@@ -13,12 +13,11 @@ from collections import Counter
 from typing import Any, Callable
 
 import torch
-
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["MULTI_TENSOR_KERNELS", "host_ops", "kernel_tensors", "growth_per_tensor"]
+__all__ = ["MULTI_TENSOR_KERNELS", "host_ops", "dispatched_ops", "kernel_tensors", "growth_per_tensor"]
 
 MULTI_TENSOR_KERNELS = ("aten::_foreach_", "aten::_fused_", "aten::_amp_foreach_")
 
@@ -39,26 +38,38 @@ def host_ops(fn: Callable[[], Any]) -> Counter:
     return counts
 
 
-class _TensorArguments(TorchDispatchMode):
-    """Counts the tensors each top-level aten op is handed (the ops a kernel runs inside itself are not seen)."""
+class _Dispatched(TorchDispatchMode):
+    """Counts each top-level aten op's calls and the tensors it is handed (the ops a kernel runs inside itself are
+    not seen)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.counts: Counter = Counter()
+        self.calls: Counter = Counter()
+        self.tensors: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.counts[str(func.overloadpacket)] += sum(isinstance(a, torch.Tensor) for a in tree_leaves((args, kwargs)))
+        name = str(func.overloadpacket)
+        self.calls[name] += 1
+        self.tensors[name] += sum(isinstance(a, torch.Tensor) for a in tree_leaves((args, kwargs)))
         return func(*args, **kwargs)
+
+
+def dispatched_ops(fn: Callable[[], Any]) -> Counter:
+    """aten op name -> calls while ``fn()`` runs once, top-level ops only: on a GPU, each call on a small tensor is a
+    kernel launch."""
+    with _Dispatched() as mode:
+        fn()
+    return mode.calls
 
 
 def kernel_tensors(fn: Callable[[], Any]) -> Counter:
     """aten op name -> tensors handed to it while ``fn()`` runs once: what a multi-tensor kernel's host side walks
     (on CUDA: per-tensor metadata, and for ``_foreach_norm`` one result tensor per input), ops nested inside a kernel
     left out."""
-    with _TensorArguments() as mode:
+    with _Dispatched() as mode:
         fn()
-    return mode.counts
+    return mode.tensors
 
 
 def growth_per_tensor(small: Counter, large: Counter, n_small: int, n_large: int) -> dict[str, float]:

@@ -64,12 +64,10 @@ class FlatGrads:
         reallocated when the set of parameters taking part changed). Returns how many gradients were copied in:
         those that were not their view. One copy kernel per gradient copied; no host read."""
         taking_part = [p.requires_grad or p.grad is not None for p in self.params]
+        old = [p.grad for p in self.params]
         if len(self.views) != len(self.params) or any(
                 part != (view is not None) for part, view in zip(taking_part, self.views)):
-            old = [p.grad for p in self.params]
             self._allocate(taking_part)
-        else:
-            old = [p.grad for p in self.params]
         copied = 0
         released = all(grad is None for grad, view in zip(old, self.views) if view is not None)
         with torch.no_grad():
