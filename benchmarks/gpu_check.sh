@@ -15,6 +15,9 @@
 #    op, for torch's scaler and LossScaleOptimizer with DynamicScale, PredictiveScale and per-layer scales (about a
 #    minute).
 #
+# ONLY="name,name" runs those benchmarks of run_all.GPU_BENCHMARKS alone (tests/cuda and profile_step still run), for a
+# check that has little device time left.
+#
 # Writes seven files under OUT: env.txt (nvidia-smi, python, torch, CUDA), cuda-tests.txt and cuda-tests.xml
 # (pytest's report), benchmarks.txt (the benchmarks' log), RESULTS.md (the CPU sections as they were, the GPU sections
 # new: copy it over benchmarks/RESULTS.md), json.tar.gz (each benchmark's JSON) and profile.txt (the profiles). The repository's own files are left
@@ -49,7 +52,10 @@ echo "== tests/cuda took $((SECONDS - started)) s"
 
 cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 names=$("$PYTHON" -c "import sys; sys.path.insert(0, 'benchmarks'); import run_all
-print(' '.join(name for name, _, _ in run_all.GPU_BENCHMARKS))")
+only = set(filter(None, '${ONLY:-}'.split(',')))
+unknown = only - {name for name, _, _ in run_all.GPU_BENCHMARKS}
+assert not unknown, f'ONLY names {sorted(unknown)}: not in run_all.GPU_BENCHMARKS'
+print(' '.join(name for name, _, _ in run_all.GPU_BENCHMARKS if not only or name in only))") || exit 1
 for name in $names; do
     left=$((BUDGET - (SECONDS - started)))
     if [ "$left" -lt 20 ]; then

@@ -2,8 +2,8 @@
 
 The model of ``end_to_end.py`` (the demo's character transformer; its size from the same options) takes float16
 autocast steps (forward, backward, optimizer step with fused AdamW) under each contender: torch.amp.GradScaler,
-``LossScaleOptimizer`` with ``DynamicScale()``, with ``PredictiveScale()`` and with per-layer scales
-(``layerwise=model``). Each contender has its own copy of the same model. Printed per contender:
+``LossScaleOptimizer`` with ``DynamicScale()``, with ``PredictiveScale()`` (its update replayed from a CUDA graph
+on a GPU, and with ``cuda_graph=False``: its ops one by one) and with per-layer scales (``layerwise=model``). Each contender has its own copy of the same model. Printed per contender:
 
 * the median time of a whole step from an idle device, and how much of the optimizer step's call is host time
   (the call returns before its kernels finish on a GPU);
@@ -66,6 +66,8 @@ def contenders(cfg, device: str) -> dict[str, tuple[Callable[[], None], Callable
     out["torch.amp.GradScaler"] = (torch_backward, torch_step)
     for name, policy, layerwise in (("LossScaleOptimizer, DynamicScale", DynamicScale(), False),
                                     ("LossScaleOptimizer, PredictiveScale", PredictiveScale(), False),
+                                    ("LossScaleOptimizer, PredictiveScale op by op", PredictiveScale(cuda_graph=False),
+                                     False),
                                     ("LossScaleOptimizer, per-layer", DynamicScale(), True)):
         m = model()
         lso = LossScaleOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), policy=policy,

@@ -124,6 +124,7 @@ POLICIES = {
         ("init_scale", 0.0, ValueError), ("target_interval", 5, ValueError), ("history", 0, ValueError),
         ("tail_history", 0, ValueError), ("margin", -1, ValueError), ("backoff_factor", 1.0, ValueError),
         ("learn_margin", "yes", ValueError), ("forget_interval", 0, ValueError), ("fault_gap", 0, ValueError),
+        ("cuda_graph", 1, ValueError),
         ("dtype", torch.int8, ValueError), ("min_scale", 0.0, ValueError), ("max_scale", nan, ValueError)]) + [
         Refusal("no power of two in the bounds", lambda w, s: PredictiveScale(min_scale=3.0, max_scale=3.5,
                                                                               init_scale=3.0),

@@ -1,5 +1,6 @@
 """LossScale, the one holder of a scale: its setters and loaders, sharing it between holders, following a caller's
-tensor, and GradScaler's torch-private names as views of it.
+tensor, GradScaler's torch-private names as views of it, and the update replayed from a CUDA graph (its buffers and
+copies, run here without the graph; the graph itself: tests/cuda/test_cuda_replayed_update.py).
 
 That every entry point refuses a bad scale, naming itself, is test_entry_point_checks.py's; the value check's
 rule is test_checks.py's. Here: what a setter or loader does with a value it accepts, and what it keeps when it
@@ -8,6 +9,7 @@ refuses one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from lossscale import DynamicScale, FloorError, GradScaler, HostReadCounter, LossScale, PredictiveScale, presets
+from lossscale.state import ReplayedUpdate
 from oracles import f32
 
 
@@ -154,6 +157,82 @@ def test_an_owner_pickles_with_its_rule_and_state():
     copy = pickle.loads(pickle.dumps(owner))
     assert copy.policy == owner.policy and copy.state_dict() == owner.state_dict()
     assert repr(copy) == f"LossScale({owner.policy!r})"
+
+
+# --- the update replayed from a graph (here without one: the same buffers and copies) -----------------------------
+
+
+def _inputs(generator: torch.Generator, step: int, shape: tuple[int, ...]) -> tuple:
+    """A step's (found_inf, amax, loss_finite): amax near 2**12 with a spread, an overflow in one step of 8, a NaN
+    amax and a non-finite loss now and then; amax absent for two steps, loss_finite for two others, found_inf a
+    count (torch's float) for ten: each change of the inputs' kind makes a new graph."""
+    amax = torch.exp2(12 + 3 * torch.randn(shape, generator=generator))
+    found = torch.rand(shape, generator=generator) < 0.125
+    amax = torch.where(found, math.inf, amax)
+    if step % 29 == 5:
+        amax = torch.full(shape, math.nan)
+        found = torch.ones(shape, dtype=torch.bool)
+    loss_finite = torch.rand(shape, generator=generator) > 0.05
+    return (found.float() if 80 <= step < 90 else found, None if step in (40, 41) else amax,
+            None if step in (60, 61) else loss_finite)
+
+
+def _fields(record) -> dict[str, torch.Tensor]:
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
+@pytest.mark.parametrize("policy, shape", [(PredictiveScale(init_scale=2.0**16), ()),
+                                           (PredictiveScale(init_scale=2.0**16, history=4), (3,)),
+                                           (DynamicScale(init_scale=2.0**10, growth_interval=3, hysteresis=2), ())],
+                         ids=["predictive", "predictive-batch", "dynamic"])
+def test_a_replayed_update_equals_the_rule_bit_for_bit_and_never_rewrites_a_record_it_returned(policy, shape):
+    generator = torch.Generator().manual_seed(0)
+    replayed = ReplayedUpdate(policy, capture=False)
+    expected = policy.init()
+    if shape:
+        expected = type(expected)(**{k: v.expand(shape).clone() for k, v in _fields(expected).items()})
+    got, returned = expected, []
+    for step in range(120):
+        found, amax, loss_finite = _inputs(generator, step, shape)
+        passed = loss_finite if policy.observes_loss_finite else None
+        expected = (policy.update(expected, found, amax=amax, loss_finite=passed) if passed is not None
+                    else policy.update(expected, found, amax=amax))
+        got = replayed(got, found, amax, passed)
+        for name, tensor in _fields(expected).items():
+            mine = getattr(got, name)
+            assert (mine.dtype, mine.shape) == (tensor.dtype, tensor.shape), (step, name)
+            assert torch.equal(mine, tensor), (step, name)
+        returned.append((got, {k: v.clone() for k, v in _fields(got).items()}))
+    assert not torch.equal(expected.scale, policy.init().scale)  # the stream moved the scale
+    for record, values in returned:
+        assert all(torch.equal(getattr(record, k), v) for k, v in values.items())
+
+
+def test_a_replayed_update_reads_the_state_as_it_is_at_the_call():
+    """A captured step of the caller's writes the state in place; a setter or loader replaces the record."""
+    policy = PredictiveScale(init_scale=2.0**16)
+    replayed = ReplayedUpdate(policy, capture=False)
+    state = policy.init()
+    for _ in range(3):
+        state = replayed(state, torch.tensor(False), torch.tensor(2.0**13), torch.tensor(True))
+    state.scale.fill_(2.0**5)  # in place, into the record it returned
+    state.level.add_(1.0)
+    expected = policy.update(state, torch.tensor(True), amax=torch.tensor(math.inf), loss_finite=torch.tensor(True))
+    state = replayed(state, torch.tensor(True), torch.tensor(math.inf), torch.tensor(True))
+    assert all(torch.equal(getattr(state, k), v) for k, v in _fields(expected).items())
+    other = dataclasses.replace(policy.init(), scale=torch.tensor(2.0**9))  # a record it did not return
+    expected = policy.update(other, torch.tensor(False), amax=torch.tensor(4.0), loss_finite=torch.tensor(True))
+    state = replayed(other, torch.tensor(False), torch.tensor(4.0), torch.tensor(True))
+    assert all(torch.equal(getattr(state, k), v) for k, v in _fields(expected).items())
+
+
+def test_an_owner_on_the_cpu_runs_the_rule_itself_and_pickles_without_a_graph():
+    owner = LossScale(PredictiveScale(init_scale=2.0**10))
+    owner.update(torch.tensor(False), amax=torch.tensor(2.0**10))
+    assert owner._replay is None  # a CUDA device only
+    owner._replay = ReplayedUpdate(owner.policy, capture=False)  # as on a GPU, where it would hold a graph
+    copy = pickle.loads(pickle.dumps(owner))
+    assert copy._replay is None and copy.state_dict() == owner.state_dict()
 
 
 # --- GradScaler's torch-private names --------------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """LossScale: the one object that holds a policy and its current state.
 
 Every front end and facade reads and writes the scale and counters through it; every setter and loader checks
-the scale with :func:`~lossscale.checks.checked_scale` against the policy's bounds.
+the scale with :func:`~lossscale.checks.checked_scale` against the policy's bounds. On a CUDA device, a policy whose
+``cuda_graph`` is True (PredictiveScale: its rule is about 80 small kernels) is advanced by replaying its update from
+a CUDA graph (:class:`ReplayedUpdate`): one launch instead of one per op.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -38,6 +41,7 @@ class LossScale:
         check_policy("LossScale", policy)
         self._policy = policy
         self._state = policy.init(device)
+        self._replay: ReplayedUpdate | None = None  # built at the first update on a CUDA device (policy.cuda_graph)
 
     @staticmethod
     def shared_or_new(policy: Policy | LossScale | None, device: torch.device | str) -> LossScale:
@@ -78,6 +82,7 @@ class LossScale:
         checked_scale(f"LossScale.set_policy({policy!r})", self.scale, policy.min_scale, policy.max_scale,
                       "the current scale")
         self._policy = policy
+        self._replay = None  # captured from the old rule
 
     def set_scale(self, value: float | torch.Tensor, call: str = "LossScale.set_scale(value)",
                   name: str = "the scale") -> None:
@@ -97,13 +102,16 @@ class LossScale:
 
         Under CUDA graph capture the new state is written into the current state's tensors (one multi-tensor
         copy), so each replay of the graph reads and advances the same state; outside capture the state is
-        replaced and the tensors read before stay as they were."""
+        replaced and the tensors read before stay as they were. Outside capture, on a CUDA device, a policy with
+        ``cuda_graph`` True is advanced by :class:`ReplayedUpdate` (the same result, bit for bit)."""
         old = self._state
-        if self._policy.observes_loss_finite:
-            new = self._policy.update(old, found_inf, amax=amax, loss_finite=loss_finite)
-        else:
-            new = self._policy.update(old, found_inf, amax=amax)
         if not capturing(old.scale):
+            if self._policy.cuda_graph and old.scale.is_cuda:
+                if self._replay is None:
+                    self._replay = ReplayedUpdate(self._policy)
+                new = self._replay(old, found_inf, amax, loss_finite)
+            else:
+                new = _policy_update(self._policy, old, found_inf, amax, loss_finite)
             self._state = new
             self._policy.check_floor(new)
             return
@@ -112,7 +120,7 @@ class LossScale:
                                f"reads the state on the host, which a graph cannot capture. Use a policy that "
                                f"keeps skipping at its floor (DynamicScale's at_floor='skip', the default) for a "
                                f"captured step.")
-        _write_into(old, new)
+        _write_into(old, _policy_update(self._policy, old, found_inf, amax, loss_finite))
         self._policy.check_floor(old)
 
     def state_dict(self) -> dict[str, Any]:
@@ -128,8 +136,166 @@ class LossScale:
             checked_scale(call, scale, self._policy.min_scale, self._policy.max_scale, "field 'scale'")
         self._state = state
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and deep-copied without the captured graph (the copy captures its own at its first update)."""
+        return {**self.__dict__, "_replay": None}
+
     def __repr__(self) -> str:
         return f"LossScale({self._policy!r})"
+
+
+def _policy_update(policy: Policy, state: Any, found_inf: torch.Tensor, amax: torch.Tensor | None,
+                   loss_finite: torch.Tensor | None) -> Any:
+    """``policy.update`` with ``loss_finite`` passed only to a policy that observes it."""
+    if policy.observes_loss_finite:
+        return policy.update(state, found_inf, amax=amax, loss_finite=loss_finite)
+    return policy.update(state, found_inf, amax=amax)
+
+
+class ReplayedUpdate:
+    """``policy.update`` captured once in a CUDA graph and replayed at every call: one launch for the whole rule.
+
+    For a rule of many small kernels (PredictiveScale's is about 80 ops on 0-d tensors, each a kernel launch and
+    some microseconds of host time) on a CUDA device, outside any capture of the caller's; :class:`LossScale` makes
+    one at the first update of a policy whose ``cuda_graph`` is True.
+
+    Contract of ``replayed(state, found_inf, amax=None, loss_finite=None)`` (``loss_finite`` only for a policy that
+    observes it):
+
+    - returns what ``policy.update`` returns for the same arguments, bit for bit (the same kernels), as a new record
+      whose tensors are views of new buffers (one per dtype): a record returned earlier is never written again;
+    - reads ``state`` as it is at the call (also after in-place writes to it, as a captured step of the caller's
+      makes);
+    - per call, for a state of one or two dtypes (PredictiveScale's float32 and int32): a copy per dtype into the
+      graph's inputs (per field for a record this object did not return), one copy per input tensor, the replay,
+      a copy per dtype out; no host read and no synchronisation;
+    - captures at the first call, and again when the state's or the inputs' shapes, dtypes or device change, or
+      ``amax``/``loss_finite`` go from absent to present: a warm-up run, then the capture, both on a side stream
+      that the current one waits on (no synchronisation). The graph keeps its own memory pool.
+
+    ``capture=False`` runs the same buffers and copies with the update called eagerly where the graph would be
+    replayed (any device; the CPU tests run it so).
+    """
+
+    def __init__(self, policy: Policy, capture: bool = True) -> None:
+        self.policy = policy
+        self.capture = capture
+        self._key: tuple | None = None
+        self._graph: Any = None
+        self._state_inputs: list[torch.Tensor] = []  # the graph's copy of the state, field by field
+        self._in_buffers: list[torch.Tensor] = []  # the same memory, one buffer per dtype
+        self._inputs: list[torch.Tensor] = []  # found_inf, then amax and loss_finite where given
+        self._out_buffers: list[torch.Tensor] = []
+        self._out_layout: _Layout | None = None
+        self._last: tuple[Any, list[torch.Tensor]] | None = None  # (record returned last, the buffers it views)
+        self._body: Any = None  # the update into the output buffers: what the graph holds
+        self._same_layout = False  # the outputs laid out as the inputs
+
+    def __call__(self, state: Any, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
+                 loss_finite: torch.Tensor | None = None) -> Any:
+        given = (found_inf, amax, loss_finite)
+        if self._last is not None and self._last[0] is state and self._same_layout:
+            key = (self._key[0], self._key[1], tuple(None if t is None else (t.dtype, t.shape) for t in given))
+            if key == self._key:
+                for target, source in zip(self._in_buffers, self._last[1]):
+                    target.copy_(source)
+            else:
+                self._build(state, key)
+        else:
+            fields = [getattr(state, f.name) for f in dataclasses.fields(state)]
+            key = (state.scale.device, tuple((t.dtype, t.shape) for t in fields),
+                   tuple(None if t is None else (t.dtype, t.shape) for t in given))
+            if key != self._key:
+                self._build(state, key)
+            torch._foreach_copy_(self._state_inputs, fields)
+        for target, value in zip(self._inputs, [t for t in given if t is not None]):
+            target.copy_(value)
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._body()
+        assert self._out_layout is not None
+        buffers = [b.clone() for b in self._out_buffers]
+        record = type(state)(**self._out_layout.fields(buffers))
+        self._last = (record, buffers)
+        return record
+
+    def _build(self, state: Any, key: tuple) -> None:
+        """Static inputs (the state's fields by dtype, then the input tensors); a warm-up run that gives the
+        outputs' layout and buffers; then the capture (``capture=True``)."""
+        device = state.scale.device
+        layout = _Layout(state)
+        self._in_buffers = layout.buffers(device)
+        in_record = type(state)(**layout.fields(self._in_buffers))
+        self._state_inputs = [getattr(in_record, f.name) for f in dataclasses.fields(in_record)]
+        found_inf, amax, loss_finite = (None if spec is None else torch.zeros(spec[1], dtype=spec[0], device=device)
+                                        for spec in key[2])
+        self._inputs = [t for t in (found_inf, amax, loss_finite) if t is not None]
+        self._graph, self._last = None, None
+        # The warm-up reads the state (not uninitialised memory) and the zeroed inputs: a step with no overflow.
+        torch._foreach_copy_(self._state_inputs, [getattr(state, f.name) for f in dataclasses.fields(state)])
+
+        def run() -> Any:
+            return _policy_update(self.policy, in_record, found_inf, amax, loss_finite)
+
+        def body() -> None:
+            new = run()
+            assert self._out_layout is not None
+            outputs = self._out_layout.fields(self._out_buffers)
+            torch._foreach_copy_(list(outputs.values()), [getattr(new, name) for name in outputs])
+
+        def set_outputs(new: Any) -> None:
+            self._out_layout = _Layout(new)
+            self._out_buffers = self._out_layout.buffers(device)
+            self._same_layout = self._out_layout.groups == layout.groups  # a record returned is copied in whole
+
+        if self.capture:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.device(device), torch.cuda.stream(side):
+                set_outputs(run())  # the warm-up also loads the kernels outside the capture
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    body()
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(device).wait_stream(side)
+            self._graph = graph
+        else:
+            set_outputs(run())
+        self._body, self._key = body, key
+
+    def __repr__(self) -> str:
+        return f"ReplayedUpdate({self.policy!r}, capture={self.capture})"
+
+
+class _Layout:
+    """Where each field of a state record lives in one flat buffer per dtype (fields in their record's order)."""
+
+    def __init__(self, record: Any) -> None:
+        groups: dict[torch.dtype, list[tuple[str, torch.Size]]] = {}
+        for f in dataclasses.fields(record):
+            tensor = getattr(record, f.name)
+            groups.setdefault(tensor.dtype, []).append((f.name, tensor.shape))
+        self.groups = list(groups.items())
+
+    def buffers(self, device: torch.device) -> list[torch.Tensor]:
+        """One new, uninitialised buffer per dtype."""
+        return [torch.empty(sum(math.prod(shape) for _, shape in members), dtype=dtype, device=device)
+                for dtype, members in self.groups]
+
+    def fields(self, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each field as a view of its dtype's buffer (0-d fields by one ``unbind``)."""
+        out: dict[str, torch.Tensor] = {}
+        for (_, members), buffer in zip(self.groups, buffers):
+            if all(len(shape) == 0 for _, shape in members):
+                parts = buffer.unbind()
+            else:
+                parts = [p.view(shape) for p, (_, shape) in
+                         zip(buffer.split([math.prod(shape) for _, shape in members]), members)]
+            out.update(zip((name for name, _ in members), parts))
+        return out
 
 
 def _write_into(target: Any, source: Any) -> None:

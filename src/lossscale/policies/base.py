@@ -69,12 +69,15 @@ class Policy:
     - ``check_floor(state)``: the floor rule, run after every update; may raise :class:`FloorError`.
     - ``floor_reads_host`` (False): True where ``check_floor`` reads the state on the host (it cannot run inside a
       CUDA graph).
+    - ``cuda_graph`` (False): True asks :class:`~lossscale.LossScale` to replay ``update`` from a CUDA graph when the
+      state is on a CUDA device (worth it for a rule of many small kernels; ``update`` must then make no host read).
     - ``min_scale`` / ``max_scale`` (2**-126 / float32 max): the bounds every scale set from outside is
       checked against.
     """
 
     observes_amax: ClassVar[bool] = False
     observes_loss_finite: ClassVar[bool] = False
+    cuda_graph: bool = False
     min_scale: float = SMALLEST_NORMAL_FLOAT32
     max_scale: float = FLOAT32_MAX
 
