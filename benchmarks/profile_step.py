@@ -3,7 +3,8 @@
 The model of ``end_to_end.py`` (the demo's character transformer; its size from the same options) takes float16
 autocast steps (forward, backward, optimizer step with fused AdamW) under each contender: torch.amp.GradScaler,
 ``LossScaleOptimizer`` with ``DynamicScale()``, with ``PredictiveScale()`` (its update replayed from a CUDA graph
-on a GPU, and with ``cuda_graph=False``: its ops one by one) and with per-layer scales (``layerwise=model``). Each contender has its own copy of the same model. Printed per contender:
+on a GPU, and with ``cuda_graph=False``: its ops one by one) and with per-layer scales (``layerwise=model``). Each
+contender has its own copy of the same model. Printed per contender:
 
 * the median time of a whole step from an idle device, and how much of the optimizer step's call is host time
   (the call returns before its kernels finish on a GPU);

@@ -72,7 +72,7 @@ def test_the_step_profiler_times_and_profiles_every_contender():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = ["torch.amp.GradScaler", "LossScaleOptimizer, DynamicScale", "LossScaleOptimizer, PredictiveScale",
-             "LossScaleOptimizer, per-layer"]
+             "LossScaleOptimizer, PredictiveScale op by op", "LossScaleOptimizer, per-layer"]
     for name in names:
         row = next(line for line in proc.stdout.splitlines() if line.startswith(f"| {name} |"))
         whole, step, host = (float(v) for v in row.strip("| ").split(" | ")[1:])

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lossscale.ops.gather
 from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -93,6 +94,15 @@ def test_loss_scale_optimizer_adds_fewer_ops_per_tensor_than_torchs_pipeline(opt
     # With a clip: the squared norm of the scaled gradients stacks the per-tensor norms of one _foreach_norm (a
     # view per tensor, no launch); torch's clip_grad_norm_ does the same and adds a .to() per norm.
     assert ours == ({name: 1.0 for name in STACK_VIEWS} if clip else {})
+
+
+@pytest.mark.parametrize("opt_name", ["fused AdamW", "foreach Adam"])
+def test_with_the_gpus_gather_the_clip_adds_no_op_per_tensor(monkeypatch, opt_name):
+    """On a GPU the per-tensor norms are gathered by one multi-tensor copy (ops.gather), not stacked: the CPU made to
+    take that path."""
+    monkeypatch.setattr(lossscale.ops.gather, "STACK_ON", frozenset())
+    sizes = (2 * lossscale.ops.gather.MIN_COUNT, LARGE)  # both gathered (fewer values are stacked)
+    assert _extra_growth("LossScaleOptimizer", opt_name, clip=True, sizes=sizes) == {}
 
 
 @pytest.mark.parametrize("opt_name,selects", [("foreach SGD momentum", 2), ("foreach Adam", 4)])

@@ -173,13 +173,14 @@ class KernelCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_largest_magnitude_takes_the_same_kernels_for_10_or_200_tensors_on_an_accelerator():
+def test_the_largest_magnitude_takes_the_same_kernels_for_20_or_200_tensors_on_an_accelerator():
     def kernels(n):  # the meta device takes the accelerator path: one multi-tensor inf-norm, whatever n
         gs = [torch.randn(64, device="meta") for _ in range(n)]
         f = torch.zeros((), device="meta")
+        check_with_amax_(gs, f, "inf_nan")  # the first call of a size makes the buffer its norms are gathered in
         with KernelCounter() as counter:
             check_with_amax_(gs, f, "inf_nan")
         return counter.ops
 
-    assert kernels(10) == kernels(200)
-    assert len(kernels(10)) <= 8, kernels(10)
+    assert kernels(20) == kernels(200)
+    assert len(kernels(20)) <= 8, kernels(20)

@@ -33,6 +33,8 @@ KIND = {
     "lossscale.StepLogger": "class",
     "lossscale.presets": "module",
     "lossscale.addons.layerwise.LayerScales": "class",
+    "lossscale.ops.gather": "module",
+    "lossscale.state.ReplayedUpdate": "class",
     "lossscale.compat": "module",
     "lossscale.compat.ascend": "module",
     "lossscale.compat.ascend.ExperimentalConfig": "class",

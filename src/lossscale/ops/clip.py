@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from lossscale.ops import distributed as _dist
+from lossscale.ops.gather import gathered
 from lossscale.ops.overflow import group_by_device_and_dtype
 
 __all__ = ["squared_norms", "global_norm_squared", "grouped_norm_squared", "global_clip_coefficient",
@@ -23,7 +24,7 @@ EPS = 1e-6
 
 def squared_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-tensor squared L2 norms of the local parts (a DTensor's shard) as a float32 vector.
-    One read of every gradient (``torch._foreach_norm``); no host read."""
+    One read of every gradient (``torch._foreach_norm``); no host read, no host op per tensor (:func:`gathered`)."""
     return _local_squared_norms([_dist.local_shard(g) for g in grads])
 
 
@@ -31,7 +32,7 @@ def _local_squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """:func:`squared_norms` of tensors that are already local and dense (one device)."""
     if not tensors:
         return torch.zeros(0)
-    return torch.stack(torch._foreach_norm(list(tensors))).float().square()
+    return gathered(torch._foreach_norm(list(tensors))).float().square()
 
 
 def grouped_norm_squared(groups: dict[Any, list[torch.Tensor]], device: torch.device | str) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Iterable, Literal, Sequence
 import torch
 
 from lossscale.checks import ArgumentTypeError, check_choice
+from lossscale.ops.gather import gathered
 
 __all__ = [
     "OverflowMode",
@@ -66,13 +67,13 @@ def largest_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     every tensor is empty.
 
     One read pass, no host read. On an accelerator: torch's multi-tensor inf-norm (``_foreach_norm(ord=inf)``, one
-    kernel per chunk of tensors on CUDA, NaN propagated). On the CPU, where launches cost nothing and torch's
+    kernel per chunk of tensors on CUDA, NaN propagated), its results gathered with no host op per tensor. On the CPU, where launches cost nothing and torch's
     inf-norm writes ``|g|`` before its maximum, ``aminmax`` per tensor."""
     present = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined
     if not present:
         return torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
     if present[0].device.type != "cpu":
-        return torch.stack(torch._foreach_norm(present, ord=math.inf)).max().float()
+        return gathered(torch._foreach_norm(present, ord=math.inf)).max().float()
     lows, highs = zip(*(torch.aminmax(g) for g in present))
     return torch.maximum(torch.stack(highs).max(), -torch.stack(lows).min()).float()
 

@@ -1,0 +1,48 @@
+"""The per-tensor results of torch's multi-tensor kernels as one vector, with no host op per tensor.
+
+``torch._foreach_norm`` returns one 0-d tensor per gradient, each its own allocation; ``torch.stack`` of n of them
+dispatches 2n ops on the host (an unsqueeze and an as_strided per tensor): for 2,000 gradients on a GPU, milliseconds
+of host time that the device waits for. :func:`gathered` copies them instead with one multi-tensor copy
+(``torch._foreach_copy_``) into views of a kept buffer, then clones it: a constant number of host ops. On the CPU,
+where torch's multi-tensor copy is a loop of copies, ``torch.stack`` is as fast (0.96 against 1.29 ms for 2,000
+values on this project's 2-core Xeon) and is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from lossscale.checks import capturing
+
+__all__ = ["gathered"]
+
+#: Below this many values ``torch.stack`` is as cheap.
+MIN_COUNT = 16
+#: Device types where ``torch.stack`` is kept.
+STACK_ON = frozenset({"cpu"})
+
+#: (device, dtype, count) -> (buffer, its 0-d views). Kept for the process's life: a handful of sizes in practice
+#: (one per set of gradients a step reads), each a vector of floats and its views.
+_KEPT: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+
+def gathered(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(values)`` for 0-d tensors of one device and dtype: a new 1-D tensor, equal value for value.
+
+    Host ops: a constant number whatever ``len(values)`` (a multi-tensor copy into a kept buffer and one clone);
+    ``torch.stack`` itself below :data:`MIN_COUNT` values, on :data:`STACK_ON` devices, for tensors that are not 0-d,
+    and under CUDA graph capture (where host time is spent once, at capture). No host read."""
+    n = len(values)
+    if n < MIN_COUNT or values[0].device.type in STACK_ON or values[0].dim() != 0 or capturing(values[0]):
+        return torch.stack(list(values))
+    first = values[0]
+    key = (first.device, first.dtype, n)
+    kept = _KEPT.get(key)
+    if kept is None:
+        buffer = torch.empty(n, dtype=first.dtype, device=first.device)
+        kept = _KEPT[key] = (buffer, list(buffer.unbind()))
+    buffer, views = kept
+    torch._foreach_copy_(views, list(values))
+    return buffer.clone()

@@ -1,0 +1,57 @@
+"""ops.gather.gathered: torch.stack of 0-d tensors without a host op per tensor. Values against torch.stack (the
+CPU made to take the kept-buffer path), a result that later calls never overwrite, and the ops dispatched per call
+counted on the meta device (where it runs as on a GPU): constant in the number of values. On CUDA:
+tests/cuda/test_cuda_overflow.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lossscale.ops import gather
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def kept_on_cpu(monkeypatch):
+    monkeypatch.setattr(gather, "STACK_ON", frozenset())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gathered_equals_stack_value_for_value_and_is_never_overwritten(kept_on_cpu, dtype):
+    values = [torch.tensor(v, dtype=dtype) for v in [*range(40), math.inf, math.nan, -3.5]]
+    first = gather.gathered(values)
+    assert torch.equal(first.isnan(), torch.stack(values).isnan())
+    assert torch.equal(first.nan_to_num(), torch.stack(values).nan_to_num()) and first.dtype == dtype
+    second = gather.gathered([v * 2 for v in values])
+    assert torch.equal(first.nan_to_num(), torch.stack(values).nan_to_num())  # the first result kept its values
+    assert torch.equal(second.nan_to_num(), torch.stack([v * 2 for v in values]).nan_to_num())
+
+
+@pytest.mark.parametrize("device, count", [("cpu", 100), ("meta", gather.MIN_COUNT - 1)])
+def test_the_cpu_and_few_values_take_torch_stack(device, count):
+    values = [torch.zeros((), device=device) for _ in range(count)]
+    with _Ops() as ops:
+        gather.gathered(values)
+    assert ops.count == 1  # aten.stack itself (its per-tensor work below the dispatch mode: the profiler sees it)
+
+
+@pytest.mark.parametrize("count", [100, 2000])
+def test_ops_per_call_do_not_grow_with_the_number_of_values(count):
+    values = list(torch._foreach_norm([torch.empty(7, device="meta") for _ in range(count)]))
+    gather.gathered(values)  # the first call of a size makes its buffer
+    with _Ops() as ops:
+        gather.gathered(values)
+    assert ops.count == 2  # one multi-tensor copy, one clone
