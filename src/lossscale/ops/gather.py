@@ -4,12 +4,13 @@
 dispatches 2n ops on the host (an unsqueeze and an as_strided per tensor): for 2,000 gradients on a GPU, milliseconds
 of host time that the device waits for. :func:`gathered` copies them instead with one multi-tensor copy
 (``torch._foreach_copy_``) into views of a kept buffer, then clones it: a constant number of host ops. On the CPU,
-where torch's multi-tensor copy is a loop of copies, ``torch.stack`` is as fast (0.96 against 1.29 ms for 2,000
+where torch's multi-tensor copy is a loop of copies, ``torch.stack`` is faster (0.96 ms against 1.29 for 2,000
 values on this project's 2-core Xeon) and is kept.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -23,9 +24,10 @@ MIN_COUNT = 16
 #: Device types where ``torch.stack`` is kept.
 STACK_ON = frozenset({"cpu"})
 
-#: (device, dtype, count) -> (buffer, its 0-d views). Kept for the process's life: a handful of sizes in practice
-#: (one per set of gradients a step reads), each a vector of floats and its views.
-_KEPT: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+#: Per thread, (device, dtype, count, CUDA stream) -> (buffer, its 0-d views). Kept for the process's life: a
+#: handful of sizes in practice (one per set of gradients a step reads), each a vector of floats and its views. One
+#: buffer per thread and stream, so that a copy into it is never reordered before another's read of it.
+_KEPT = threading.local()
 
 
 def gathered(values: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -38,11 +40,13 @@ def gathered(values: Sequence[torch.Tensor]) -> torch.Tensor:
     if n < MIN_COUNT or values[0].device.type in STACK_ON or values[0].dim() != 0 or capturing(values[0]):
         return torch.stack(list(values))
     first = values[0]
-    key = (first.device, first.dtype, n)
-    kept = _KEPT.get(key)
+    stream = torch.cuda.current_stream(first.device).cuda_stream if first.is_cuda else None
+    key = (first.device, first.dtype, n, stream)
+    buffers = _KEPT.__dict__.setdefault("buffers", {})
+    kept = buffers.get(key)
     if kept is None:
         buffer = torch.empty(n, dtype=first.dtype, device=first.device)
-        kept = _KEPT[key] = (buffer, list(buffer.unbind()))
+        kept = buffers[key] = (buffer, list(buffer.unbind()))
     buffer, views = kept
     torch._foreach_copy_(views, list(values))
     return buffer.clone()
