@@ -67,8 +67,9 @@ def largest_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     every tensor is empty.
 
     One read pass, no host read. On an accelerator: torch's multi-tensor inf-norm (``_foreach_norm(ord=inf)``, one
-    kernel per chunk of tensors on CUDA, NaN propagated), its results gathered with no host op per tensor. On the CPU, where launches cost nothing and torch's
-    inf-norm writes ``|g|`` before its maximum, ``aminmax`` per tensor."""
+    kernel per chunk of tensors on CUDA, NaN propagated), its results gathered with no host op per tensor. On the
+    CPU, where launches cost nothing and torch's inf-norm writes ``|g|`` before its maximum, ``aminmax`` per
+    tensor."""
     present = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined
     if not present:
         return torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)

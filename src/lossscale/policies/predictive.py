@@ -81,7 +81,7 @@ class PredictiveScale(Policy):
     ``limit`` is ``torch.finfo(dtype).max`` (65504 for float16); the scale is always a power of two.
     Cost: about 80 ops on 0-d tensors (state fields with a leading dimension advance that many independent
     scales); no host read. On a CUDA device :class:`~lossscale.LossScale` replays them from a CUDA graph
-    (``cuda_graph=True``): one launch and four copies per step instead of about 80 kernel launches.
+    (``cuda_graph=True``): one launch and a few copies per step instead of about 80 kernel launches.
 
     Args:
         init_scale: First scale (rounded down to a power of two).
