@@ -24,7 +24,7 @@ MULTI_TENSOR_KERNELS = ("aten::_foreach_", "aten::_fused_", "aten::_amp_foreach_
 
 def host_ops(fn: Callable[[], Any]) -> Counter:
     """aten op name -> calls while ``fn()`` runs once, those nested in a multi-tensor kernel left out."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:
         fn()
     counts: Counter = Counter()
     for event in prof.events():

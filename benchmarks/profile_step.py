@@ -11,6 +11,10 @@ contender has its own copy of the same model. Printed per contender:
 * from ``torch.profiler`` over ``--profiled`` steps: the ops with the most self device time and the most self host
   time, and how many kernels one step launches.
 
+Then the overflow pass alone over gradients of the model's shapes, host time of the call: torch's fused check
+(DynamicScale's pass), the multi-tensor inf-norm PredictiveScale reads its amax from, with its per-tensor results
+reduced by ``ops.gather.largest`` (what the step runs) and by ``torch.stack`` (what it ran before).
+
 No RESULTS.md section: the ratios live in ``end_to_end.py`` and ``language_model.py``; this says why they are what
 they are. ``benchmarks/gpu_check.sh`` runs it on a GPU.
 
@@ -34,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device_argument, checked_device, synchronizer  # noqa: E402
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
+from lossscale.ops.gather import largest  # noqa: E402
 from lossscale.demo.train import QUICK, CharTransformer, batch, load_corpus  # noqa: E402
 
 
@@ -111,7 +116,7 @@ def profiled(backward: Callable[[], None], step: Callable[[], None], steps: int,
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
     sync = synchronizer(device)
     sync()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, acc_events=True) as prof:
         for _ in range(steps):
             backward()
             step()
@@ -124,6 +129,32 @@ def profiled(backward: Callable[[], None], step: Callable[[], None], steps: int,
         parts.append(averages.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60))
     parts.append(averages.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
     return "\n".join(parts)
+
+
+def overflow_passes(cfg, device: str, rounds: int) -> dict[str, float]:
+    """pass -> median host ms of its call over gradients of the model's shapes (the device idle before each)."""
+    torch.manual_seed(cfg.seed)
+    grads = [torch.randn_like(p) for p in CharTransformer(cfg).to(device).parameters()]
+    found, one = torch.zeros((), device=device), torch.ones((), device=device)
+    inf = float("inf")
+    passes = {
+        "fused overflow check (DynamicScale)":
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
+        "inf-norm alone": lambda: torch._foreach_norm(grads, ord=inf),
+        "inf-norm + ops.gather.largest (PredictiveScale)": lambda: largest(torch._foreach_norm(grads, ord=inf)),
+        "inf-norm + torch.stack + max": lambda: torch.stack(torch._foreach_norm(grads, ord=inf)).max(),
+    }
+    sync = synchronizer(device)
+    samples: dict[str, list[float]] = {name: [] for name in passes}
+    for r in range(rounds + 1):  # the first round warms up (and makes the kept buffer)
+        for name, call in passes.items():
+            sync()
+            start = time.perf_counter()
+            call()
+            if r:
+                samples[name].append(time.perf_counter() - start)
+    sync()
+    return {name: 1e3 * statistics.median(s) for name, s in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, float]]:
@@ -154,6 +185,11 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, float]]
     for name, (backward, step) in calls.items():
         print(f"\n== {name}, {args.profiled} step(s) under the profiler\n")
         print(profiled(backward, step, args.profiled, device, args.top))
+    count = sum(1 for _ in CharTransformer(cfg).parameters())
+    print(f"\n== The overflow pass alone over {count} gradients of the model's shapes: host ms of the call, median "
+          f"over {5 * args.rounds} calls\n\n| pass | host ms |\n|---|---|")
+    for name, ms in overflow_passes(cfg, device, 5 * args.rounds).items():
+        print(f"| {name} | {ms:.3f} |")
     return times
 
 

@@ -165,6 +165,8 @@ def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, thresh
             check_(grads, found_inf, mode, threshold)
     if not amax:
         return None
+    if len(maxima) == 1:  # one device and dtype, the usual case: no stack
+        return maxima[0]
     return torch.stack(maxima).max() if maxima else torch.zeros((), device=found_inf.device)
 
 

@@ -58,7 +58,7 @@ def test_gathering_2000_values_launches_a_few_multi_tensor_kernels_not_one_per_v
     expected = torch.stack(values)
     assert torch.equal(gathered(values), expected)  # the first call of this size makes the kept buffer
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         got = gathered(values)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -17,7 +17,7 @@ from typing import Iterable, Literal, Sequence
 import torch
 
 from lossscale.checks import ArgumentTypeError, check_choice
-from lossscale.ops.gather import gathered
+from lossscale.ops.gather import largest
 
 __all__ = [
     "OverflowMode",
@@ -74,7 +74,7 @@ def largest_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     if not present:
         return torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
     if present[0].device.type != "cpu":
-        return gathered(torch._foreach_norm(present, ord=math.inf)).max().float()
+        return largest(torch._foreach_norm(present, ord=math.inf)).float()
     lows, highs = zip(*(torch.aminmax(g) for g in present))
     return torch.maximum(torch.stack(highs).max(), -torch.stack(lows).min()).float()
 
