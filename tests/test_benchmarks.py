@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -79,3 +80,30 @@ def test_the_step_profiler_times_and_profiles_every_contender():
         assert 0 < host <= step <= whole, row
         assert f"== {name}, 1 step(s) under the profiler" in proc.stdout
     assert proc.stdout.count("Self CPU time total") == len(names)
+
+
+def test_the_free_running_measure_reads_nothing_back():
+    """language_model's free-running steps take no host read (on a GPU each is a wait for the device, which would
+    make the measure per-step timing again); the training run counts skips, with a read per step."""
+    import argparse
+
+    from lossscale.reporting import HostReadCounter
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import language_model as lm
+    finally:
+        sys.path.remove(str(BENCH))
+    args = argparse.Namespace(layers=1, d_model=16, heads=2, context=16, sequences=2, files=4, steps=0, lr=1e-3,
+                              free_rounds=1, free_steps=2)
+    runs = {name: lm.Run(name, args, "cpu") for name in (lm.REFERENCE, "PredictiveScale")}
+    with HostReadCounter() as reads:
+        times = lm.free_running(runs, args, "cpu")
+    assert reads.count == 0
+    assert {name: len(t) for name, t in times.items()} == {lm.REFERENCE: 1, "PredictiveScale": 1}
+    x, y = (torch.zeros(2, 16, dtype=torch.long) for _ in range(2))
+    with HostReadCounter() as reads:
+        for run in runs.values():
+            run.backward(x, y)
+            run.step()
+    assert reads.count >= 2  # counting skips reads the scale or the step's result
