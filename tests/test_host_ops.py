@@ -17,7 +17,7 @@ import lossscale.ops.gather
 from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from _host_ops import growth_per_tensor, host_ops, kernel_tensors  # noqa: E402
+from _host_ops import dispatched_ops, growth_per_tensor, host_ops, kernel_tensors  # noqa: E402
 
 SMALL, LARGE = 10, 200
 OPTIMIZERS = {
@@ -133,3 +133,37 @@ def test_with_flat_gradients_the_optimizer_adds_nothing_per_tensor(opt_name, cli
     if clip and opt_name == "foreach Adam":
         per_gradient["aten._foreach_mul_"] = 1.0  # the unscale x clip pass (a fused kernel folds it in)
     assert _extra_growth("LossScaleOptimizer", opt_name, clip, count=kernel_tensors) == {**per_gradient, **own}
+
+
+def _layer_unscale(units: int, per_unit: int, count):
+    """``count`` of one ``LayerScales.unscale_`` over ``units`` units of ``per_unit`` Linear layers each."""
+    from lossscale.addons.layerwise import LayerScales
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(per_unit)])
+                                  for _ in range(units)])
+    layers = LayerScales(list(model))
+    scale = torch.tensor(256.0)
+    for step in range(3):  # the factors move from the first backward on; the last backward is the one counted
+        model.zero_grad()
+        (model(torch.randn(3, 4)).square().mean() * scale).backward()
+        if step < 2:
+            layers.update(*layers.unscale_(scale), scale)
+    return count(lambda: layers.unscale_(scale))
+
+
+@pytest.mark.parametrize("gather_on_cpu", [False, True])
+def test_per_layer_unscale_adds_no_op_per_tensor(monkeypatch, gather_on_cpu):
+    """The per-unit maxima and factors cost nothing per gradient: the maxima are gathered (on the CPU: stacked, a
+    view per tensor, as torch's clip_grad_norm_ does), and each unit's gradients are multiplied by its factor in one
+    multi-tensor call that is handed each gradient once (a list of per-gradient factors would hand two tensors per
+    gradient, and on CUDA leave torch's multi-tensor fast path for one kernel per gradient)."""
+    if gather_on_cpu:
+        monkeypatch.setattr(lossscale.ops.gather, "STACK_ON", frozenset())
+    tensors = (4 * 2 * 5, 4 * 2 * 50)  # 4 units of 5 and 50 Linear layers (weight and bias)
+    ops = growth_per_tensor(_layer_unscale(4, 5, host_ops), _layer_unscale(4, 50, host_ops), *tensors)
+    assert ops == ({} if gather_on_cpu else {name: 1.0 for name in STACK_VIEWS})
+    handed = growth_per_tensor(_layer_unscale(4, 5, kernel_tensors), _layer_unscale(4, 50, kernel_tensors), *tensors)
+    assert handed["aten._foreach_mul_"] == 1.0 and handed["aten._foreach_norm"] == 1.0
+    calls = _layer_unscale(4, 50, dispatched_ops)
+    assert calls["aten._foreach_mul_"] == 4  # one per unit

@@ -54,6 +54,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from lossscale.checks import check_int_at_least
+from lossscale.ops.gather import gathered
 
 __all__ = ["LayerScales"]
 
@@ -209,7 +210,7 @@ class LayerScales:
         self.observed = torch.zeros(n, dtype=torch.bool, device=device)
         self.penalty = torch.zeros(n, device=device)
         self._calibrated = False  # the first backward pass (which sets the exponents) has run
-        self._index_cache: tuple[Any, tuple[torch.Tensor, ...]] = (None, ())
+        self._index_cache: tuple[Any, Any] = (None, ())
         self._first: _FirstBackward | None = None
         self._pinned: list[int] = []  # units whose parameters are read outside them: factor 1
         self._order: list[int] = []  # units in the order the last forward ran them
@@ -521,7 +522,11 @@ class LayerScales:
 
         found_inf: bool [units]; amax: float32 [units], the largest scaled magnitude (0 without gradients).
         ``params`` (the optimizer's parameters): those no unit owns are divided by ``global_scale`` and measured
-        as one more, last, entry ([units + 1]). One read pass and one write pass; no host read.
+        as one more, last, entry ([units + 1]). One read pass and one write pass; no host read. Host ops: none per
+        gradient where the gradients share the state's device (the per-tensor maxima gathered,
+        :mod:`lossscale.ops.gather`), and one multi-tensor multiply per unit (its gradients by its factor, a 0-d
+        tensor: torch's multi-tensor fast path, where a list of per-gradient factors takes one kernel per gradient
+        on CUDA).
         """
         dev, n = self.exponent.device, len(self.units)
         present = tuple(p.grad is not None for p, _ in self._unique)
@@ -531,19 +536,27 @@ class LayerScales:
         size = n + (params is not None)
         if not grads and not outside:
             return torch.zeros(size, dtype=torch.bool, device=dev), torch.zeros(size, device=dev)
-        owner, which, factor_of = self._unscale_index(present, len(outside))
+        owner, which, by_factor = self._unscale_index(present, len(outside))
         grads += outside
-        norms = torch.stack([g.to(dev) for g in torch._foreach_norm(grads, math.inf, dtype=torch.float32)])
-        amax = torch.zeros(size, device=dev).scatter_reduce(0, owner, norms[which], "amax")
+        norms = torch._foreach_norm(grads, math.inf, dtype=torch.float32)
+        if all(t.device == dev for t in norms):
+            maxima = gathered(norms)
+        else:
+            maxima = torch.stack([t.to(dev) for t in norms])
+        amax = torch.zeros(size, device=dev).scatter_reduce(0, owner, maxima[which], "amax")
         padded = torch.cat([self.exponent, self.exponent.new_zeros(1)])  # index n: the global scale
-        factor = (torch.exp2(-padded) / global_scale.to(dev).float())[factor_of]
-        torch._foreach_mul_(grads, [f.to(g.device) for f, g in zip(factor.unbind(), grads)])
+        factors = (torch.exp2(-padded) / global_scale.to(dev).float()).unbind()
+        for index, positions in by_factor:
+            members = [grads[i] for i in positions]
+            torch._foreach_mul_(members, factors[index].to(members[0].device))
         return ~torch.isfinite(amax), amax
 
-    def _unscale_index(self, present: tuple[bool, ...], outside: int) -> tuple[torch.Tensor, ...]:
+    def _unscale_index(self, present: tuple[bool, ...], outside: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, list[int]]]]:
         """For the gradients :meth:`unscale_` reads (the units' parameters that have one, then ``outside`` more):
-        each (unit, gradient) pair's unit and gradient, and each gradient's exponent index (n: the global scale).
-        Cached: built (a copy to the device) only when which gradients exist changes."""
+        each (unit, gradient) pair's unit and gradient (device tensors), and the gradients' positions grouped by
+        the exponent index that divides them (n: the global scale). Cached: built (a copy to the device) only when
+        which gradients exist changes."""
         key = (present, outside)
         if self._index_cache[0] != key:
             n = len(self.units)
@@ -557,8 +570,11 @@ class LayerScales:
             which += range(len(factor_of), len(factor_of) + outside)
             factor_of += [n] * outside
             dev = self.exponent.device
-            self._index_cache = (key, tuple(torch.tensor(v, dtype=torch.long, device=dev)
-                                            for v in (owner, which, factor_of)))
+            by_factor: dict[int, list[int]] = {}
+            for position, index in enumerate(factor_of):
+                by_factor.setdefault(index, []).append(position)
+            self._index_cache = (key, (torch.tensor(owner, dtype=torch.long, device=dev),
+                                       torch.tensor(which, dtype=torch.long, device=dev), list(by_factor.items())))
         return self._index_cache[1]
 
     def update(self, found_inf: torch.Tensor, amax: torch.Tensor, global_scale: torch.Tensor | None = None
@@ -606,7 +622,7 @@ class LayerScales:
     def layer_scales(self, global_scale: torch.Tensor) -> dict[str, torch.Tensor]:
         """Unit name -> total scale (0-d tensor) its gradients carry: ``global_scale * 2**e``. No host read."""
         totals = torch.exp2(self.exponent) * global_scale.to(self.exponent.device).float()
-        return {name: totals[i] for i, (name, _) in enumerate(self.units)}
+        return dict(zip((name for name, _ in self.units), totals.unbind()))  # one op, not one per unit
 
     def state_dict(self) -> dict[str, Any]:
         """Unit names, every per-unit tensor as lists, the forward order and whether the first backward pass ran
