@@ -131,8 +131,9 @@ def profiled(backward: Callable[[], None], step: Callable[[], None], steps: int,
     return "\n".join(parts)
 
 
-def overflow_passes(cfg, device: str, rounds: int) -> dict[str, float]:
-    """pass -> median host ms of its call over gradients of the model's shapes (the device idle before each)."""
+def overflow_passes(cfg, device: str, rounds: int) -> tuple[int, dict[str, float]]:
+    """(how many gradients, pass -> median host ms of its call) over gradients of the model's shapes (the device
+    idle before each call)."""
     torch.manual_seed(cfg.seed)
     grads = [torch.randn_like(p) for p in CharTransformer(cfg).to(device).parameters()]
     found, one = torch.zeros((), device=device), torch.ones((), device=device)
@@ -154,7 +155,7 @@ def overflow_passes(cfg, device: str, rounds: int) -> dict[str, float]:
             if r:
                 samples[name].append(time.perf_counter() - start)
     sync()
-    return {name: 1e3 * statistics.median(s) for name, s in samples.items()}
+    return len(grads), {name: 1e3 * statistics.median(s) for name, s in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, float]]:
@@ -185,10 +186,10 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, float]]
     for name, (backward, step) in calls.items():
         print(f"\n== {name}, {args.profiled} step(s) under the profiler\n")
         print(profiled(backward, step, args.profiled, device, args.top))
-    count = sum(1 for _ in CharTransformer(cfg).parameters())
+    count, passes = overflow_passes(cfg, device, 5 * args.rounds)
     print(f"\n== The overflow pass alone over {count} gradients of the model's shapes: host ms of the call, median "
           f"over {5 * args.rounds} calls\n\n| pass | host ms |\n|---|---|")
-    for name, ms in overflow_passes(cfg, device, 5 * args.rounds).items():
+    for name, ms in passes.items():
         print(f"| {name} | {ms:.3f} |")
     return times
 

@@ -53,7 +53,7 @@ def test_gpt2_with_tied_embeddings_unscales_within_a_percent_of_float32_on_cuda(
     assert taken >= 4, f"only {taken} of 6 steps taken"
 
 
-def test_the_per_layer_unscale_launches_a_few_kernels_not_one_per_gradient(device="cuda"):
+def test_the_per_layer_unscale_launches_a_few_kernels_not_one_per_gradient():
     """4 units of 50 Linear layers (400 gradients): each unit's gradients divided by ``scale * 2**e[unit]``, exactly,
     by one multi-tensor multiply per unit and the maxima gathered (a multiply per gradient, as a list of per-gradient
     factors takes on CUDA, would launch 400 kernels). The host-op count of the same: tests/test_host_ops.py."""
@@ -63,26 +63,23 @@ def test_the_per_layer_unscale_launches_a_few_kernels_not_one_per_gradient(devic
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(50)])
-                                  for _ in range(4)]).to(device)
+                                  for _ in range(4)]).cuda()
     layers = LayerScales(list(model))
-    scale = torch.tensor(256.0, device=device)
+    scale = torch.tensor(256.0, device="cuda")
     for step in range(3):  # the factors move from the first backward on; the last backward's gradients are checked
         model.zero_grad()
-        (model(torch.randn(8, 16, device=device)).square().mean() * scale).backward()
+        (model(torch.randn(8, 16, device="cuda")).square().mean() * scale).backward()
         if step < 2:
             layers.update(*layers.unscale_(scale), scale)
     exponent = layers.exponent.clone()
     expected = [[p.grad / (scale * 2.0 ** exponent[u]) for p in unit.parameters()] for u, unit in enumerate(model)]
     maxima = torch.stack([torch.stack([p.grad.abs().max() for p in unit.parameters()]).max() for unit in model])
-    if device == "cuda":
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU],
-                 acc_events=True) as prof:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         found, amax = layers.unscale_(scale)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert device != "cuda" or len(kernels) <= 100, len(kernels)
+    assert len(kernels) <= 100, len(kernels)
     assert torch.equal(amax, maxima) and not found.any()
     for unit, wanted in zip(model, expected):
         for p, want in zip(unit.parameters(), wanted):
