@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import math
 import sys
 import time
@@ -44,7 +43,6 @@ from _common import add_device_argument, checked_device, emit, machine, paired_r
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
 from lossscale.demo.train import VOCAB, Config, batch, load_corpus  # noqa: E402
-from lossscale.ops.overflow import REPLAYED_LARGEST  # noqa: E402
 
 RUNS = ["float32", "torch GradScaler", "DynamicScale", "PredictiveScale", "DynamicScale flat", "PredictiveScale flat",
         "per-layer"]
@@ -177,9 +175,7 @@ def train(args: argparse.Namespace, device: str) -> tuple[dict[str, Run], float]
 
 def free_running(runs: dict[str, Run], args: argparse.Namespace, device: str) -> dict[str, list[float]]:
     """Seconds per step of ``args.free_steps`` consecutive steps without a synchronisation between them, per round:
-    nothing is read back (skips are not counted; the training statistics stay as training made them). Python's
-    garbage collector runs between rounds, not in them (a full collection, tens of milliseconds with transformers
-    loaded, would land in one contender's round)."""
+    nothing is read back (skips are not counted; the training statistics stay as training made them)."""
     cfg = Config(files=args.files, sequences=args.sequences, context=args.context, seed=0)
     corpus = load_corpus(cfg)
     batches = [tuple(t.to(device) for t in batch(corpus.train, cfg, args.steps + k, 0)) for k in range(args.free_steps)]
@@ -190,17 +186,12 @@ def free_running(runs: dict[str, Run], args: argparse.Namespace, device: str) ->
     for r in range(args.free_rounds + 1):  # the first round warms up
         for name in names[r % len(names):] + names[:r % len(names)]:
             run = runs[name]
-            gc.collect()
-            gc.disable()
-            try:
-                sync()
-                start = time.perf_counter()
-                for x, y in batches:
-                    run.backward(x, y)
-                    run.step(count_skips=False)
-                sync()
-            finally:
-                gc.enable()
+            sync()
+            start = time.perf_counter()
+            for x, y in batches:
+                run.backward(x, y)
+                run.step(count_skips=False)
+            sync()
             if r:
                 times[name].append((time.perf_counter() - start) / len(batches))
     for name, run in runs.items():
@@ -242,15 +233,6 @@ def rows_of(runs: dict[str, Run], free: dict[str, list[float]] | None = None) ->
     return summary, by_layer
 
 
-def replays(device: str) -> str:
-    """How PredictiveScale's reads of amax went on a CUDA device (eager, captured, replayed), as a sentence."""
-    if torch.device(device).type != "cuda":
-        return ""
-    c = REPLAYED_LARGEST.counts
-    return (f"\n\nPredictiveScale's reads of amax over its runs: {c['replayed']} replayed from a CUDA graph keyed "
-            f"by the gradients' memory, {c['captured']} captured, {c['eager']} eager.")
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
@@ -290,9 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"scaler's in the same step, with its 95% interval (each step timed from an idle device); *time / "
           f"DynamicScale's*: the same against the DynamicScale run with the same gradients (flat or not). *flat*: "
           f"flat_grads=True. *free-running*: {args.free_steps} consecutive steps with no synchronisation between "
-          f"them (Python's garbage collector off), per step, median over {args.free_rounds} rounds, and the median "
-          f"of per-round ratios to torch's scaler's.\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
-          + replays(device) + "\n\nUnderflow by layer (``wte``: the tied input and output embedding):\n\n"
+          f"them, per step, median over {args.free_rounds} rounds, and the median of per-round ratios to torch's "
+          f"scaler's.\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
+          + "\n\nUnderflow by layer (``wte``: the tied input and output embedding):\n\n"
           + table(by_layer, list(by_layer[0])))
     payload = {"machine": machine(device), "rows": summary, "by_layer": by_layer, "markdown": md}
     emit("language_model", payload, args.json)

@@ -13,9 +13,7 @@ contender has its own copy of the same model. Printed per contender:
 
 Then the overflow pass alone over gradients of the model's shapes, host time of the call: torch's fused check
 (DynamicScale's pass), the multi-tensor inf-norm PredictiveScale reads its amax from, with its per-tensor results
-reduced by ``ops.gather.largest`` (what ``cuda_graph=False`` runs) and by ``torch.stack``, and the same read
-replayed from a CUDA graph keyed by the gradients' memory (``ops.replay.ReplayedRead``, what the step runs on a
-GPU). With it, how PredictiveScale's reads of amax went over the whole script: eager, captured, replayed.
+reduced by ``ops.gather.largest`` (what the step runs) and by ``torch.stack`` (what it ran before).
 
 No RESULTS.md section: the ratios live in ``end_to_end.py`` and ``language_model.py``; this says why they are what
 they are. ``benchmarks/gpu_check.sh`` runs it on a GPU.
@@ -41,7 +39,6 @@ from _common import add_device_argument, checked_device, synchronizer  # noqa: E
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
 from lossscale.ops.gather import largest  # noqa: E402
-from lossscale.ops.overflow import REPLAYED_LARGEST, largest_magnitude  # noqa: E402
 from lossscale.demo.train import QUICK, CharTransformer, batch, load_corpus  # noqa: E402
 
 
@@ -145,10 +142,8 @@ def overflow_passes(cfg, device: str, rounds: int) -> tuple[int, dict[str, float
         "fused overflow check (DynamicScale)":
             lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
         "inf-norm alone": lambda: torch._foreach_norm(grads, ord=inf),
-        "inf-norm + ops.gather.largest (PredictiveScale(cuda_graph=False))":
-            lambda: largest(torch._foreach_norm(grads, ord=inf)),
+        "inf-norm + ops.gather.largest (PredictiveScale)": lambda: largest(torch._foreach_norm(grads, ord=inf)),
         "inf-norm + torch.stack + max": lambda: torch.stack(torch._foreach_norm(grads, ord=inf)).max(),
-        "the same read replayed from a CUDA graph (PredictiveScale)": lambda: largest_magnitude(grads, replay=True),
     }
     sync = synchronizer(device)
     samples: dict[str, list[float]] = {name: [] for name in passes}
@@ -196,8 +191,6 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, float]]
           f"over {5 * args.rounds} calls\n\n| pass | host ms |\n|---|---|")
     for name, ms in passes.items():
         print(f"| {name} | {ms:.3f} |")
-    print(f"\nPredictiveScale's reads of amax in this script (lossscale.ops.overflow.REPLAYED_LARGEST): "
-          f"{REPLAYED_LARGEST.counts}")
     return times
 
 

@@ -420,8 +420,7 @@ class GradScaler:
             if device not in found:
                 found[device] = found_inf.to(device, copy=True)
             if self._loss_scale.policy.observes_amax:
-                self._amax_seen.append(check_with_amax_(group, found[device], self.overflow_mode, self._threshold,
-                                                        replay=self._loss_scale.policy.cuda_graph))
+                self._amax_seen.append(check_with_amax_(group, found[device], self.overflow_mode, self._threshold))
             inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
             unscale_and_check_(group, found[device], inv, self.overflow_mode, self._threshold)
         return found
@@ -438,8 +437,7 @@ class GradScaler:
             elif device not in found:
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
             amax = stages.measure_({(device, dtype): group}, found[device], self.overflow_mode, self._threshold,
-                                   amax=self._loss_scale.policy.observes_amax,
-                                   replay=self._loss_scale.policy.cuda_graph)
+                                   amax=self._loss_scale.policy.observes_amax)
             if amax is not None:
                 self._amax_seen.append(amax)
         record["found_inf_per_device"] = self._agreed(found)

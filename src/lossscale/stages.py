@@ -154,14 +154,13 @@ def _group_any(optimizer: torch.optim.Optimizer) -> Groups:
 
 
 def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, threshold: float,
-             *, amax: bool, replay: bool = False) -> torch.Tensor | None:
+             *, amax: bool) -> torch.Tensor | None:
     """Add overflow to ``found_inf``; with ``amax`` also return the largest scaled magnitude (0-d float32 on
-    ``found_inf``'s device; inf/NaN when it overflowed), with ``replay`` replayed from a CUDA graph where it can
-    be (:func:`lossscale.ops.overflow.largest_magnitude`). Passes: one; no host read."""
+    ``found_inf``'s device; inf/NaN when it overflowed). Passes: one; no host read."""
     maxima = []
     for grads in groups.values():
         if amax:
-            maxima.append(check_with_amax_(grads, found_inf, mode, threshold, replay=replay).to(found_inf.device))
+            maxima.append(check_with_amax_(grads, found_inf, mode, threshold).to(found_inf.device))
         else:
             check_(grads, found_inf, mode, threshold)
     if not amax:

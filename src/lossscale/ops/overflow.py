@@ -18,7 +18,6 @@ import torch
 
 from lossscale.checks import ArgumentTypeError, check_choice
 from lossscale.ops.gather import largest
-from lossscale.ops.replay import ReplayedRead
 
 __all__ = [
     "OverflowMode",
@@ -63,31 +62,21 @@ def group_by_device_and_dtype(tensors: Iterable[torch.Tensor]
     return groups
 
 
-def largest_magnitude(grads: Sequence[torch.Tensor], *, replay: bool = False) -> torch.Tensor:
+def largest_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """max |g| over ``grads`` (one device and dtype) as a 0-d float32; inf or NaN when a value is not finite; 0 when
     every tensor is empty.
 
     One read pass, no host read. On an accelerator: torch's multi-tensor inf-norm (``_foreach_norm(ord=inf)``, one
-    kernel per chunk of tensors on CUDA, NaN propagated), its results gathered with no host op per tensor; with
-    ``replay``, on CUDA, replayed from a CUDA graph where the same tensors' memory was read before
-    (:data:`REPLAYED_LARGEST`, the same value bit for bit). On the CPU, where launches cost nothing and torch's
-    inf-norm writes ``|g|`` before its maximum, ``aminmax`` per tensor."""
+    kernel per chunk of tensors on CUDA, NaN propagated), its results gathered with no host op per tensor. On the
+    CPU, where launches cost nothing and torch's inf-norm writes ``|g|`` before its maximum, ``aminmax`` per
+    tensor."""
     present = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined
     if not present:
         return torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
     if present[0].device.type != "cpu":
-        return REPLAYED_LARGEST(present) if replay else _largest_by_norm(present)
+        return largest(torch._foreach_norm(present, ord=math.inf)).float()
     lows, highs = zip(*(torch.aminmax(g) for g in present))
     return torch.maximum(torch.stack(highs).max(), -torch.stack(lows).min()).float()
-
-
-def _largest_by_norm(present: list[torch.Tensor]) -> torch.Tensor:
-    """max |g| of non-empty tensors on an accelerator: the multi-tensor inf-norm, gathered."""
-    return largest(torch._foreach_norm(present, ord=math.inf)).float()
-
-
-#: :func:`largest_magnitude`'s read with ``replay=True``: one per process, its graphs kept per thread and stream.
-REPLAYED_LARGEST = ReplayedRead(_largest_by_norm)
 
 
 def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
@@ -97,11 +86,11 @@ def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
 
 
 def check_with_amax_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, mode: OverflowMode = "inf_nan",
-                     threshold: float = 65504.0, *, replay: bool = False) -> torch.Tensor:
+                     threshold: float = 65504.0) -> torch.Tensor:
     """Like :func:`check_`, and also return the largest magnitude (0-d float32; inf/NaN on overflow).
     One read pass (the check is the largest magnitude: not finite, or in saturation mode >= threshold); no host
-    read. ``replay``: as :func:`largest_magnitude`'s."""
-    amax = largest_magnitude(grads, replay=replay) if grads else torch.zeros((), dtype=torch.float32, device=found_inf.device)
+    read."""
+    amax = largest_magnitude(grads) if grads else torch.zeros((), dtype=torch.float32, device=found_inf.device)
     bad = ~(amax < (threshold if mode == "saturation" else math.inf))
     found_inf.logical_or_(bad.to(found_inf.device))
     return amax

@@ -441,8 +441,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         amax = norm_sq = None
         if observes:
             sink = found if checking else torch.zeros_like(found)
-            amax = stages.measure_(groups, sink, options.overflow_mode, options.threshold, amax=True,
-                                   replay=self.policy.cuda_graph)
+            amax = stages.measure_(groups, sink, options.overflow_mode, options.threshold, amax=True)
             stages.agree_amax_(amax, options.process_group)
         elif checking and active and options.overflow_mode == "saturation":
             stages.measure_(groups, found, "saturation", options.threshold, amax=False)

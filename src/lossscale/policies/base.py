@@ -70,9 +70,7 @@ class Policy:
     - ``floor_reads_host`` (False): True where ``check_floor`` reads the state on the host (it cannot run inside a
       CUDA graph).
     - ``cuda_graph`` (False): True asks :class:`~lossscale.LossScale` to replay ``update`` from a CUDA graph when the
-      state is on a CUDA device (worth it for a rule of many small kernels; ``update`` must then make no host read),
-      and the front ends to replay the read of ``amax`` from a CUDA graph keyed by the gradients' memory
-      (:class:`lossscale.ops.replay.ReplayedRead`).
+      state is on a CUDA device (worth it for a rule of many small kernels; ``update`` must then make no host read).
     - ``min_scale`` / ``max_scale`` (2**-126 / float32 max): the bounds every scale set from outside is
       checked against.
     """

@@ -95,9 +95,8 @@ class PredictiveScale(Policy):
         fault_gap: >= 1 powers of two below ``limit`` that make an overflow a fault (see ``fault``).
         dtype: The low-precision format whose largest finite value is ``limit``.
         min_scale, max_scale: Bounds (powers of two are taken inside them).
-        cuda_graph: On a CUDA device, replay the update from a CUDA graph captured at the first step, and the
-            read of amax from a graph keyed by the gradients' memory (:class:`~lossscale.ops.replay.ReplayedRead`;
-            both the same result bit for bit; False runs their ops one by one).
+        cuda_graph: On a CUDA device, replay the update from a CUDA graph captured at the first step (the same
+            result bit for bit; False runs its ops one by one).
 
     Example:
         >>> import torch
