@@ -37,7 +37,11 @@ started=$SECONDS
 {
     nvidia-smi
     "$PYTHON" -c "import sys, torch; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'CUDA',
-torch.version.cuda); print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+torch.version.cuda); print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+try:
+    import triton; print('triton', triton.__version__)
+except ImportError:
+    print('triton: not installed (PredictiveScale reads amax with torch inf-norm)')"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 

@@ -43,6 +43,7 @@ from _common import add_device_argument, checked_device, emit, machine, paired_r
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
 from lossscale.demo.train import VOCAB, Config, batch, load_corpus  # noqa: E402
+from lossscale.ops.overflow import amax_kernel  # noqa: E402
 
 RUNS = ["float32", "torch GradScaler", "DynamicScale", "PredictiveScale", "DynamicScale flat", "PredictiveScale flat",
         "per-layer"]
@@ -233,6 +234,16 @@ def rows_of(runs: dict[str, Run], free: dict[str, list[float]] | None = None) ->
     return summary, by_layer
 
 
+def amax_read(device: str) -> str:
+    """Which read gives PredictiveScale its amax on ``device``, as a sentence."""
+    if torch.device(device).type != "cuda":
+        return "PredictiveScale reads amax with one aminmax per tensor (the CPU path)."
+    if amax_kernel() is None:
+        return "PredictiveScale reads amax with torch's multi-tensor inf-norm (no triton, or LOSSSCALE_TRITON=0)."
+    import triton
+    return f"PredictiveScale reads amax with lossscale.ops.amax_kernel (one Triton kernel; triton {triton.__version__})."
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
@@ -273,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"DynamicScale's*: the same against the DynamicScale run with the same gradients (flat or not). *flat*: "
           f"flat_grads=True. *free-running*: {args.free_steps} consecutive steps with no synchronisation between "
           f"them, per step, median over {args.free_rounds} rounds, and the median of per-round ratios to torch's "
-          f"scaler's.\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
+          f"scaler's. {amax_read(device)}\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
           + "\n\nUnderflow by layer (``wte``: the tied input and output embedding):\n\n"
           + table(by_layer, list(by_layer[0])))
     payload = {"machine": machine(device), "rows": summary, "by_layer": by_layer, "markdown": md}

@@ -12,8 +12,9 @@ contender has its own copy of the same model. Printed per contender:
   time, and how many kernels one step launches.
 
 Then the overflow pass alone over gradients of the model's shapes, host time of the call: torch's fused check
-(DynamicScale's pass), the multi-tensor inf-norm PredictiveScale reads its amax from, with its per-tensor results
-reduced by ``ops.gather.largest`` (what the step runs) and by ``torch.stack`` (what it ran before).
+(DynamicScale's pass), the multi-tensor inf-norm PredictiveScale reads its amax from without triton, with its
+per-tensor results reduced by ``ops.gather.largest`` (what the step runs then) and by ``torch.stack``, and on CUDA
+with triton ``ops.amax_kernel`` (one kernel with one small output: what the step runs there).
 
 No RESULTS.md section: the ratios live in ``end_to_end.py`` and ``language_model.py``; this says why they are what
 they are. ``benchmarks/gpu_check.sh`` runs it on a GPU.
@@ -39,6 +40,7 @@ from _common import add_device_argument, checked_device, synchronizer  # noqa: E
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
 from lossscale.ops.gather import largest  # noqa: E402
+from lossscale.ops.overflow import amax_kernel  # noqa: E402
 from lossscale.demo.train import QUICK, CharTransformer, batch, load_corpus  # noqa: E402
 
 
@@ -142,9 +144,13 @@ def overflow_passes(cfg, device: str, rounds: int) -> tuple[int, dict[str, float
         "fused overflow check (DynamicScale)":
             lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
         "inf-norm alone": lambda: torch._foreach_norm(grads, ord=inf),
-        "inf-norm + ops.gather.largest (PredictiveScale)": lambda: largest(torch._foreach_norm(grads, ord=inf)),
+        "inf-norm + ops.gather.largest (PredictiveScale without triton)":
+            lambda: largest(torch._foreach_norm(grads, ord=inf)),
         "inf-norm + torch.stack + max": lambda: torch.stack(torch._foreach_norm(grads, ord=inf)).max(),
     }
+    kernel = amax_kernel() if torch.device(device).type == "cuda" else None
+    if kernel is not None:
+        passes["ops.amax_kernel, one Triton kernel (PredictiveScale with triton)"] = lambda: kernel.amax(grads)
     sync = synchronizer(device)
     samples: dict[str, list[float]] = {name: [] for name in passes}
     for r in range(rounds + 1):  # the first round warms up (and makes the kept buffer)

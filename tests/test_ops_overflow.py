@@ -1,5 +1,6 @@
 """lossscale.ops.overflow: the overflow checks in both modes (inf/NaN, saturation) at every position, the fused
-unscale-and-check, the flag they set, attribution, and no host reads."""
+unscale-and-check, the flag they set, attribution, and no host reads; the LOSSSCALE_TRITON switch of the CUDA amax
+kernel (the kernel itself: tests/cuda/test_cuda_amax_kernel.py)."""
 
 import pytest
 import torch
@@ -184,3 +185,35 @@ def test_the_largest_magnitude_takes_the_same_kernels_for_20_or_200_tensors_on_a
 
     assert kernels(20) == kernels(200)
     assert len(kernels(20)) <= 8, kernels(20)
+
+
+@pytest.fixture
+def fresh_kernel_choice(monkeypatch):
+    """lossscale.ops.overflow.amax_kernel() decides afresh in the test and as before after it."""
+    from lossscale.ops import overflow
+    monkeypatch.setattr(overflow, "_AMAX_KERNEL", [])
+    return overflow.amax_kernel
+
+
+def test_a_bad_lossscale_triton_setting_is_refused_naming_the_variable(fresh_kernel_choice, monkeypatch):
+    monkeypatch.setenv("LOSSSCALE_TRITON", "yes")
+    with pytest.raises(ValueError, match="LOSSSCALE_TRITON must be '0' .* or '1' .*; got 'yes'"):
+        fresh_kernel_choice()
+
+
+def test_lossscale_triton_0_turns_the_kernel_off(fresh_kernel_choice, monkeypatch):
+    monkeypatch.setenv("LOSSSCALE_TRITON", "0")
+    assert fresh_kernel_choice() is None
+
+
+def test_a_triton_that_fails_to_import_says_how_to_turn_the_kernel_off(fresh_kernel_choice, monkeypatch):
+    import importlib.machinery
+    import sys
+
+    monkeypatch.delenv("LOSSSCALE_TRITON", raising=False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: importlib.machinery.ModuleSpec(name, None))
+    monkeypatch.setitem(sys.modules, "triton", None)  # installed, but its import fails
+    monkeypatch.delitem(sys.modules, "lossscale.ops.amax_kernel", raising=False)
+    monkeypatch.delattr("lossscale.ops.amax_kernel", raising=False)
+    with pytest.raises(RuntimeError, match="triton is installed but its import failed .* Set LOSSSCALE_TRITON=0"):
+        fresh_kernel_choice()
