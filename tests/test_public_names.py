@@ -59,10 +59,14 @@ KIND = {
     "lossscale.ops.distributed.is_main_process": "function",
     "lossscale.ops.distributed.shutdown": "function",
     "lossscale.reporting.step_record": "function",
+    "lossscale.ops.amax_kernel": "module",
+    "lossscale.ops.amax_kernel.amax": "function",
 }
-#: The framework an integration needs (an extra): without it, its names are skipped, saying so.
+#: The optional package a name needs (an integration's framework, an extra; triton, which torch's CUDA builds bring):
+#: without it, its names are skipped, saying so.
 FRAMEWORK = {"lossscale.integrations.lightning": "lightning", "lossscale.integrations.fabric": "lightning",
-             "lossscale.integrations.accelerate": "accelerate", "lossscale.integrations.transformers": "transformers"}
+             "lossscale.integrations.accelerate": "accelerate", "lossscale.integrations.transformers": "transformers",
+             "lossscale.ops.amax_kernel": "triton"}
 IS_KIND = {"module": lambda o: isinstance(o, types.ModuleType), "class": inspect.isclass,
            "function": inspect.isfunction}
 
@@ -109,7 +113,7 @@ def test_the_documentation_names_what_kind_each_name_is():
 def test_a_documented_name_imports_as_its_kind(name):
     framework = next((f for prefix, f in FRAMEWORK.items() if name.startswith(prefix)), None)
     if framework:
-        pytest.importorskip(framework, reason=f"{name} needs the {framework} extra")
+        pytest.importorskip(framework, reason=f"{name} needs {framework}, which is not installed here")
     kind = KIND.get(name)
     assert kind, f"{name} is documented: record its kind in KIND"
     assert IS_KIND[kind](resolve(name)), f"{name} is documented as a {kind}"
