@@ -1,8 +1,12 @@
 """Every benchmark script runs at tiny sizes, in one process, and produces its section (no timing is asserted)."""
 
+import atexit
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,20 +20,59 @@ from run_all import BENCHMARKS  # noqa: E402
 sys.path.remove(str(BENCH))
 
 
+# run_all.py --tiny, then profile_step.py --tiny (a diagnostic outside RESULTS.md) with its output in a file: one
+# process, as each pays seconds to import torch and its compiler
+TINY_RUNS = """
+import contextlib, sys
+sys.path.insert(0, sys.argv[1])
+import profile_step, run_all
+run_all.main(["--tiny", "--out", sys.argv[2], "--json-dir", sys.argv[3]])
+with open(sys.argv[4], "w") as f, contextlib.redirect_stdout(f):
+    profile_step.main(["--tiny"])
+"""
+
+
+def start_tiny_runs() -> tuple[subprocess.Popen, Path]:
+    """The benchmarks' tiny runs started in a process of their own with one torch thread (at these sizes a second
+    OpenMP thread only waits at barriers, for seconds where another process shares the cores): the process, and the
+    folder it writes RESULTS.md, each benchmark's JSON, profile_step's output and its own stdout and stderr to."""
+    folder = Path(tempfile.mkdtemp(prefix="lossscale-benchmarks-"))
+    with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", TINY_RUNS, str(BENCH), str(folder / "RESULTS.md"), str(folder),
+                                 str(folder / "profile_step.txt")], stdout=out, stderr=err,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc, folder
+
+
+def stop(proc: subprocess.Popen, folder: Path) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+# Started as pytest collects this module, one of the first it imports, so that the runs take the second core while
+# pytest imports and collects the others (torch's compiler, Lightning, Transformers: seconds of work); ended at exit,
+# also where no selected test waited for them.
+TINY = start_tiny_runs()
+atexit.register(stop, *TINY)
+
+
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """``run_all.py --tiny`` once: (the RESULTS.md it wrote, the folder of each benchmark's JSON)."""
-    folder = tmp_path_factory.mktemp("bench")
-    out = folder / "RESULTS.md"
-    proc = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--tiny", "--out", str(out), "--json-dir",
-                           str(folder)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out.read_text(), folder
+def tiny_run():
+    """(the RESULTS.md run_all wrote, the folder of each benchmark's JSON, what profile_step printed)."""
+    proc, folder = TINY
+    try:
+        proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the benchmarks' tiny runs gave no answer in 600 s:\n{(folder / 'stderr').read_text()[-3000:]}")
+    assert proc.returncode == 0, (folder / "stderr").read_text()[-3000:]
+    return (folder / "RESULTS.md").read_text(), folder, (folder / "profile_step.txt").read_text()
 
 
 @pytest.mark.parametrize("name,title", [(name, title) for name, title, _ in BENCHMARKS])
 def test_every_benchmark_writes_its_section_with_the_machine(tiny_run, name, title):
-    text, folder = tiny_run
+    text, folder, _ = tiny_run
     payload = json.loads((folder / f"{name}.json").read_text())
     assert payload["rows"] and payload["markdown"].count("|") > 10
     assert payload["machine"]["torch"]
@@ -67,19 +110,17 @@ def test_paired_ratio_is_the_median_of_per_round_ratios_with_the_sign_test_inter
     assert mid == pytest.approx(1.0495) and low == pytest.approx(1.039) and high == pytest.approx(1.060)
 
 
-def test_the_step_profiler_times_and_profiles_every_contender():
-    """benchmarks/profile_step.py, a diagnostic outside RESULTS.md, at its tiny size in a subprocess."""
-    proc = subprocess.run([sys.executable, str(BENCH / "profile_step.py"), "--tiny"], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_the_step_profiler_times_and_profiles_every_contender(tiny_run):
+    """benchmarks/profile_step.py, a diagnostic outside RESULTS.md, at its tiny size."""
+    printed = tiny_run[2]
     names = ["torch.amp.GradScaler", "LossScaleOptimizer, DynamicScale", "LossScaleOptimizer, PredictiveScale",
              "LossScaleOptimizer, PredictiveScale op by op", "LossScaleOptimizer, per-layer"]
     for name in names:
-        row = next(line for line in proc.stdout.splitlines() if line.startswith(f"| {name} |"))
+        row = next(line for line in printed.splitlines() if line.startswith(f"| {name} |"))
         whole, step, host = (float(v) for v in row.strip("| ").split(" | ")[1:])
         assert 0 < host <= step <= whole, row
-        assert f"== {name}, 1 step(s) under the profiler" in proc.stdout
-    assert proc.stdout.count("Self CPU time total") == len(names)
+        assert f"== {name}, 1 step(s) under the profiler" in printed
+    assert printed.count("Self CPU time total") == len(names)
 
 
 def test_the_free_running_measure_reads_nothing_back():

@@ -5,11 +5,14 @@ import csv
 import dataclasses
 import importlib.util
 import json
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import textwrap
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -136,35 +139,48 @@ def test_tensorboard_writes_events_or_says_what_to_install(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in board.iterdir())
 
 
-def start_writer(body: str, *args: str) -> subprocess.Popen:
-    """A Python process running ``body``; it prints a line when it reaches the point the test kills it at."""
-    code = "import sys, time\nfrom lossscale.reporting import StepLogger, atomic_write\n" + textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
+# --- killed mid-write: real processes, each forked from multiprocessing's fork server, which imports lossscale (and
+# so torch) once for them all; the distributed tests' ranks come from the same server. A writer sends a line through
+# a pipe when it reaches the point the test kills it at.
+
+def start_writer(write: Callable[[str, Connection], None], path: Path) -> tuple[BaseProcess, Connection]:
+    """A process running ``write(path, said)``, and the end of the pipe ``said`` that it sends its lines to."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["lossscale"])  # where the server is not running yet
+    lines, said = context.Pipe(duplex=False)
+    writer = context.Process(target=write, args=(str(path), said), daemon=True)
+    writer.start()
+    said.close()
+    return writer, lines
 
 
-def kill_when(writer: subprocess.Popen, line: str) -> None:
-    for got in writer.stdout:
-        if got.strip() == line:
-            break
-    writer.send_signal(signal.SIGKILL)
-    writer.wait(timeout=60)
-    writer.stdout.close()
-    assert writer.returncode == -signal.SIGKILL
+def kill_when(writer: BaseProcess, lines: Connection, line: str) -> None:
+    assert lines.poll(120), f"the writer did not say {line!r} within 120 s"
+    try:
+        assert lines.recv() == line
+    except EOFError:
+        writer.join(60)
+        pytest.fail(f"the writer ended (exit code {writer.exitcode}) before it said {line!r}")
+    writer.kill()
+    writer.join(60)
+    lines.close()
+    assert writer.exitcode == -signal.SIGKILL
+
+
+def half_written_save(path: str, said: Connection) -> None:
+    with atomic_write(path) as tmp, open(tmp, "w") as f:
+        f.write('{"version": 2, "runs": [')
+        f.write("1, " * 100_000)
+        f.flush()
+        said.send("half written")
+        time.sleep(120)
 
 
 def test_atomic_write_killed_mid_save_leaves_the_previous_file(tmp_path):
     path = tmp_path / "results.json"
     with atomic_write(path) as tmp, open(tmp, "w") as f:
         json.dump({"version": 1}, f)
-    writer = start_writer("""
-        with atomic_write(sys.argv[1]) as tmp, open(tmp, "w") as f:
-            f.write('{"version": 2, "runs": [')
-            f.write("1, " * 100_000)
-            f.flush()
-            print("half written", flush=True)
-            time.sleep(120)
-    """, str(path))
-    kill_when(writer, "half written")
+    kill_when(*start_writer(half_written_save, path), "half written")
     assert json.loads(path.read_text()) == {"version": 1}
     with atomic_write(path) as tmp, open(tmp, "w") as f:  # the next save replaces it whole
         json.dump({"version": 3}, f)
@@ -181,26 +197,28 @@ def test_atomic_write_leaves_the_file_and_no_temporary_when_the_block_raises(tmp
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["results.json"]
 
 
+def create_log(path: str, said: Connection) -> None:
+    log = StepLogger(path)  # noqa: F841  (alive until the kill)
+    said.send("created")
+    time.sleep(120)
+
+
+def write_rows(path: str, said: Connection) -> None:
+    log = StepLogger(path)
+    for step in range(10**9):
+        record = {"step": step, "scale": 1024.0, "next_scale": 1024.0, "skipped": False, "loss": 1.0 / (step + 1)}
+        log.write(record)
+        if step == 200:
+            said.send("200 rows")
+
+
 def test_step_logger_killed_keeps_the_previous_log_until_its_first_row_then_whole_rows(tmp_path):
     path = tmp_path / "steps.csv"
     path.write_text("the previous run's log\n")
-    before_first_row = start_writer("""
-        log = StepLogger(sys.argv[1])
-        print("created", flush=True)
-        time.sleep(120)
-    """, str(path))
-    kill_when(before_first_row, "created")
+    kill_when(*start_writer(create_log, path), "created")
     assert path.read_text() == "the previous run's log\n"
 
-    rows = start_writer("""
-        log = StepLogger(sys.argv[1])
-        for step in range(10**9):
-            record = {"step": step, "scale": 1024.0, "next_scale": 1024.0, "skipped": False, "loss": 1.0 / (step + 1)}
-            log.write(record)
-            if step == 200:
-                print("200 rows", flush=True)
-    """, str(path))
-    kill_when(rows, "200 rows")
+    kill_when(*start_writer(write_rows, path), "200 rows")
     with open(path, newline="") as f:
         table = list(csv.reader(f))
     header, body = table[0], table[1:]
