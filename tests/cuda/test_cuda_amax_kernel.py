@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # as conftest.py's reason, which comes too late for the import below
+    pytest.skip(f"needs a CUDA device: torch.cuda.is_available() is False on this machine (torch {torch.__version__}); "
+                f"run on a machine with an NVIDIA GPU (benchmarks/gpu_check.sh)", allow_module_level=True)
 pytest.importorskip("triton", reason="lossscale.ops.amax_kernel needs triton, which this CUDA machine lacks")
 
 from lossscale.ops import amax_kernel  # noqa: E402
