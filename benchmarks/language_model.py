@@ -43,7 +43,7 @@ from _common import add_device_argument, checked_device, emit, machine, paired_r
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
 from lossscale.demo.train import VOCAB, Config, batch, load_corpus  # noqa: E402
-from lossscale.ops.overflow import amax_kernel  # noqa: E402
+from lossscale.ops.overflow import amax_kernel_module  # noqa: E402
 
 RUNS = ["float32", "torch GradScaler", "DynamicScale", "PredictiveScale", "DynamicScale flat", "PredictiveScale flat",
         "per-layer"]
@@ -238,7 +238,7 @@ def amax_read(device: str) -> str:
     """Which read gives PredictiveScale its amax on ``device``, as a sentence."""
     if torch.device(device).type != "cuda":
         return "PredictiveScale reads amax with one aminmax per tensor (the CPU path)."
-    if amax_kernel() is None:
+    if amax_kernel_module() is None:
         return "PredictiveScale reads amax with torch's multi-tensor inf-norm (no triton, or LOSSSCALE_TRITON=0)."
     import triton
     return f"PredictiveScale reads amax with lossscale.ops.amax_kernel (one Triton kernel; triton {triton.__version__})."

@@ -40,7 +40,7 @@ from _common import add_device_argument, checked_device, synchronizer  # noqa: E
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
 from lossscale.ops.gather import largest  # noqa: E402
-from lossscale.ops.overflow import amax_kernel  # noqa: E402
+from lossscale.ops.overflow import amax_kernel_module  # noqa: E402
 from lossscale.demo.train import QUICK, CharTransformer, batch, load_corpus  # noqa: E402
 
 
@@ -148,7 +148,7 @@ def overflow_passes(cfg, device: str, rounds: int) -> tuple[int, dict[str, float
             lambda: largest(torch._foreach_norm(grads, ord=inf)),
         "inf-norm + torch.stack + max": lambda: torch.stack(torch._foreach_norm(grads, ord=inf)).max(),
     }
-    kernel = amax_kernel() if torch.device(device).type == "cuda" else None
+    kernel = amax_kernel_module() if torch.device(device).type == "cuda" else None
     if kernel is not None:
         passes["ops.amax_kernel, one Triton kernel (PredictiveScale with triton)"] = lambda: kernel.amax(grads)
     sync = synchronizer(device)

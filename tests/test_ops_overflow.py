@@ -188,11 +188,12 @@ def test_the_largest_magnitude_takes_the_same_kernels_for_20_or_200_tensors_on_a
 
 
 @pytest.fixture
-def fresh_kernel_choice(monkeypatch):
-    """lossscale.ops.overflow.amax_kernel() decides afresh in the test and as before after it."""
-    from lossscale.ops import overflow
-    monkeypatch.setattr(overflow, "_AMAX_KERNEL", [])
-    return overflow.amax_kernel
+def fresh_kernel_choice():
+    """lossscale.ops.overflow.amax_kernel_module() decides afresh in the test and after it."""
+    from lossscale.ops.overflow import amax_kernel_module
+    amax_kernel_module.cache_clear()
+    yield amax_kernel_module
+    amax_kernel_module.cache_clear()
 
 
 def test_a_bad_lossscale_triton_setting_is_refused_naming_the_variable(fresh_kernel_choice, monkeypatch):

@@ -10,6 +10,7 @@ so a 0/1 flag stays one; none reads it on the host. The inf/NaN check is torch's
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -78,7 +79,7 @@ def largest_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     present = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined
     if not present:
         return torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-    kernel = amax_kernel() if present[0].is_cuda else None
+    kernel = amax_kernel_module() if present[0].is_cuda else None
     result = kernel.amax(present) if kernel is not None else None
     if result is not None:
         return result
@@ -88,32 +89,28 @@ def largest_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.maximum(torch.stack(highs).max(), -torch.stack(lows).min()).float()
 
 
-_AMAX_KERNEL: list[ModuleType | None] = []  # loaded at the first CUDA read
-
-
-def amax_kernel() -> ModuleType | None:
+@functools.cache
+def amax_kernel_module() -> ModuleType | None:
     """:mod:`lossscale.ops.amax_kernel` where ``triton`` is installed and ``LOSSSCALE_TRITON`` is not ``0``, else
-    None; imported once.
+    None; decided once, at the first CUDA read.
 
     Raises:
         ValueError: ``LOSSSCALE_TRITON`` set to something other than ``0`` or ``1``.
         RuntimeError: ``triton`` installed but failing to import (the message says how to turn the kernel off)."""
-    if not _AMAX_KERNEL:
-        setting = os.environ.get("LOSSSCALE_TRITON", "1")
-        if setting not in ("0", "1"):
-            raise ValueError(f"LOSSSCALE_TRITON={setting!r}: the environment variable LOSSSCALE_TRITON must be '0' "
-                             f"(torch's multi-tensor inf-norm for the largest gradient magnitude on CUDA) or '1' "
-                             f"(lossscale's Triton kernel where triton is installed, the default); got {setting!r}.")
-        module = None
-        if setting == "1" and importlib.util.find_spec("triton") is not None:
-            try:
-                from lossscale.ops import amax_kernel as module
-            except Exception as err:  # a triton that does not match this torch or machine
-                raise RuntimeError(f"lossscale.ops.amax_kernel: triton is installed but its import failed "
-                                   f"({type(err).__name__}: {err}). Set LOSSSCALE_TRITON=0 to read the largest "
-                                   f"gradient magnitude with torch's multi-tensor inf-norm instead.") from err
-        _AMAX_KERNEL.append(module)
-    return _AMAX_KERNEL[0]
+    setting = os.environ.get("LOSSSCALE_TRITON", "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"LOSSSCALE_TRITON={setting!r}: the environment variable LOSSSCALE_TRITON must be '0' "
+                         f"(torch's multi-tensor inf-norm for the largest gradient magnitude on CUDA) or '1' "
+                         f"(lossscale's Triton kernel where triton is installed, the default); got {setting!r}.")
+    if setting == "0" or importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        from lossscale.ops import amax_kernel
+    except Exception as err:  # a triton that does not match this torch or machine
+        raise RuntimeError(f"lossscale.ops.amax_kernel: triton is installed but its import failed "
+                           f"({type(err).__name__}: {err}). Set LOSSSCALE_TRITON=0 to read the largest "
+                           f"gradient magnitude with torch's multi-tensor inf-norm instead.") from err
+    return amax_kernel
 
 
 def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
