@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer
+from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer, PrecisionSchedule
 from lossscale.addons.layerwise import LayerScales
 
 BLOCKS, WIDTH = 12, 32
@@ -481,6 +481,60 @@ def test_a_checkpoint_before_the_first_backward_still_sets_the_factors_there():
     assert layers.state_dict()["calibrated"] is True
     with pytest.raises(ValueError, match="calibrated must be a bool"):
         layers.load_state_dict({**saved, "calibrated": 1})
+
+
+def test_a_backward_whose_loss_is_not_scaled_passes_through_and_leaves_the_factors_for_the_first_scaled_one():
+    model = deep_net()
+    layers = LayerScales(model)
+    layers.is_scaled = lambda: False
+    loss_of(model, 0, half=True).backward()
+    ref = plain_copy(model)
+    for p in ref.parameters():
+        p.grad = None
+    loss_of(ref, 0, half=True).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    assert not bool(layers.exponent.any())
+    model.zero_grad()
+    layers.is_scaled = lambda: True
+    (loss_of(model, 1, half=True) * 2.0**16).backward()
+    assert float(layers.exponent.max()) >= 32
+
+
+@pytest.mark.parametrize("mode", ["fast|step|0.5", "fast1|step|0.5"])
+def test_steps_a_precision_schedule_does_not_scale_get_the_plain_backwards_gradients(mode):
+    """In a schedule's bfloat16 phase and after its switch to float32, losses are not scaled: the per-layer hooks
+    must not multiply the gradients either (they did, by up to 2**23 here, with nothing to divide it out)."""
+    model = deep_net()
+    schedule = PrecisionSchedule(mode, total_steps=8)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), schedule=schedule, layerwise=model)
+    precisions = []
+    for step in range(8):
+        schedule.update(step)
+        x, y = batch(step)
+
+        def loss(m):
+            with schedule.autocast("cpu"):
+                out = m(x)
+            return (out.float() - y).pow(2).mean()
+
+        ref = plain_copy(model)
+        opt.zero_grad()
+        opt.backward(loss(model))
+        result = opt.step()
+        precisions.append(result.precision)
+        if result.precision == "float16":
+            continue
+        loss(ref).backward()
+        # the step ran with lr 0.05 on these gradients: compare them as they were
+        for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters())):
+            assert torch.equal(p.grad, q.grad), f"step {step} ({result.precision}): parameter {i}"
+    exponents = opt.state_dict()["layerwise"]["exponent"]
+    if mode.startswith("fast|"):
+        assert precisions == ["float16"] * 4 + ["float32"] * 4
+        assert max(exponents) > 0  # the float16 steps set per-layer factors: the float32 ones had some to apply
+    else:
+        assert precisions == ["bfloat16"] * 4 + ["float32"] * 4
+        assert max(exponents) == 0  # no scaled backward pass: nothing set a factor
 
 
 # --- language models: tied embeddings, residual streams, parameters outside the units ------------------

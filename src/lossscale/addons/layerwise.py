@@ -32,6 +32,10 @@ run, their order, or their numbers of tensor inputs and outputs change. A factor
         returns found_inf for the global policy: an overflow with a culprit at e == 0 (the global scale's), or
         with no culprit (only the parameters outside the units overflowed)
 
+A backward pass whose loss was not scaled (``is_scaled()`` False when it starts: LossScaleOptimizer's answer in
+a precision schedule's float32 or bfloat16 phase) goes through unchanged: no factor is applied and the first-backward
+rule waits for the first scaled pass.
+
 Requirements (checked where they can be): each unit runs once per forward; tensors enter a unit as arguments
 (directly, or in tuples, lists and dicts) and leave it as its outputs; no unit contains another; the loss reads the
 model's outputs (in list mode: only tensors that no unit reads); who reads a tensor changes only with the units that
@@ -60,6 +64,10 @@ __all__ = ["LayerScales"]
 
 #: C in the rule: log2 of float16's largest value.
 _CEILING = math.log2(torch.finfo(torch.float16).max)
+
+
+def _always() -> bool:
+    return True
 
 
 def _units(source: torch.nn.Module | Sequence[torch.nn.Module]
@@ -165,6 +173,13 @@ class LayerScales:
         forget_interval: Steps to forget one power of two of a unit's overflow penalty (>= 1).
         device: Where the per-unit state lives (default: the first parameter's device).
 
+    Attributes:
+        is_scaled: Called with no argument at the start of each backward pass: whether that pass's loss carries
+            the loss scale. False: the hooks pass every gradient through unchanged (and :meth:`unscale_` must not
+            run on it). Default: always True, for a caller that scales every loss. :class:`LossScaleOptimizer`
+            sets it to whether its accumulation window is scaled (not in a precision schedule's float32 or
+            bfloat16 phase).
+
     Example:
         >>> import torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
@@ -209,7 +224,9 @@ class LayerScales:
         self.level = torch.zeros(n, device=device)
         self.observed = torch.zeros(n, dtype=torch.bool, device=device)
         self.penalty = torch.zeros(n, device=device)
-        self._calibrated = False  # the first backward pass (which sets the exponents) has run
+        self.is_scaled: Callable[[], bool] = _always
+        self._calibrated = False  # the first scaled backward pass (which sets the exponents) has run
+        self._passing = False  # this backward pass's loss is not scaled: the hooks change nothing
         self._index_cache: tuple[Any, Any] = (None, ())
         self._first: _FirstBackward | None = None
         self._pinned: list[int] = []  # units whose parameters are read outside them: factor 1
@@ -311,7 +328,8 @@ class LayerScales:
             self._read_wiring(seen)
             self._wiring = key
         self._first = None
-        if not self._calibrated:
+        self._passing = not self.is_scaled()
+        if not self._passing and not self._calibrated:
             self._calibrated = True
             self._first = _FirstBackward(self.exponent.device)
             self._factors = None
@@ -319,6 +337,8 @@ class LayerScales:
     def _scale_output(self, index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
         if self._recording is not None:
             self._begin_backward()
+        if self._passing:
+            return grad
         k = self._out_position[(index, slot)]
         if self._first is not None:
             factor = self._first_backward_factor(index, self._out_source[k], grad)
@@ -330,6 +350,8 @@ class LayerScales:
     def _scale_input(self, index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
         if self._recording is not None:
             self._begin_backward()
+        if self._passing:
+            return grad
         k = self._in_position[(index, slot)]
         source = self._in_source[k]
         if source == index:

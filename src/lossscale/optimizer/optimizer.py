@@ -6,6 +6,7 @@ import dataclasses
 import math
 import sys
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -60,6 +61,22 @@ class _Run:
     layers: LayerScales | None = None
     flat: FlatGrads | None = None  # the gradient buffer (flat_grads=True)
     flat_warned: bool = False
+
+
+class _WindowScaled:
+    """``LayerScales.is_scaled`` for a LossScaleOptimizer: whether the losses of its accumulation window under way
+    are scaled (as fixed at the window's first loss; before it, whether scaling is active now). Holds the optimizer
+    weakly, so that a deep copy of the model, whose hooks lead here, does not copy the optimizer."""
+
+    def __init__(self, optimizer: LossScaleOptimizer) -> None:
+        self._optimizer = weakref.ref(optimizer)
+
+    def __call__(self) -> bool:
+        optimizer = self._optimizer()
+        if optimizer is None:  # the optimizer is gone: the hooks scale, as without one
+            return True
+        window = optimizer._run.window
+        return optimizer.scaling_active if window is None else window[0]
 
 
 class LossScaleOptimizer(torch.optim.Optimizer):
@@ -596,6 +613,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             raise ValueError(f"LossScaleOptimizer(layerwise={type(layerwise).__name__}): none of the inner "
                              f"optimizer's {len(self._params())} parameters belongs to a unit of the per-layer "
                              f"scales; pass the model whose parameters the optimizer updates, or modules of it.")
+        layers.is_scaled = _WindowScaled(self)
         self._run.layers = layers
         self._configure(self.options)
 
