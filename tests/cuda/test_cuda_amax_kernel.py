@@ -86,3 +86,22 @@ def test_a_tensor_of_more_than_2_31_values():
     assert float(amax_kernel.amax([torch.ones(3, device="cuda", dtype=torch.float16), big])) == 3.0
     del big
     torch.cuda.empty_cache()
+
+
+def test_a_kernel_that_fails_at_its_first_launch_names_the_switch_and_later_errors_pass_through(monkeypatch):
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise ValueError("no C compiler")
+            return launch
+
+    monkeypatch.setattr(amax_kernel, "_amax_kernel", Broken())
+    monkeypatch.setattr(amax_kernel, "_LAUNCHED", set())
+    ts = tensors(torch.float16)
+    with pytest.raises(RuntimeError, match=r"kernel for torch.float16 failed at its first launch on cuda.*"
+                                           r"ValueError: no C compiler.*LOSSSCALE_TRITON=0") as info:
+        amax_kernel.amax(ts)
+    assert isinstance(info.value.__cause__, ValueError)
+    amax_kernel._LAUNCHED.add(torch.float16)  # as after a launch that worked: its later errors are not set-up ones
+    with pytest.raises(ValueError, match="no C compiler"):
+        amax_kernel.amax(ts)

@@ -36,6 +36,8 @@ _ADDRESS = torch.Tensor.data_ptr
 _SIZE = torch.Tensor.numel
 _CONTIGUOUS = torch.Tensor.is_contiguous
 _PLAIN = {torch.Tensor}
+#: The dtypes whose kernel has compiled and launched once in this process (errors after that are not Triton's setup).
+_LAUNCHED: set[torch.dtype] = set()
 
 
 @triton.jit
@@ -75,7 +77,11 @@ def amax(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     None, with nothing launched, where the kernel does not take them: a dtype other than float32, float16 and
     bfloat16; a tensor that is not contiguous, or not a plain ``torch.Tensor`` (a subclass's memory is its own); one
     of more than ``CHUNK * MAX_CHUNKS`` values; a CUDA graph capture under way (the table's host copy would be read
-    again at each replay)."""
+    again at each replay).
+
+    Raises:
+        RuntimeError: the first launch for a dtype failed (Triton could not compile or load the kernel here: no C
+            compiler, an unsupported GPU); the message names ``LOSSSCALE_TRITON=0``, and the cause is chained."""
     first = tensors[0]
     if (first.dtype not in _KINDS or torch.cuda.is_current_stream_capturing()
             or set(map(type, tensors)) != _PLAIN or not all(map(_CONTIGUOUS, tensors))):
@@ -88,8 +94,17 @@ def amax(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     table = torch.tensor(list(map(_ADDRESS, tensors)) + sizes, dtype=torch.int64, pin_memory=True)
     table = table.to(device, non_blocking=True)
     partials = torch.empty(len(sizes) * chunks, dtype=torch.float32, device=device)
-    with torch.cuda.device(device):
-        # no multiply-add to fuse: said explicitly, as triton 3.9 warns where the option is left to its default
-        _amax_kernel[(len(sizes), chunks)](table, partials, CHUNK=CHUNK, BLOCK=BLOCK, KIND=_KINDS[first.dtype],
-                                           enable_fp_fusion=False)
+    try:
+        with torch.cuda.device(device):
+            # no multiply-add to fuse: said explicitly, as triton 3.9 warns where the option is left to its default
+            _amax_kernel[(len(sizes), chunks)](table, partials, CHUNK=CHUNK, BLOCK=BLOCK, KIND=_KINDS[first.dtype],
+                                               enable_fp_fusion=False)
+    except Exception as err:
+        if first.dtype in _LAUNCHED:
+            raise
+        raise RuntimeError(f"lossscale.ops.amax_kernel: the Triton kernel for {first.dtype} failed at its first "
+                           f"launch on {device} ({type(err).__name__}: {err}). Set the environment variable "
+                           f"LOSSSCALE_TRITON=0 to read the largest gradient magnitude with torch's multi-tensor "
+                           f"inf-norm instead.") from err
+    _LAUNCHED.add(first.dtype)
     return partials.max()
