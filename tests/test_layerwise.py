@@ -537,6 +537,50 @@ def test_steps_a_precision_schedule_does_not_scale_get_the_plain_backwards_gradi
         assert max(exponents) == 0  # no scaled backward pass: nothing set a factor
 
 
+class Checkpointed(torch.nn.Module):
+    """deep_net() run through torch.utils.checkpoint in four segments (``reentrant`` None: not checkpointed)."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.net, self.reentrant = deep_net(), reentrant
+
+    def forward(self, x):
+        if self.reentrant is None:
+            return self.net(x)
+        return torch.utils.checkpoint.checkpoint_sequential(self.net, 4, x, use_reentrant=self.reentrant)
+
+
+def test_activation_checkpointing_without_reentrance_gives_the_same_gradients():
+    """The recomputation in the backward pass runs the units' forwards again: their hooks leave it alone, and every
+    step's unscaled gradients are those of the same run without checkpointing, bit for bit (before, the recomputed
+    forward was recorded as a new one and the backward failed with a KeyError)."""
+    runs = {}
+    for reentrant in (None, False):
+        model = Checkpointed(reentrant)
+        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), layerwise=model)
+        runs[reentrant] = []
+        for step in range(4):
+            opt.zero_grad()
+            opt.backward(loss_of(model, step, half=True))
+            assert not bool(opt.step().skipped)
+            runs[reentrant].append([p.grad.clone() for p in model.parameters()])
+        assert float(opt.state_dict()["layerwise"]["exponent"][0]) >= 32
+    for step, (plain, checkpointed) in enumerate(zip(runs[None], runs[False])):
+        assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed)), f"step {step}"
+
+
+def test_activation_checkpointing_with_reentrance_is_a_clear_error():
+    model = Checkpointed(reentrant=True)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), layerwise=model)
+    x, y = batch(0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = (model(x.requires_grad_()).float() - y).pow(2).mean()
+    with pytest.raises(RuntimeError, match=r"unit 'net.\d+' ran inside a backward pass without having run with "
+                                           r"gradients enabled in the forward.*use_reentrant=True.*"
+                                           r"Checkpoint with use_reentrant=False"):
+        opt.backward(loss)
+
+
 # --- language models: tied embeddings, residual streams, parameters outside the units ------------------
 
 VOCAB, CONTEXT, DIM = 64, 16, 32
@@ -623,8 +667,21 @@ class TinyLlama(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), labels[:, 1:].reshape(-1))
 
 
+def gpt2_checkpointed():
+    """gpt2() with transformers' activation checkpointing (the blocks recomputed in the backward pass)."""
+    model = gpt2()
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24 renamed gradient_checkpointing_enable
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    renamed = hasattr(type(model), "is_activation_checkpointing")
+    assert getattr(model, "is_activation_checkpointing" if renamed else "is_gradient_checkpointing") and model.training
+    return model
+
+
 LANGUAGE_MODELS = {
     "gpt2": (gpt2, lambda m: m),
+    "gpt2, checkpointed": (gpt2_checkpointed, lambda m: m),
     "gpt2, blocks only": (gpt2, lambda m: list(m.transformer.h)),
     "gpt2, embeddings and blocks": (gpt2, lambda m: [m.transformer.wte, *m.transformer.h, m.lm_head]),
     "llama": (TinyLlama, lambda m: m),
@@ -718,7 +775,7 @@ def test_a_parameter_used_outside_its_unit_pins_the_unit_at_the_global_scale():
 
 
 @pytest.mark.parametrize("case,flat", [("gpt2", False), ("gpt2, blocks only", False), ("llama", False),
-                                       ("gpt2", True)])
+                                       ("gpt2", True), ("gpt2, checkpointed", False)])
 def test_language_models_through_the_optimizer_stay_within_a_percent_of_float32(case, flat):
     """Float16 autocast, AdamW, per-layer scales on the whole model (tied embeddings) or on the blocks only (the
     embeddings, final norm and head at the global scale): every parameter's unscaled gradient within 1% of the

@@ -36,10 +36,11 @@ A backward pass whose loss was not scaled (``is_scaled()`` False when it starts:
 a precision schedule's float32 or bfloat16 phase) goes through unchanged: no factor is applied and the first-backward
 rule waits for the first scaled pass.
 
-Requirements (checked where they can be): each unit runs once per forward; tensors enter a unit as arguments
-(directly, or in tuples, lists and dicts) and leave it as its outputs; no unit contains another; the loss reads the
-model's outputs (in list mode: only tensors that no unit reads); who reads a tensor changes only with the units that
-run, their order or their numbers of tensor inputs and outputs.
+Requirements (checked where they can be): each unit runs once per forward (a recomputation inside the backward
+pass, activation checkpointing without reentrance, is left alone; with ``use_reentrant=True`` it raises); tensors
+enter a unit as arguments (directly, or in tuples, lists and dicts) and leave it as its outputs; no unit contains
+another; the loss reads the model's outputs (in list mode: only tensors that no unit reads); who reads a tensor
+changes only with the units that run, their order or their numbers of tensor inputs and outputs.
 
 Cost: two tiny ops per unit boundary per backward, an identity node per unit input that is not the only reader of
 its region; per step one read and one write pass over the gradients and about twenty element-wise ops on
@@ -68,6 +69,11 @@ _CEILING = math.log2(torch.finfo(torch.float16).max)
 
 def _always() -> bool:
     return True
+
+
+def _in_backward() -> bool:
+    """Whether this thread is inside a backward pass (where a module's forward is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _units(source: torch.nn.Module | Sequence[torch.nn.Module]
@@ -234,6 +240,7 @@ class LayerScales:
         self._set_order([])
         self._forget_wiring()
         self._recording: list[int] | None = None
+        self._ran: set[int] = set()  # the units that ran in the forward being recorded, or the last one
         self._seen: dict[str, list] = {"in": [], "out": [], "root": []}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for i, (_, module) in enumerate(self.units):
@@ -263,6 +270,9 @@ class LayerScales:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return None
+            if _in_backward():
+                self._check_recomputed(index)
+                return None
             self._record(index)
             wrapped = set()
             single = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
@@ -284,6 +294,20 @@ class LayerScales:
             return _mapped(args, enter), _mapped(kwargs, enter)
         return hook
 
+    def _check_recomputed(self, index: int) -> None:
+        """A unit's forward inside a backward pass: activation checkpointing recomputing it. Without reentrance
+        (``use_reentrant=False``) the recomputed graph only refills saved tensors, and the hooks of the forward that
+        ran with gradients apply: nothing to do. A unit that did not run with gradients in that forward is being
+        recomputed to be backpropagated through (``use_reentrant=True``): its gradients cannot carry its factor."""
+        if index not in self._ran:
+            raise RuntimeError(
+                f"LayerScales: unit {self.units[index][0]!r} ran inside a backward pass without having run with "
+                f"gradients enabled in the forward. That is torch.utils.checkpoint with use_reentrant=True, which "
+                f"runs the forward under no_grad and backpropagates through a recomputation, where the unit's "
+                f"gradients cannot carry its factor. Checkpoint with use_reentrant=False (with transformers: "
+                f"model.activation_checkpointing_enable(activation_checkpointing_kwargs={{'use_reentrant': False}}), "
+                f"named gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) before 5.24).")
+
     def _record(self, index: int) -> None:
         # a new forward (the last one had no backward: its first unit runs again)
         if self._recording is None or (self._recording and self._recording[0] == index):
@@ -302,7 +326,7 @@ class LayerScales:
     def _output_hook(self, index: int) -> Callable[[torch.nn.Module, Any, Any], None]:
         """After the unit's forward: hook each output tensor so its gradient is scaled before the unit's backward."""
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled() or self._recording is None:
+            if not torch.is_grad_enabled() or self._recording is None or _in_backward():
                 return
             single = isinstance(output, torch.Tensor)
             tensors = ([output] if output.requires_grad else []) if single else _tensors(output)
@@ -312,7 +336,7 @@ class LayerScales:
         return hook
 
     def _root_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and self._recording is not None:
+        if torch.is_grad_enabled() and self._recording is not None and not _in_backward():
             self._seen["root"] = [_edge(t) for t in _tensors(output)]
 
     # -- backward: convert at each unit's edges ------------------------------------------------------
