@@ -501,4 +501,61 @@ def checkpoint(rank: int, world_size: int, kind: str, path: str) -> dict:
             "resumed_params": flat(objs[0]), "policy_states_agree": policy_states[0] == policy_states[1]}
 
 
-SCENARIOS = {f.__name__: f for f in (helpers, scaler_plain, lso_ddp, accumulation, fsdp2, checkpoint)}
+class _Attenuate(torch.autograd.Function):
+    """Identity forward; the backward signal times ``factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class Attenuated(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Attenuate.apply(x, 2.0**-4)
+
+
+def damped_net() -> torch.nn.Module:
+    """8 blocks of Linear, LayerNorm, Tanh whose backward signal shrinks 2**-4 per block (test_layerwise's)."""
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for _ in range(8):
+        mods += [torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(), Attenuated()]
+    return torch.nn.Sequential(*mods)
+
+
+def layerwise_ddp(rank: int, world_size: int) -> dict:
+    """DDP + LossScaleOptimizer(layerwise=...) on the damped network, each rank its half of the batch in float16
+    autocast, for 4 steps: per step the factors and the worst relative error of the unscaled gradients against the
+    float32 gradients of the whole batch at the same weights (what DDP's average stands for)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lossscale import LossScaleOptimizer
+
+    model = damped_net()
+    ddp = DDP(model)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), layerwise=model)
+    exponents, errors, stepped = [], [], []
+    for step in range(4):
+        gen = torch.Generator().manual_seed(2000 + step)
+        x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 16, generator=gen)
+        rows = rows_of(rank, world_size, 16)
+        ref = damped_net()
+        ref.load_state_dict(model.state_dict())
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = ddp(x[rows])
+        opt.backward(torch.nn.functional.mse_loss(out.float(), y[rows]))
+        stepped.append(bool(opt.step().stepped))
+        exponents.append(opt.state_dict()["layerwise"]["exponent"])
+        errors.append(max(float((p.grad - q.grad).norm() / q.grad.norm())
+                          for p, q in zip(model.parameters(), ref.parameters())))
+    return {"exponents": exponents, "errors": errors, "stepped": stepped, "params": flat(model)}
+
+
+SCENARIOS = {f.__name__: f for f in (helpers, scaler_plain, lso_ddp, accumulation, fsdp2, checkpoint, layerwise_ddp)}

@@ -158,6 +158,17 @@ def test_ddp_control_without_the_reduction_the_replicas_fork(ranks):
 
 
 @pytest.mark.distributed
+def test_ddp_with_per_layer_scales_sets_the_same_factors_on_every_rank(ranks):
+    """Each rank's first backward pass sees only its own data; its factors are agreed (one MAX per group of units)
+    so that DDP averages gradients that carry the same factors. Without it the ranks set different factors in the
+    first backward pass, kept different ones after it, and their parameters forked at the first step."""
+    first, second = ranks.run("layerwise_ddp")
+    assert first["exponents"] == second["exponents"]
+    assert first["exponents"][0][0] >= 24  # the first block's factor, from the first backward pass
+    assert torch.equal(first["params"], second["params"])
+    assert all(first["stepped"]) and max(first["errors"]) < 0.02, first["errors"]
+
+
 def test_accumulation_on_two_ranks_equals_one_process_on_the_concatenated_batch(ranks):
     results = ranks.run("accumulation")
     same_everywhere(results, "params")

@@ -289,6 +289,9 @@ def test_wrong_wiring_is_a_clear_error():
         LayerScales([])
     with pytest.raises(ValueError, match="search_step must be an integer >= 1"):
         LayerScales(torch.nn.Linear(2, 2), search_step=0)
+    with pytest.raises(TypeError, match=r"LayerScales\(process_group='world'\): process_group must be None \(the "
+                                        r"world\) or a torch.distributed.ProcessGroup.*got str"):
+        LayerScales(torch.nn.Linear(2, 2), process_group="world")
 
     first, twice = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     LayerScales([first, twice])

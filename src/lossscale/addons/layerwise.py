@@ -45,7 +45,8 @@ changes only with the units that run, their order or their numbers of tensor inp
 Cost: two tiny ops per unit boundary per backward, an identity node per unit input that is not the only reader of
 its region; per step one read and one write pass over the gradients and about twenty element-wise ops on
 ``[units]`` tensors. One time: the wiring read (a walk over the autograd graph in Python) and, in the first
-backward, one amax per unit's output gradient. No host read.
+backward, one amax per unit's output gradient (under torch.distributed, with one MAX all-reduce per group of units,
+so that every rank sets the same factors). No host read.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from lossscale.checks import check_int_at_least
+from lossscale.checks import check_int_at_least, check_process_group
+from lossscale.ops import distributed as _dist
 from lossscale.ops.gather import gathered
 
 __all__ = ["LayerScales"]
@@ -178,6 +180,10 @@ class LayerScales:
         history: Steps the per-unit level averages over (>= 1).
         forget_interval: Steps to forget one power of two of a unit's overflow penalty (>= 1).
         device: Where the per-unit state lives (default: the first parameter's device).
+        process_group: Under torch.distributed, the ranks that agree on the first backward pass's factors (None:
+            the world). Every rank of it must run the same first backward pass (as data parallelism does): it
+            holds one all-reduce (MAX) per group of units. Outside torch.distributed, or in a group of one rank,
+            nothing is reduced.
 
     Attributes:
         is_scaled: Called with no argument at the start of each backward pass: whether that pass's loss carries
@@ -185,6 +191,7 @@ class LayerScales:
             run on it). Default: always True, for a caller that scales every loss. :class:`LossScaleOptimizer`
             sets it to whether its accumulation window is scaled (not in a precision schedule's float32 or
             bfloat16 phase).
+        process_group: As the argument. :class:`LossScaleOptimizer` sets it to its own ``process_group``.
 
     Example:
         >>> import torch
@@ -200,12 +207,14 @@ class LayerScales:
 
     def __init__(self, modules: torch.nn.Module | Sequence[torch.nn.Module], *, margin: int = 1,
                  search_step: int = 8, max_exponent: int = 64, history: int = 8, forget_interval: int = 1000,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, process_group: Any = None) -> None:
         call = "LayerScales"
         for name, value, low in (("margin", margin, 0), ("search_step", search_step, 1),
                                  ("max_exponent", max_exponent, 1), ("history", history, 1),
                                  ("forget_interval", forget_interval, 1)):
             check_int_at_least(call, name, value, low)
+        check_process_group(call, process_group)
+        self.process_group = process_group
         self.margin, self.search_step, self.max_exponent = margin, search_step, max_exponent
         self.history, self.forget_interval = history, forget_interval
         found = _units(modules)
@@ -396,6 +405,9 @@ class LayerScales:
         if group not in first.done:
             first.done.add(group)
             level = torch.log2(torch.linalg.vector_norm(grad, math.inf, dtype=torch.float32)).to(region.device)
+            if _dist.active(self.process_group):  # every rank sets the same factors: DDP sums the gradients
+                level = torch.nan_to_num(level, nan=math.inf)  # NaN is not ordered: the MAX would differ by rank
+                torch.distributed.all_reduce(level, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
             level = level - region
             ok = torch.isfinite(level)
             first.top = torch.maximum(first.top, torch.where(ok, level, first.top))

@@ -253,6 +253,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         run = self._run
         run.options, run.skip_mode = options, skip_mode
         run.explicit_unscale = skip_mode != "fused" or options.writes_unscaled or run.layers is not None
+        if run.layers is not None:  # the first backward's factors are agreed over the group the steps are
+            run.layers.process_group = options.process_group
         if not options.flat_grads:
             run.flat = None
         elif run.flat is None and flat:
