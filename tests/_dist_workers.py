@@ -507,7 +507,7 @@ class _Attenuate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
         ctx.factor = factor
-        return x.view_as(x)
+        return x.clone()  # not a view: FSDP2 warns about a module that returns one
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -528,16 +528,26 @@ def damped_net() -> torch.nn.Module:
     return torch.nn.Sequential(*mods)
 
 
-def layerwise_ddp(rank: int, world_size: int) -> dict:
-    """DDP + LossScaleOptimizer(layerwise=...) on the damped network, each rank its half of the batch in float16
-    autocast, for 4 steps: per step the factors and the worst relative error of the unscaled gradients against the
-    float32 gradients of the whole batch at the same weights (what DDP's average stands for)."""
+def layerwise(rank: int, world_size: int, kind: str) -> dict:
+    """DDP (``kind`` "ddp") or FSDP2 (fully_shard per block and the whole, "fsdp2") + LossScaleOptimizer(layerwise=...)
+    on the damped network, each rank its half of the batch in float16 autocast, for 4 steps: per step the factors and
+    the worst relative error of the unscaled gradients against the float32 gradients of the whole batch at the same
+    weights (what the ranks' average stands for)."""
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lossscale import LossScaleOptimizer
 
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
     model = damped_net()
-    ddp = DDP(model)
+    if kind == "ddp":
+        ddp = DDP(model)
+    else:
+        for block in range(0, len(model), 4):
+            fully_shard(model[block])
+        ddp = fully_shard(model)
     opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), layerwise=model)
     exponents, errors, stepped = [], [], []
     for step in range(4):
@@ -545,7 +555,7 @@ def layerwise_ddp(rank: int, world_size: int) -> dict:
         x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 16, generator=gen)
         rows = rows_of(rank, world_size, 16)
         ref = damped_net()
-        ref.load_state_dict(model.state_dict())
+        ref.load_state_dict({name: full(value) for name, value in model.state_dict().items()})
         torch.nn.functional.mse_loss(ref(x), y).backward()
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
@@ -553,9 +563,9 @@ def layerwise_ddp(rank: int, world_size: int) -> dict:
         opt.backward(torch.nn.functional.mse_loss(out.float(), y[rows]))
         stepped.append(bool(opt.step().stepped))
         exponents.append(opt.state_dict()["layerwise"]["exponent"])
-        errors.append(max(float((p.grad - q.grad).norm() / q.grad.norm())
+        errors.append(max(float((full(p.grad) - q.grad).norm() / q.grad.norm())
                           for p, q in zip(model.parameters(), ref.parameters())))
     return {"exponents": exponents, "errors": errors, "stepped": stepped, "params": flat(model)}
 
 
-SCENARIOS = {f.__name__: f for f in (helpers, scaler_plain, lso_ddp, accumulation, fsdp2, checkpoint, layerwise_ddp)}
+SCENARIOS = {f.__name__: f for f in (helpers, scaler_plain, lso_ddp, accumulation, fsdp2, checkpoint, layerwise)}

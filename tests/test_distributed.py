@@ -158,11 +158,13 @@ def test_ddp_control_without_the_reduction_the_replicas_fork(ranks):
 
 
 @pytest.mark.distributed
-def test_ddp_with_per_layer_scales_sets_the_same_factors_on_every_rank(ranks):
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_per_layer_scales_set_the_same_factors_on_every_rank(ranks, kind):
     """Each rank's first backward pass sees only its own data; its factors are agreed (one MAX per group of units)
-    so that DDP averages gradients that carry the same factors. Without it the ranks set different factors in the
-    first backward pass, kept different ones after it, and their parameters forked at the first step."""
-    first, second = ranks.run("layerwise_ddp")
+    so that DDP and FSDP2 average gradients that carry the same factors. Without it the ranks set different factors
+    in the first backward pass, kept different ones after it, and under DDP their parameters forked at the first
+    step. Under FSDP2 the gradients are shards (DTensors): each rank unscales its own (before, a DTensor error)."""
+    first, second = ranks.run("layerwise", kind)
     assert first["exponents"] == second["exponents"]
     assert first["exponents"][0][0] >= 24  # the first block's factor, from the first backward pass
     assert torch.equal(first["params"], second["params"])

@@ -579,7 +579,8 @@ class LayerScales:
         factor); return per-unit (found_inf, amax).
 
         found_inf: bool [units]; amax: float32 [units], the largest scaled magnitude (0 without gradients).
-        ``params`` (the optimizer's parameters): those no unit owns are divided by ``global_scale`` and measured
+        DTensor gradients (FSDP2): this rank's shards are read and divided, so both are this rank's (take their
+        MAX over the ranks before :meth:`update`). ``params`` (the optimizer's parameters): those no unit owns are divided by ``global_scale`` and measured
         as one more, last, entry ([units + 1]). One read pass and one write pass; no host read. Host ops: none per
         gradient where the gradients share the state's device (the per-tensor maxima gathered,
         :mod:`lossscale.ops.gather`), and one multi-tensor multiply per unit (its gradients by its factor, a 0-d
@@ -588,8 +589,9 @@ class LayerScales:
         """
         dev, n = self.exponent.device, len(self.units)
         present = tuple(p.grad is not None for p, _ in self._unique)
-        grads = [p.grad for p, _ in self._unique if p.grad is not None]
-        outside = [] if params is None else [p.grad for p in params if id(p) not in self._owners
+        shard = _dist.local_shard  # a DTensor's (FSDP2's) local shard; any other tensor itself
+        grads = [shard(p.grad) for p, _ in self._unique if p.grad is not None]
+        outside = [] if params is None else [shard(p.grad) for p in params if id(p) not in self._owners
                                                and p.grad is not None]
         size = n + (params is not None)
         if not grads and not outside:
