@@ -584,6 +584,54 @@ def test_activation_checkpointing_with_reentrance_is_a_clear_error():
         opt.backward(loss)
 
 
+def test_a_compiled_model_gets_the_eager_gradients_and_its_hooks_are_not_traced():
+    """torch.compile (backend aot_eager: no C++ compiler needed) breaks the graph at the units' hooks and runs them
+    eagerly: the same gradients bit for bit, and no recompilation storm (before, dynamo traced the hooks'
+    bookkeeping, guarded on it, and hit its recompile limit within the first forward)."""
+    import logging
+    import warnings
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    records = Records()
+    dynamo_log = logging.getLogger("torch._dynamo")
+    dynamo_log.addHandler(records)
+    torch._dynamo.reset()
+    runs = {}
+    with warnings.catch_warnings():
+        # dynamo reads .grad of the module outputs it hands to a function it does not trace: torch's own warning,
+        # which dynamo turns into an internal error where warnings are errors (as in this suite)
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        # and it instantiates the network's own autograd Function (Attenuate) while tracing it: torch's warning too
+        warnings.filterwarnings("ignore", message=".*Function'> should not be instantiated")
+        try:
+            for compiled in (False, True):
+                model = deep_net()
+                opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), layerwise=model)
+                forward = torch.compile(model, backend="aot_eager") if compiled else model
+                runs[compiled] = []
+                for step in range(3):
+                    x, y = batch(step)
+                    opt.zero_grad()
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        out = forward(x)
+                    opt.backward((out.float() - y).pow(2).mean())
+                    opt.step()
+                    runs[compiled].append([p.grad.clone() for p in model.parameters()])
+        finally:
+            dynamo_log.removeHandler(records)
+            torch._dynamo.reset()
+    for step, (eager, compiled) in enumerate(zip(runs[False], runs[True])):
+        assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), f"step {step}"
+    assert not [m for m in records.messages if "recompile" in m], records.messages
+
+
 # --- language models: tied embeddings, residual streams, parameters outside the units ------------------
 
 VOCAB, CONTEXT, DIM = 64, 16, 32

@@ -66,7 +66,8 @@ class _Run:
 class _WindowScaled:
     """``LayerScales.is_scaled`` for a LossScaleOptimizer: whether the losses of its accumulation window under way
     are scaled (as fixed at the window's first loss; before it, whether scaling is active now). Holds the optimizer
-    weakly, so that a deep copy of the model, whose hooks lead here, does not copy the optimizer."""
+    weakly, so that a deep copy of the per-layer scales (or of a model whose hooks lead to them) does not copy
+    the optimizer."""
 
     def __init__(self, optimizer: LossScaleOptimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
