@@ -568,4 +568,33 @@ def layerwise(rank: int, world_size: int, kind: str) -> dict:
     return {"exponents": exponents, "errors": errors, "stepped": stepped, "params": flat(model)}
 
 
-SCENARIOS = {f.__name__: f for f in (helpers, scaler_plain, lso_ddp, accumulation, fsdp2, checkpoint, layerwise)}
+class Branches(torch.nn.Module):
+    """Two units always, and a third that runs only where ``extra`` is True (conditional computation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second, self.extra = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, extra: bool) -> torch.Tensor:
+        h = self.second(torch.tanh(self.first(x)))
+        return self.extra(h) if extra else h
+
+
+def layerwise_uneven(rank: int, world_size: int) -> dict:
+    """Per-layer scales where rank 1 runs one more unit than rank 0 in the first step: every rank must refuse (the
+    error's message), where agreeing unit by unit would pair different all-reduces and hang."""
+    from lossscale import LossScaleOptimizer
+
+    model = Branches()
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), layerwise=model)
+    loss = model(torch.ones(2, 4), extra=rank == 1).pow(2).mean()
+    try:
+        opt.backward(loss)
+    except RuntimeError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
+SCENARIOS = {f.__name__: f for f in (helpers, scaler_plain, lso_ddp, accumulation, fsdp2, checkpoint, layerwise,
+                                     layerwise_uneven)}

@@ -171,6 +171,13 @@ def test_per_layer_scales_set_the_same_factors_on_every_rank(ranks, kind):
     assert all(first["stepped"]) and max(first["errors"]) < 0.02, first["errors"]
 
 
+def test_per_layer_scales_refuse_ranks_that_ran_different_units_in_the_first_step(ranks):
+    for result in ranks.run("layerwise_uneven"):
+        assert result["error"] is not None and re.search(
+            r"the ranks ran different units \(1 ran on some ranks only: 'extra'\).*mixture-of-experts layer\) one "
+            r"unit", result["error"]), result["error"]
+
+
 def test_accumulation_on_two_ranks_equals_one_process_on_the_concatenated_batch(ranks):
     results = ranks.run("accumulation")
     same_everywhere(results, "params")

@@ -46,7 +46,8 @@ Cost: two tiny ops per unit boundary per backward, an identity node per unit inp
 its region; per step one read and one write pass over the gradients and about twenty element-wise ops on
 ``[units]`` tensors. One time: the wiring read (a walk over the autograd graph in Python) and, in the first
 backward, one amax per unit's output gradient (under torch.distributed, with one MAX all-reduce per group of units,
-so that every rank sets the same factors). No host read.
+so that every rank sets the same factors, after one check that every rank ran the same units: the only host read,
+once). No host read otherwise.
 """
 
 from __future__ import annotations
@@ -193,9 +194,10 @@ class LayerScales:
         forget_interval: Steps to forget one power of two of a unit's overflow penalty (>= 1).
         device: Where the per-unit state lives (default: the first parameter's device).
         process_group: Under torch.distributed, the ranks that agree on the first backward pass's factors (None:
-            the world). Every rank of it must run the same first backward pass (as data parallelism does): it
-            holds one all-reduce (MAX) per group of units. Outside torch.distributed, or in a group of one rank,
-            nothing is reduced.
+            the world). Every rank of it must run the same units in that pass (as data parallelism does; checked
+            first, with one all-reduce and one host read, and refused with a RuntimeError otherwise); it then holds
+            one all-reduce (MAX) per group of units. Outside torch.distributed, or in a group of one rank, nothing
+            is reduced.
 
     Attributes:
         is_scaled: Called with no argument at the start of each backward pass: whether that pass's loss carries
@@ -375,9 +377,28 @@ class LayerScales:
         self._first = None
         self._passing = not self.is_scaled()
         if not self._passing and not self._calibrated:
+            if _dist.active(self.process_group):
+                self._check_same_units(order)
             self._calibrated = True
             self._first = _FirstBackward(self.exponent.device)
             self._factors = None
+
+    def _check_same_units(self, order: list[int]) -> None:
+        """Under torch.distributed, before the first backward pass agrees its factors unit by unit: every rank
+        must have run the same units, or the ranks would issue different numbers of all-reduces (and hang). One
+        all-reduce and one host read, once."""
+        ran = torch.zeros(len(self.units), device=self.exponent.device)
+        ran[order] = 1.0
+        bounds = torch.stack([ran, -ran])  # MAX over ranks of each: ran somewhere, and -(ran everywhere)
+        torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        uneven = (bounds[0] + bounds[1]).nonzero().flatten().tolist()
+        if uneven:
+            names = ", ".join(repr(self.units[i][0]) for i in uneven[:5]) + (", ..." if len(uneven) > 5 else "")
+            raise RuntimeError(
+                f"LayerScales: in the first backward pass the ranks ran different units ({len(uneven)} ran on some "
+                f"ranks only: {names}), so they cannot agree on those units' factors. Under torch.distributed every "
+                f"rank must run the same units in the first training step; make a module whose submodules run "
+                f"conditionally (a mixture-of-experts layer) one unit: layerwise=[...] with it as one entry.")
 
     def _scale_output(self, index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
         if self._recording is not None:
