@@ -33,7 +33,8 @@ def data(batches: int = 8) -> torch.utils.data.DataLoader:
 
 class Tiny(pl.LightningModule):
     """Two linear layers; the loss is inf at the micro-batches in ``inf_at``. ``wrap``: return
-    ``LossScaleOptimizer(SGD, policy=DynamicScale(**TORCH_ARGS), **wrap)`` from configure_optimizers.
+    ``LossScaleOptimizer(SGD, policy=DynamicScale(**TORCH_ARGS), **wrap)`` from configure_optimizers (``layerwise``
+    True: per-layer scales on its network).
     ``own_backward``: in manual optimization call ``self.optimizers().backward(loss)`` (through Lightning's proxy)."""
 
     def __init__(self, inf_at: set[tuple[int, int]] = INF_AT, manual: bool = False, wrap: dict | None = None,
@@ -70,7 +71,8 @@ class Tiny(pl.LightningModule):
         sgd = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         if self.wrap is None:
             return sgd
-        return lossscale.LossScaleOptimizer(sgd, policy=lossscale.DynamicScale(**TORCH_ARGS), **self.wrap)
+        wrap = {**self.wrap, "layerwise": self.net} if self.wrap.get("layerwise") is True else self.wrap
+        return lossscale.LossScaleOptimizer(sgd, policy=lossscale.DynamicScale(**TORCH_ARGS), **wrap)
 
 
 class Recorder(pl.Callback):

@@ -23,6 +23,8 @@ def plain_loop(epochs: int = 2, accumulate: int = 2, schedule: Any = None, **wra
     """The same model, data and injected infs, trained with the wrapper by hand, as Lightning would drive it."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    if wrap.get("layerwise") is True:
+        wrap = {**wrap, "layerwise": net}
     opt = lossscale.LossScaleOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
                                        policy=lossscale.DynamicScale(**TORCH_ARGS), schedule=schedule, **wrap)
     results, steps = [], 0
@@ -53,7 +55,7 @@ def plugin() -> LossScalePrecision:
     return LossScalePrecision(torch.float16, "cpu")
 
 
-@pytest.mark.parametrize("wrap", [{}, {"flat_grads": True}])
+@pytest.mark.parametrize("wrap", [{}, {"flat_grads": True}, {"layerwise": True}])
 def test_automatic_optimization_skips_like_torch_and_updates_like_the_plain_loop(wrap: dict) -> None:
     _, ref_rec, _ = fit(torch_plugin())
     hooks = StepHooks()
@@ -62,7 +64,9 @@ def test_automatic_optimization_skips_like_torch_and_updates_like_the_plain_loop
     assert rec.scales == ref_rec.scales  # the same skips at the same steps give the same scale trajectory
     assert [r.step for r in rec.results if bool(r.found_inf)] == [0, 3, 5]
     assert trainer.global_step == 8 and hooks.calls == 8  # optimizer steps only, skipped ones included
-    if wrap:  # Lightning zeroes the gradients through the wrapper: they stay in the buffer (no warning, no copy)
+    if "layerwise" in wrap:  # per-layer scales ran through Lightning's closure: one total scale per unit
+        assert all(sorted(r.layer_scales) == ["0", "2"] for r in rec.results)
+    if "flat_grads" in wrap:  # Lightning zeroes the gradients through the wrapper: they stay in the buffer
         assert trainer.optimizers[0]._run.flat.attached(list(ours.net.parameters()))
     net, results = plain_loop(clip_grad_norm=1.0, **wrap)
     assert_same_weights(ours.net, net)
