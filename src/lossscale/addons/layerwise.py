@@ -452,13 +452,14 @@ class LayerScales:
                 self.exponent[m] = e
         return torch.exp2(self.exponent[index] - region)
 
-    def _boundary_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per output slot 2 ** (e[m] - s), per input slot 2 ** (s - e[m]) (cached until the exponents change)."""
+    def _boundary_factors(self) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+        """Per output slot 2 ** (e[m] - s), per input slot 2 ** (s - e[m]), each slot's a 0-d view (cached until
+        the exponents change: a hook then indexes a tuple, not the tensor, which would be one more op each)."""
         if self._factors is None:
             padded = torch.cat([self.exponent, self.exponent.new_zeros(1)])  # index -1: a region at the global scale
             out_owner, out_source, in_owner, in_source = self._slot_index
-            self._factors = (torch.exp2(self.exponent[out_owner] - padded[out_source]),
-                             torch.exp2(padded[in_source] - self.exponent[in_owner]))
+            self._factors = (torch.exp2(self.exponent[out_owner] - padded[out_source]).unbind(),
+                             torch.exp2(padded[in_source] - self.exponent[in_owner]).unbind())
         return self._factors
 
     # -- the wiring ----------------------------------------------------------------------------------
@@ -476,7 +477,7 @@ class LayerScales:
             following[a] = b
         self._following = torch.tensor(following, device=self.exponent.device)
         self._readers = self._reader_matrix(chain)
-        self._factors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._factors: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
 
     def _reader_matrix(self, pairs: list[tuple[int, int]]) -> torch.Tensor:
         """[units, units] float32: 1 where unit n reads a region unit p writes and n ran after p (p, n in pairs)."""
