@@ -86,6 +86,12 @@ def _eager(hook: Callable) -> Callable:
     return run
 
 
+def _times(grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``grad * factor`` in ``grad``'s dtype, multiplied in float32: a factor (a power of two, so the product is
+    exact) can be past float16's range, where torch would cast it to the gradient's dtype first."""
+    return (grad.float() * factor.to(grad.device)).to(grad.dtype)
+
+
 def _in_backward() -> bool:
     """Whether this thread is inside a backward pass (where a module's forward is a recomputation)."""
     return torch._C._current_graph_task_id() != -1
@@ -400,23 +406,25 @@ class LayerScales:
                 f"rank must run the same units in the first training step; make a module whose submodules run "
                 f"conditionally (a mixture-of-experts layer) one unit: layerwise=[...] with it as one entry.")
 
-    def _scale_output(self, index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
+    def _scaling(self) -> bool:
+        """At each hook: begin the backward pass at its first one; whether this pass applies factors (False: its
+        loss is not scaled, and the hook returns the gradient as it is)."""
         if self._recording is not None:
             self._begin_backward()
-        if self._passing:
+        return not self._passing
+
+    def _scale_output(self, index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
+        if not self._scaling():
             return grad
         k = self._out_position[(index, slot)]
         if self._first is not None:
             factor = self._first_backward_factor(index, self._out_source[k], grad)
         else:
             factor = self._boundary_factors()[0][k]
-        # in float32: a factor can pass float16's range; a power of two, so the product is exact
-        return (grad.float() * factor.to(grad.device)).to(grad.dtype)
+        return _times(grad, factor)
 
     def _scale_input(self, index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
-        if self._recording is not None:
-            self._begin_backward()
-        if self._passing:
+        if not self._scaling():
             return grad
         k = self._in_position[(index, slot)]
         source = self._in_source[k]
@@ -426,7 +434,7 @@ class LayerScales:
             factor = torch.exp2(self._region_exponent(source) - self.exponent[index])
         else:
             factor = self._boundary_factors()[1][k]
-        return (grad.float() * factor.to(grad.device)).to(grad.dtype)
+        return _times(grad, factor)
 
     def _region_exponent(self, source: int) -> torch.Tensor:
         return self.exponent[source] if source >= 0 else self.exponent.new_zeros(())
