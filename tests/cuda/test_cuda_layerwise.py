@@ -29,10 +29,17 @@ def loss_of(model, ids, half):
         return model(ids, labels=ids).loss
 
 
-@pytest.mark.parametrize("units", ["model", "blocks"])
+@pytest.mark.parametrize("units", ["model", "blocks", "model, checkpointed"])
 def test_gpt2_with_tied_embeddings_unscales_within_a_percent_of_float32_on_cuda(units):
+    """Also with transformers' activation checkpointing: the blocks' forwards run again inside the backward pass,
+    on the autograd engine's CUDA thread, where the hooks must see a recomputation."""
     model, ref = gpt2(6, 256, 8), gpt2(6, 256, 8)
-    layerwise = model if units == "model" else list(model.transformer.h)
+    if units.endswith("checkpointed"):
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layerwise = list(model.transformer.h) if units == "blocks" else model
     opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), layerwise=layerwise)
     generator = torch.Generator(device="cuda").manual_seed(0)
     taken = 0
