@@ -240,6 +240,19 @@ def test_loss_scale_callback_added_after_use_lossscale_refuses_to_train(tmp_path
         built.train()
 
 
+@pytest.mark.parametrize("with_callback", [False, True])
+def test_an_accelerator_rebuilt_after_use_lossscale_is_refused_at_train(tmp_path: Path, with_callback: bool) -> None:
+    """Trainer.hyperparameter_search rebuilds the accelerator for every trial (``create_accelerator_and_postprocess``,
+    called here as it does): the Trainer would train with another scaler (none on CPU, torch's on a GPU). With or
+    without LossScaleCallback, train() refuses; before, without it, the run went on without lossscale."""
+    built = trainer(tmp_path, "ours", callbacks=[LossScaleCallback()] if with_callback else None, overflow=False)
+    built.create_accelerator_and_postprocess()
+    who = "LossScaleCallback" if with_callback else r"use_lossscale\(trainer\)"
+    with pytest.raises(RuntimeError, match=who + r": the Trainer's optimizer steps with NoneType, not the scaler "
+                                             r"use_lossscale\(trainer\) installed.*hyperparameter_search rebuilds it"):
+        built.train()
+
+
 def test_the_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(sys, "argv", ["transformers_trainer.py", str(tmp_path)])
     runpy.run_path(str(ROOT / "examples" / "transformers_trainer.py"), run_name="__main__")

@@ -114,12 +114,7 @@ class LossScaleCallback(TrainerCallback):
                                "[LossScaleCallback()]) or trainer.add_callback(LossScaleCallback())), then call "
                                "use_lossscale(trainer) before trainer.train(); got a LossScaleCallback added after "
                                "use_lossscale(trainer), or no use_lossscale call.")
-        stepping = getattr(kwargs.get("optimizer"), "scaler", None)
-        if stepping is not self._scaler:
-            raise RuntimeError(f"LossScaleCallback: the Trainer's optimizer steps with {type(stepping).__name__}, "
-                               f"not the scaler use_lossscale(trainer) installed (the accelerator was rebuilt, or "
-                               f"use_lossscale was called on another Trainer); call use_lossscale(trainer) on this "
-                               f"Trainer right before trainer.train().")
+        _check_stepping("LossScaleCallback", kwargs.get("optimizer"), self._scaler)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -132,6 +127,31 @@ class LossScaleCallback(TrainerCallback):
         if record is not None and record.keys() == logs.keys() | {"step"}:  # Trainer.log's copy of these logs
             record.update(values)
         logs.update(values)
+
+
+class _ScalerCheck(TrainerCallback):
+    """What :func:`use_lossscale` registers where the Trainer has no :class:`LossScaleCallback` (which checks the
+    same): at ``on_train_begin``, refuse to train with another scaler than the one installed. Without it a Trainer
+    whose accelerator was rebuilt (``hyperparameter_search`` rebuilds it for every trial) would train with torch's
+    scaler, or with none on CPU, without a word."""
+
+    def __init__(self, scaler: _TrainerScaler) -> None:
+        self._scaler = scaler
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        _check_stepping("use_lossscale(trainer)", kwargs.get("optimizer"), self._scaler)
+
+
+def _check_stepping(who: str, optimizer: Any, scaler: _TrainerScaler) -> None:
+    """Raise unless the Trainer's (prepared) optimizer steps with ``scaler``."""
+    stepping = getattr(optimizer, "scaler", None)
+    if stepping is not scaler:
+        raise RuntimeError(f"{who}: the Trainer's optimizer steps with {type(stepping).__name__}, not the scaler "
+                           f"use_lossscale(trainer) installed. Its accelerator was rebuilt after use_lossscale "
+                           f"(Trainer.hyperparameter_search rebuilds it for every trial, where lossscale cannot "
+                           f"follow), or use_lossscale was called on another Trainer. Call use_lossscale(trainer) "
+                           f"on this Trainer right before trainer.train().")
 
 
 def _check(trainer: Any) -> None:
@@ -162,6 +182,10 @@ def use_lossscale(trainer: Trainer, *, policy: Policy | None = None, fp16_on_cpu
 
         scaler = use_lossscale(trainer, policy=PredictiveScale())   # or GradScaler's arguments
 
+    Where the Trainer has no :class:`LossScaleCallback`, a small callback of lossscale's checks at the start of
+    ``train()`` that the Trainer steps with this scaler: a Trainer whose accelerator was rebuilt since
+    (``hyperparameter_search`` rebuilds it for every trial) raises a RuntimeError rather than train with another.
+
     The scaler is a :class:`~lossscale.GradScaler` with ``skip_mode="host"``, so that its skipped steps hold the LR
     schedule for fused optimizers too (one host read of found_inf per step; ``skip_mode="auto"`` is torch's
     behaviour, with no read for a fused optimizer), and which counts them (``skipped_steps``, saved in
@@ -184,8 +208,13 @@ def use_lossscale(trainer: Trainer, *, policy: Policy | None = None, fp16_on_cpu
     scaler = cast(_TrainerScaler, install(trainer.accelerator, fp16_on_cpu, kwargs, name="trainer",
                                           scaler_type=_TrainerScaler))
     callbacks = trainer.callback_handler.callbacks
-    for callback in [c for c in callbacks if isinstance(c, LossScaleCallback)]:
+    for old in [c for c in callbacks if isinstance(c, _ScalerCheck)]:  # an earlier call's
+        callbacks.remove(old)
+    attached = [c for c in callbacks if isinstance(c, LossScaleCallback)]
+    for callback in attached:
         callbacks.remove(callback)
         callbacks.insert(0, callback)  # ahead of the report_to integrations
         callback._attach(scaler)
+    if not attached:
+        callbacks.append(_ScalerCheck(scaler))
     return scaler
