@@ -11,6 +11,9 @@ contender has its own copy of the same model. Printed per contender:
 * from ``torch.profiler`` over ``--profiled`` steps: the ops with the most self device time and the most self host
   time, and how many kernels one step launches.
 
+Then the optimizer call alone under the profiler, ``DynamicScale``'s against ``PredictiveScale``'s: the ops whose
+self host time per call differs most (what ``PredictiveScale``'s read and update add to the call).
+
 Then the overflow pass alone over gradients of the model's shapes, host time of the call: torch's fused check
 (DynamicScale's pass), the multi-tensor inf-norm PredictiveScale reads its amax from without triton, with its
 per-tensor results reduced by ``ops.gather.largest`` (what the step runs then) and by ``torch.stack``, and on CUDA
@@ -133,6 +136,42 @@ def profiled(backward: Callable[[], None], step: Callable[[], None], steps: int,
     return "\n".join(parts)
 
 
+def call_ops(backward: Callable[[], None], step: Callable[[], None], steps: int, device: str
+             ) -> dict[str, tuple[float, float]]:
+    """op -> (calls, self host µs) per optimizer call, with only the call under the profiler (the backward and the
+    device's work before it outside)."""
+    sync = synchronizer(device)
+    totals: dict[str, list[float]] = {}
+    for _ in range(steps):
+        backward()
+        sync()
+        with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:
+            step()
+        for event in prof.key_averages():
+            row = totals.setdefault(event.key, [0.0, 0.0])
+            row[0] += event.count
+            row[1] += event.self_cpu_time_total
+        sync()
+    return {op: (calls / steps, us / steps) for op, (calls, us) in totals.items()}
+
+
+def compared_calls(ops: dict[str, dict[str, tuple[float, float]]], base: str, other: str, top: int) -> str:
+    """A markdown table of the ops whose self host time per optimizer call differs most between two contenders
+    (``other`` minus ``base``), with both totals."""
+    a, b = ops[base], ops[other]
+    rows = sorted(set(a) | set(b), key=lambda op: b.get(op, (0, 0))[1] - a.get(op, (0, 0))[1], reverse=True)
+    short_a, short_b = base.split(", ")[-1], other.split(", ")[-1]
+    lines = [f"| op | calls, {short_a} | µs, {short_a} | calls, {short_b} | µs, {short_b} | µs more |",
+             "|---|---|---|---|---|---|"]
+    for op in rows[:top]:
+        (ca, ta), (cb, tb) = a.get(op, (0, 0.0)), b.get(op, (0, 0.0))
+        lines.append(f"| {op} | {ca:.0f} | {ta:.0f} | {cb:.0f} | {tb:.0f} | {tb - ta:+.0f} |")
+    total_a, total_b = (sum(t for _, t in x.values()) for x in (a, b))
+    calls_a, calls_b = (sum(c for c, _ in x.values()) for x in (a, b))
+    lines.append(f"| all ops | {calls_a:.0f} | {total_a:.0f} | {calls_b:.0f} | {total_b:.0f} | {total_b - total_a:+.0f} |")
+    return "\n".join(lines)
+
+
 def overflow_passes(cfg, device: str, rounds: int) -> tuple[int, dict[str, float]]:
     """(how many gradients, pass -> median host ms of its call) over gradients of the model's shapes (the device
     idle before each call)."""
@@ -192,6 +231,12 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, float]]
     for name, (backward, step) in calls.items():
         print(f"\n== {name}, {args.profiled} step(s) under the profiler\n")
         print(profiled(backward, step, args.profiled, device, args.top))
+    base, other = "LossScaleOptimizer, DynamicScale", "LossScaleOptimizer, PredictiveScale"
+    ops = {name: call_ops(*calls[name], 2 * args.profiled, device) for name in (base, other)}
+    print(f"\n== The optimizer call alone under the profiler ({2 * args.profiled} calls each): the ops whose self host "
+          f"time per call differs most, {other.split(', ')[1]} over {base.split(', ')[1]} (the profiler's own cost "
+          f"inflates every op alike)\n")
+    print(compared_calls(ops, base, other, args.top))
     count, passes = overflow_passes(cfg, device, 5 * args.rounds)
     print(f"\n== The overflow pass alone over {count} gradients of the model's shapes: host ms of the call, median "
           f"over {5 * args.rounds} calls\n\n| pass | host ms |\n|---|---|")

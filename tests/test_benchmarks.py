@@ -121,6 +121,11 @@ def test_the_step_profiler_times_and_profiles_every_contender(tiny_run):
         assert 0 < host <= step <= whole, row
         assert f"== {name}, 1 step(s) under the profiler" in printed
     assert printed.count("Self CPU time total") == len(names)
+    section = printed.split("== The optimizer call alone under the profiler")[1].split("\n== ")[0]
+    total = next(line for line in section.splitlines() if line.startswith("| all ops |"))
+    calls_dynamic, us_dynamic, calls_predictive, us_predictive, more = total.strip("| ").split(" | ")[1:]
+    assert 0 < float(calls_dynamic) < float(calls_predictive) and float(us_dynamic) > 0  # its update's ops, op by op
+    assert float(more) == pytest.approx(float(us_predictive) - float(us_dynamic), abs=1.0)
 
 
 def test_the_free_running_measure_reads_nothing_back():
