@@ -163,12 +163,10 @@ def compared_calls(ops: dict[str, dict[str, tuple[float, float]]], base: str, ot
     short_a, short_b = base.split(", ")[-1], other.split(", ")[-1]
     lines = [f"| op | calls, {short_a} | µs, {short_a} | calls, {short_b} | µs, {short_b} | µs more |",
              "|---|---|---|---|---|---|"]
-    for op in rows[:top]:
-        (ca, ta), (cb, tb) = a.get(op, (0, 0.0)), b.get(op, (0, 0.0))
+    totals = {name: tuple(sum(v[i] for v in x.values()) for i in (0, 1)) for name, x in (("a", a), ("b", b))}
+    rows_of = [(op, a.get(op, (0, 0.0)), b.get(op, (0, 0.0))) for op in rows[:top]]
+    for op, (ca, ta), (cb, tb) in rows_of + [("all ops", totals["a"], totals["b"])]:
         lines.append(f"| {op} | {ca:.0f} | {ta:.0f} | {cb:.0f} | {tb:.0f} | {tb - ta:+.0f} |")
-    total_a, total_b = (sum(t for _, t in x.values()) for x in (a, b))
-    calls_a, calls_b = (sum(c for c, _ in x.values()) for x in (a, b))
-    lines.append(f"| all ops | {calls_a:.0f} | {total_a:.0f} | {calls_b:.0f} | {total_b:.0f} | {total_b - total_a:+.0f} |")
     return "\n".join(lines)
 
 

@@ -622,12 +622,12 @@ class LayerScales:
 
         found_inf: bool [units]; amax: float32 [units], the largest scaled magnitude (0 without gradients).
         DTensor gradients (FSDP2): this rank's shards are read and divided, so both are this rank's (take their
-        MAX over the ranks before :meth:`update`). ``params`` (the optimizer's parameters): those no unit owns are divided by ``global_scale`` and measured
-        as one more, last, entry ([units + 1]). One read pass and one write pass; no host read. Host ops: none per
-        gradient where the gradients share the state's device (the per-tensor maxima gathered,
-        :mod:`lossscale.ops.gather`), and one multi-tensor multiply per unit (its gradients by its factor, a 0-d
-        tensor: torch's multi-tensor fast path, where a list of per-gradient factors takes one kernel per gradient
-        on CUDA).
+        MAX over the ranks before :meth:`update`). ``params`` (the optimizer's parameters): those no unit owns are
+        divided by ``global_scale`` and measured as one more, last, entry ([units + 1]). One read pass and one
+        write pass; no host read. Host ops: none per gradient where the gradients share the state's device (the
+        per-tensor maxima gathered, :mod:`lossscale.ops.gather`), and one multi-tensor multiply per unit (its
+        gradients by its factor, a 0-d tensor: torch's multi-tensor fast path, where a list of per-gradient factors
+        takes one kernel per gradient on CUDA).
         """
         dev, n = self.exponent.device, len(self.units)
         present = tuple(p.grad is not None for p, _ in self._unique)
