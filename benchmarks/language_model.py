@@ -6,8 +6,10 @@ autocast, with fused AdamW, from the same weights in every run:
 
   * float32 (the reference for the held-out loss), no scaling;
   * float16, ``torch.amp.GradScaler`` (torch's defaults);
-  * float16, ``LossScaleOptimizer`` with ``DynamicScale()`` (torch's rule), ``PredictiveScale()``, and
-    ``layerwise=model`` (one factor per module on top of ``DynamicScale()``; the tied embeddings share one);
+  * float16, ``LossScaleOptimizer`` with ``DynamicScale()`` (torch's rule), ``PredictiveScale()``,
+    ``layerwise=model`` (one factor per module that owns parameters, on top of ``DynamicScale()``; the tied
+    embeddings share one) and ``layerwise=[wte, wpe, *h, ln_f]`` ("per-block": one factor per block and embedding,
+    fewer units and so fewer hooks; the head reads wte's weight outside its unit, which keeps wte at factor 1);
   * the first two again with ``flat_grads=True`` (every gradient a view of one buffer: the step's passes are one
     kernel each, where otherwise the host walks every gradient tensor).
 
@@ -42,11 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device_argument, checked_device, emit, machine, paired_ratio, synchronizer, table  # noqa: E402
 
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
+from lossscale.addons.layerwise import LayerScales  # noqa: E402
 from lossscale.demo.train import VOCAB, Config, batch, load_corpus  # noqa: E402
 from lossscale.ops.overflow import amax_kernel_module  # noqa: E402
 
 RUNS = ["float32", "torch GradScaler", "DynamicScale", "PredictiveScale", "DynamicScale flat", "PredictiveScale flat",
-        "per-layer"]
+        "per-layer", "per-block"]
 REFERENCE = "torch GradScaler"
 #: PredictiveScale's runs, each against the DynamicScale run with the same gradients
 AGAINST_DYNAMIC = {"PredictiveScale": "DynamicScale", "PredictiveScale flat": "DynamicScale flat"}
@@ -81,11 +84,15 @@ class Run:
                                   fused=True)
         self.dtype = None if name == "float32" else torch.float16
         self.scaler = torch.amp.GradScaler(torch.device(device).type) if name == REFERENCE else None
+        self.layers: LayerScales | None = None
         if name in ("float32", REFERENCE):
             self.opt: Any = inner
         else:
             policy = PredictiveScale() if name.startswith("PredictiveScale") else DynamicScale()
-            self.opt = LossScaleOptimizer(inner, policy=policy, layerwise=self.model if name == "per-layer" else None,
+            body = self.model.transformer
+            units = {"per-layer": self.model, "per-block": [body.wte, body.wpe, *body.h, body.ln_f]}.get(name)
+            self.layers = None if units is None else LayerScales(units)
+            self.opt = LossScaleOptimizer(inner, policy=policy, layerwise=self.layers,
                                           flat_grads=name.endswith(" flat"))
         self.skipped, self.seconds = 0, []
         self.flushed: dict[str, list[int]] = {}  # layer -> [entries flushed, entries live], summed over measurements
@@ -284,7 +291,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"DynamicScale's*: the same against the DynamicScale run with the same gradients (flat or not). *flat*: "
           f"flat_grads=True. *free-running*: {args.free_steps} consecutive steps with no synchronisation between "
           f"them, per step, median over {args.free_rounds} rounds, and the median of per-round ratios to torch's "
-          f"scaler's. {amax_read(device)}\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
+          f"scaler's. *per-layer*: layerwise=model ({len(runs['per-layer'].layers.units)} units, every module "
+          f"that owns parameters); *per-block*: layerwise=[wte, wpe, *h, ln_f] "
+          f"({len(runs['per-block'].layers.units)} units; the head reads wte's tied weight outside wte's unit, which "
+          f"keeps wte at factor 1). {amax_read(device)}\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
           + "\n\nUnderflow by layer (``wte``: the tied input and output embedding):\n\n"
           + table(by_layer, list(by_layer[0])))
     payload = {"machine": machine(device), "rows": summary, "by_layer": by_layer, "markdown": md}

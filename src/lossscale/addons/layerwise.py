@@ -192,7 +192,9 @@ class LayerScales:
 
     Args:
         modules: A model (every module that owns parameters directly becomes a unit) or a list of modules, none
-            inside another (each becomes a unit with all its parameters: a residual block is one unit).
+            inside another (each becomes a unit with all its parameters: a residual block is one unit). The cost is
+            host time per unit: on an H200, GPT-2 medium's step took 1.37x torch's with the model (148 units) and
+            1.08x with its blocks and embeddings (27), see docs/layerwise.md.
         margin: Powers of two each unit stays below the largest unit's scaled maximum (>= 0).
         search_step: Powers of two a unit whose gradients are all zero rises per step (>= 1).
         max_exponent: Largest factor, as a power of two (>= 1).
