@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"scaler's. *per-layer*: layerwise=model ({len(runs['per-layer'].layers.units)} units, every module "
           f"that owns parameters); *per-block*: layerwise=[wte, wpe, *h, ln_f] "
           f"({len(runs['per-block'].layers.units)} units; the head reads wte's tied weight outside wte's unit, which "
-          f"keeps wte at factor 1). {amax_read(device)}\n\n" + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
+          f"keeps wte at factor 1). {amax_read(device)}\n\n"
+          + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
           + "\n\nUnderflow by layer (``wte``: the tied input and output embedding):\n\n"
           + table(by_layer, list(by_layer[0])))
     payload = {"machine": machine(device), "rows": summary, "by_layer": by_layer, "markdown": md}
