@@ -146,7 +146,7 @@ def _layer_unscale(units: int, per_unit: int, count):
     scale = torch.tensor(256.0)
     for step in range(3):  # the factors move from the first backward on; the last backward is the one counted
         model.zero_grad()
-        (model(torch.randn(3, 4)).square().mean() * scale).backward()
+        layers.backward_from(model(torch.randn(3, 4)).square().mean() * scale).backward()
         if step < 2:
             layers.update(*layers.unscale_(scale), scale)
     return count(lambda: layers.unscale_(scale))

@@ -12,6 +12,7 @@ only; checked against a float32 backward pass.
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -77,7 +78,8 @@ def train(model, steps, *, half=True, layerwise=False, lr=0.05, policy=None, lay
     for step in range(steps):
         opt.zero_grad()
         scale = state.scale if half else torch.ones(())
-        (loss_of(model, step, half) * scale).backward()
+        loss = loss_of(model, step, half) * scale
+        (loss if layers is None else layers.backward_from(loss)).backward()
         if layers is not None:
             found, amax = layers.unscale_(scale)
             global_found = layers.update(found, amax, scale)
@@ -650,6 +652,20 @@ def gpt2(n_layer=2):
     return model
 
 
+def hf_llama(n_layer=2):
+    """A tiny Llama (transformers, random init) with tied input and output embeddings."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                                      num_hidden_layers=n_layer, num_attention_heads=2, num_key_value_heads=2,
+                                      max_position_embeddings=CONTEXT, tie_word_embeddings=True, bos_token_id=0,
+                                      eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
 class RMSNorm(torch.nn.Module):
     def __init__(self, dim):
         super().__init__()
@@ -735,6 +751,9 @@ LANGUAGE_MODELS = {
     "gpt2, checkpointed": (gpt2_checkpointed, lambda m: m),
     "gpt2, blocks only": (gpt2, lambda m: list(m.transformer.h)),
     "gpt2, embeddings and blocks": (gpt2, lambda m: [m.transformer.wte, *m.transformer.h, m.lm_head]),
+    # docs/layerwise.md's lists for a GPU (the tied head outside the units)
+    "gpt2, per block": (gpt2, lambda m: [m.transformer.wte, m.transformer.wpe, *m.transformer.h, m.transformer.ln_f]),
+    "hf llama, per block": (hf_llama, lambda m: [m.model.embed_tokens, *m.model.layers, m.model.norm]),
     "llama": (TinyLlama, lambda m: m),
     "llama, blocks only": (TinyLlama, lambda m: list(m.blocks)),
     "llama, functional tie": (lambda: TinyLlama(tie="functional"), lambda m: m),
@@ -780,7 +799,7 @@ def unscales_exactly(case):
         for step in range(2):  # the first backward reads the wiring; the second runs on it
             for p in model.parameters():
                 p.grad = None
-            (lm_loss(model, lm_batch(step)) * 8.0).backward()
+            layers.backward_from(lm_loss(model, lm_batch(step)) * 8.0).backward()
             found, _ = layers.unscale_(torch.tensor(8.0), params=list(model.parameters()))
             assert not bool(found.any())
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -825,8 +844,50 @@ def test_a_parameter_used_outside_its_unit_pins_the_unit_at_the_global_scale():
     assert all(e >= 1 for i, e in enumerate(layers.exponent.tolist()) if i != embed)
 
 
+def test_a_tied_head_left_out_of_the_units_pins_the_embedding_through_the_optimizer():
+    """Units [wte, wpe, *h, ln_f]: the head, outside them, reads wte's weight after every unit. The optimizer gives
+    its loss to the wiring walk, which finds that read and keeps wte at factor 1, so the weight's gradient (the
+    embedding's share and the head's) is exact. Before, the walk started from the units' inputs only, missed the
+    read, and divided the head's share by wte's factor too (2**5 here)."""
+    model, ref = gpt2(), gpt2()
+    body = model.transformer
+    layers = LayerScales([body.wte, body.wpe, *body.h, body.ln_f])
+    layers.load_state_dict({**layers.state_dict(), "calibrated": True, "exponent": [5.0] * len(layers.units)})
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), layerwise=layers)
+    ids = lm_batch(0)
+    opt.backward(lm_loss(model, ids))
+    names = [name for name, _ in layers.units]
+    assert float(layers.exponent[names.index("0:Embedding")]) == 0.0  # as the backward pass ran
+    assert float(layers.exponent[names.index("2:GPT2Block")]) == 5.0
+    assert bool(opt.step().stepped)
+    expected = lm_grads(ref, ids)
+    for name, p in model.named_parameters():
+        error = float((p.grad - expected[name]).norm() / expected[name].norm())
+        assert error < 1e-5, f"{name} is {error:.2%} from float32's"
+
+
+def test_a_list_of_units_warns_once_where_the_backward_pass_starts_from_a_loss_it_was_not_given():
+    """Without the loss, a read of a unit's weight after the units cannot be found: say so, naming the fix."""
+    model = gpt2()
+    layers = LayerScales(list(model.transformer.h))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            lm_loss(model, lm_batch(step)).backward()
+    ours = [str(w.message) for w in caught if "LayerScales" in str(w.message)]
+    assert len(ours) == 1, ours
+    assert ours[0].startswith("LayerScales (a list of units): this backward pass started from a loss it was not "
+                              "given") and "layers.backward_from(loss)" in ours[0]
+    model = gpt2()
+    layers = LayerScales(list(model.transformer.h))
+    layers.backward_from(lm_loss(model, lm_batch(0))).backward()  # given: no warning (the suite's are errors)
+    with pytest.raises(TypeError, match=r"LayerScales.backward_from\(loss\): loss must be a torch.Tensor; got float"):
+        layers.backward_from(1.0)
+
+
 @pytest.mark.parametrize("case,flat", [("gpt2", False), ("gpt2, blocks only", False), ("llama", False),
-                                       ("gpt2", True), ("gpt2, checkpointed", False)])
+                                       ("gpt2", True), ("gpt2, checkpointed", False), ("gpt2, per block", False),
+                                       ("hf llama, per block", False)])
 def test_language_models_through_the_optimizer_stay_within_a_percent_of_float32(case, flat):
     """Float16 autocast, AdamW, per-layer scales on the whole model (tied embeddings) or on the blocks only (the
     embeddings, final norm and head at the global scale): every parameter's unscaled gradient within 1% of the

@@ -75,7 +75,7 @@ def test_the_per_layer_unscale_launches_a_few_kernels_not_one_per_gradient():
     scale = torch.tensor(256.0, device="cuda")
     for step in range(3):  # the factors move from the first backward on; the last backward's gradients are checked
         model.zero_grad()
-        (model(torch.randn(8, 16, device="cuda")).square().mean() * scale).backward()
+        layers.backward_from(model(torch.randn(8, 16, device="cuda")).square().mean() * scale).backward()
         if step < 2:
             layers.update(*layers.unscale_(scale), scale)
     exponent = layers.exponent.clone()

@@ -11,8 +11,9 @@ units). Hooks convert at each unit's boundary::
               = 0     else (a residual stream, the loss side, a region holding parameters outside the units)
 
 A chain of units (nn.Sequential) thus hands each factor on without leaving float16's range, and any wiring is
-exact. The regions are read from the autograd graph at the first backward pass, and again when the units that
-run, their order, or their numbers of tensor inputs and outputs change. A factor's rule::
+exact. The regions are read from the autograd graph at the first backward pass (walking back from the units'
+inputs, the model's outputs and the loss given to ``backward_from``), and again when the units that run, their
+order, their numbers of tensor inputs and outputs, or whether the loss was given change. A factor's rule::
 
     group     = units that share a parameter: one exponent (the smallest of their targets), so every use of
                 the parameter carries one factor; a unit parameter read outside its unit pins its group at 0
@@ -39,8 +40,10 @@ rule waits for the first scaled pass.
 Requirements (checked where they can be): each unit runs once per forward (a recomputation inside the backward
 pass, activation checkpointing without reentrance, is left alone; with ``use_reentrant=True`` it raises); tensors
 enter a unit as arguments (directly, or in tuples, lists and dicts) and leave it as its outputs; no unit contains
-another; the loss reads the model's outputs (in list mode: only tensors that no unit reads); who reads a tensor
-changes only with the units that run, their order or their numbers of tensor inputs and outputs.
+another; the loss reads the model's outputs (in list mode: only tensors that no unit reads); in list mode the
+loss is given to ``backward_from`` (else a unit weight read after the units goes unseen: the first backward pass
+warns); who reads a tensor changes only with the units that run, their order or their numbers of tensor inputs and
+outputs.
 
 Cost: two tiny ops per unit boundary per backward, an identity node per unit input that is not the only reader of
 its region; per step one read and one write pass over the gradients and about twenty element-wise ops on
@@ -55,6 +58,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -273,6 +277,8 @@ class LayerScales:
         self._recording: list[int] | None = None
         self._ran: set[int] = set()  # the units that ran in the forward being recorded, or the last one
         self._seen: dict[str, list] = {"in": [], "out": [], "root": []}
+        self._loss_given = False  # backward_from noted the loss of the forward being recorded
+        self._warned_no_loss = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for i, (_, module) in enumerate(self.units):
             self._handles.append(module.register_forward_pre_hook(_eager(self._input_hook(i)), with_kwargs=True))
@@ -344,6 +350,7 @@ class LayerScales:
         if self._recording is None or (self._recording and self._recording[0] == index):
             self._recording, self._ran = [], set()
             self._seen = {"in": [], "out": [], "root": []}
+            self._loss_given = False
             self._changed = self._wiring is None
         if index in self._ran:
             raise RuntimeError(f"LayerScales: module {self.units[index][0]!r} ran twice in one forward; a unit "
@@ -370,6 +377,28 @@ class LayerScales:
         if torch.is_grad_enabled() and self._recording is not None and not _in_backward():
             self._seen["root"] = [_edge(t) for t in _tensors(output)]
 
+    def backward_from(self, loss: torch.Tensor) -> torch.Tensor:
+        """Note ``loss`` as the tensor the next backward pass starts from, and return it:
+        ``layers.backward_from(loss * scale).backward()``.
+
+        The wiring walk then starts from the loss too, so it finds a unit's parameter read after the units (a tied
+        output head left out of a list of units, a loss term on a unit's weights); that read carries the global
+        scale, so it pins the unit's group at factor 1 and the parameter's gradient stays exact. Without the loss
+        the walk starts from the units' inputs and, for a model given whole, from its outputs: in list mode such a
+        read goes unseen and the parameter's gradient would mix two scales, so the first backward pass without it
+        warns. :class:`LossScaleOptimizer` calls this on every loss it scales. No host read.
+
+        Raises:
+            TypeError: ``loss`` is not a tensor.
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"LayerScales.backward_from(loss): loss must be a torch.Tensor; got "
+                            f"{type(loss).__name__}.")
+        if loss.requires_grad and self._recording is not None and not _in_backward():
+            self._seen["root"].append(_edge(loss))
+            self._loss_given = True
+        return loss
+
     # -- backward: convert at each unit's edges ------------------------------------------------------
     def _begin_backward(self) -> None:
         """At the first hook of a backward pass: read the wiring if it changed, then fix this pass's factors."""
@@ -382,6 +411,13 @@ class LayerScales:
                 self._set_order(order)
             self._read_wiring(seen)
             self._wiring = key
+        if not self._loss_given and self._model is None and not self._warned_no_loss:
+            self._warned_no_loss = True
+            warnings.warn("LayerScales (a list of units): this backward pass started from a loss it was not given, "
+                          "so a unit's parameter read after the units (a tied output head left out of the list, a "
+                          "loss term on a unit's weights) cannot be found, and its gradient would mix two scales. "
+                          "Pass the loss through layers.backward_from(loss) before backward (LossScaleOptimizer "
+                          "does), or give the model whole.", stacklevel=2)
         self._first = None
         self._passing = not self.is_scaled()
         if not self._passing and not self._calibrated:
@@ -499,8 +535,9 @@ class LayerScales:
         return readers.to(self.exponent.device)
 
     def _read_wiring(self, seen: dict[str, list]) -> None:
-        """Regions from the autograd graph: walk back from every unit input (and the model's outputs) through
-        operations outside the units, up to unit outputs and leaves; what one walk meets is one region."""
+        """Regions from the autograd graph: walk back from every unit input (and the model's outputs, and the loss
+        given to :meth:`backward_from`) through operations outside the units, up to unit outputs and leaves; what
+        one walk meets is one region."""
         ins, outs = seen["in"], seen["out"]
         parent = list(range(len(ins) + len(outs) + 1))
         outside = len(parent) - 1  # the global scale: the loss, leaves, parameters outside the units

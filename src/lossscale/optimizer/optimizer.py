@@ -326,12 +326,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._attach_flat(params)  # before the backward, so that it writes into the buffer
         if not run.window[0] and self.options.accumulation_steps == 1:
             stages.check_loss("LossScaleOptimizer.scale_loss(loss)", loss)
-            return loss
-        factor = self._loss_scale.scale if run.window[0] else torch.ones_like(self._loss_scale.scale)
-        scaled = stages.scale_loss(loss, factor, self.options.accumulation_steps, "LossScaleOptimizer.scale_loss(loss)")
-        if self.policy.observes_loss_finite:
-            finite = torch.isfinite(loss.detach()).all()
-            run.loss_finite = finite if run.loss_finite is None else run.loss_finite & finite
+            scaled = loss
+        else:
+            factor = self._loss_scale.scale if run.window[0] else torch.ones_like(self._loss_scale.scale)
+            scaled = stages.scale_loss(loss, factor, self.options.accumulation_steps,
+                                       "LossScaleOptimizer.scale_loss(loss)")
+            if self.policy.observes_loss_finite:
+                finite = torch.isfinite(loss.detach()).all()
+                run.loss_finite = finite if run.loss_finite is None else run.loss_finite & finite
+        if run.layers is not None:  # the wiring walk starts from the loss too (reads of unit weights after the units)
+            run.layers.backward_from(scaled)
         return scaled
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
