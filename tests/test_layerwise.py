@@ -866,6 +866,32 @@ def test_a_tied_head_left_out_of_the_units_pins_the_embedding_through_the_optimi
         assert error < 1e-5, f"{name} is {error:.2%} from float32's"
 
 
+def test_a_loss_term_on_a_units_weight_pins_that_unit_with_the_model_given_whole():
+    """A penalty on one unit's weight, added to the loss after the model ran: the walk from the model's outputs does
+    not meet it, the walk from the loss does. Before, that share of the weight's gradient was divided by the unit's
+    factor too."""
+    model, ref = gpt2(), gpt2()
+    layers = LayerScales(model)
+    layers.load_state_dict({**layers.state_dict(), "calibrated": True, "exponent": [5.0] * len(layers.units)})
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), layerwise=layers)
+
+    def loss_of(m, ids):
+        return lm_loss(m, ids) + 0.1 * m.transformer.h[0].mlp.c_fc.weight.square().sum()
+
+    ids = lm_batch(0)
+    opt.backward(loss_of(model, ids))
+    names = [name for name, _ in layers.units]
+    assert float(layers.exponent[names.index("transformer.h.0.mlp.c_fc")]) == 0.0
+    assert float(layers.exponent[names.index("transformer.h.1.mlp.c_fc")]) == 5.0
+    assert bool(opt.step().stepped)
+    for p in ref.parameters():
+        p.grad = None
+    loss_of(ref, ids).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        error = float((p.grad - q.grad).norm() / q.grad.norm())
+        assert error < 1e-5, f"{name} is {error:.2%} from float32's"
+
+
 def test_a_list_of_units_warns_once_where_the_backward_pass_starts_from_a_loss_it_was_not_given():
     """Without the loss, a read of a unit's weight after the units cannot be found: say so, naming the fix."""
     model = gpt2()
