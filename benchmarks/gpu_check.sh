@@ -12,8 +12,8 @@
 #    540 s, under the device tool's 600 s per command) runs out; the open measurements run first.
 #
 # 3. benchmarks/profile_step.py at the end-to-end model's size and at GPT-2 medium's: where a step's time goes, op by
-#    op, for torch's scaler and LossScaleOptimizer with DynamicScale, PredictiveScale and per-layer scales (about a
-#    minute).
+#    op, for torch's scaler and LossScaleOptimizer with DynamicScale, PredictiveScale and per-layer scales by module
+#    and by block (about a minute and a half).
 #
 # ONLY="name,name" runs those benchmarks of run_all.GPU_BENCHMARKS alone (tests/cuda and profile_step still run), for a
 # check that has little device time left.

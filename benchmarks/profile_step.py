@@ -3,7 +3,8 @@
 The model of ``end_to_end.py`` (the demo's character transformer; its size from the same options) takes float16
 autocast steps (forward, backward, optimizer step with fused AdamW) under each contender: torch.amp.GradScaler,
 ``LossScaleOptimizer`` with ``DynamicScale()``, with ``PredictiveScale()`` (its update replayed from a CUDA graph
-on a GPU, and with ``cuda_graph=False``: its ops one by one) and with per-layer scales (``layerwise=model``). Each
+on a GPU, and with ``cuda_graph=False``: its ops one by one) and with per-layer scales, one unit per module that
+owns parameters (``layerwise=model``) and one per block (``layerwise=[token, position, *blocks, ln, head]``). Each
 contender has its own copy of the same model. Printed per contender:
 
 * the median time of a whole step from an idle device, and how much of the optimizer step's call is host time
@@ -75,14 +76,16 @@ def contenders(cfg, device: str) -> dict[str, tuple[Callable[[], None], Callable
         scaler.update()
 
     out["torch.amp.GradScaler"] = (torch_backward, torch_step)
-    for name, policy, layerwise in (("LossScaleOptimizer, DynamicScale", DynamicScale(), False),
-                                    ("LossScaleOptimizer, PredictiveScale", PredictiveScale(), False),
+    for name, policy, layerwise in (("LossScaleOptimizer, DynamicScale", DynamicScale(), None),
+                                    ("LossScaleOptimizer, PredictiveScale", PredictiveScale(), None),
                                     ("LossScaleOptimizer, PredictiveScale op by op", PredictiveScale(cuda_graph=False),
-                                     False),
-                                    ("LossScaleOptimizer, per-layer", DynamicScale(), True)):
+                                     None),
+                                    ("LossScaleOptimizer, per-layer", DynamicScale(), "model"),
+                                    ("LossScaleOptimizer, per-block", DynamicScale(), "blocks")):
         m = model()
+        units = {"model": m, "blocks": [m.token, m.position, *m.blocks, m.ln, m.head]}.get(layerwise)
         lso = LossScaleOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), policy=policy,
-                                 layerwise=m if layerwise else None)
+                                 layerwise=units)
 
         def backward(m=m, lso=lso):
             lso.zero_grad()

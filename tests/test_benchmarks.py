@@ -114,7 +114,8 @@ def test_the_step_profiler_times_and_profiles_every_contender(tiny_run):
     """benchmarks/profile_step.py, a diagnostic outside RESULTS.md, at its tiny size."""
     printed = tiny_run[2]
     names = ["torch.amp.GradScaler", "LossScaleOptimizer, DynamicScale", "LossScaleOptimizer, PredictiveScale",
-             "LossScaleOptimizer, PredictiveScale op by op", "LossScaleOptimizer, per-layer"]
+             "LossScaleOptimizer, PredictiveScale op by op", "LossScaleOptimizer, per-layer",
+             "LossScaleOptimizer, per-block"]
     for name in names:
         row = next(line for line in printed.splitlines() if line.startswith(f"| {name} |"))
         whole, step, host = (float(v) for v in row.strip("| ").split(" | ")[1:])
