@@ -196,9 +196,8 @@ class LayerScales:
 
     Args:
         modules: A model (every module that owns parameters directly becomes a unit) or a list of modules, none
-            inside another (each becomes a unit with all its parameters: a residual block is one unit). The cost is
-            host time per unit: on an H200, GPT-2 medium's step took 1.37x torch's with the model (148 units) and
-            1.08x with its blocks and embeddings (27), see docs/layerwise.md.
+            inside another (each becomes a unit with all its parameters: a residual block is one unit). Each unit
+            costs host time, so on a GPU pass the blocks (docs/layerwise.md, "Choosing the units").
         margin: Powers of two each unit stays below the largest unit's scaled maximum (>= 0).
         search_step: Powers of two a unit whose gradients are all zero rises per step (>= 1).
         max_exponent: Largest factor, as a power of two (>= 1).
@@ -277,7 +276,6 @@ class LayerScales:
         self._recording: list[int] | None = None
         self._ran: set[int] = set()  # the units that ran in the forward being recorded, or the last one
         self._seen: dict[str, list] = {"in": [], "out": [], "root": []}
-        self._loss_given = False  # backward_from noted the loss of the forward being recorded
         self._warned_no_loss = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for i, (_, module) in enumerate(self.units):
@@ -350,7 +348,6 @@ class LayerScales:
         if self._recording is None or (self._recording and self._recording[0] == index):
             self._recording, self._ran = [], set()
             self._seen = {"in": [], "out": [], "root": []}
-            self._loss_given = False
             self._changed = self._wiring is None
         if index in self._ran:
             raise RuntimeError(f"LayerScales: module {self.units[index][0]!r} ran twice in one forward; a unit "
@@ -396,7 +393,6 @@ class LayerScales:
                             f"{type(loss).__name__}.")
         if loss.requires_grad and self._recording is not None and not _in_backward():
             self._seen["root"].append(_edge(loss))
-            self._loss_given = True
         return loss
 
     # -- backward: convert at each unit's edges ------------------------------------------------------
@@ -411,7 +407,8 @@ class LayerScales:
                 self._set_order(order)
             self._read_wiring(seen)
             self._wiring = key
-        if not self._loss_given and self._model is None and not self._warned_no_loss:
+        # in list mode the walk's only starts past the units are the losses given to backward_from
+        if self._model is None and not seen["root"] and not self._warned_no_loss:
             self._warned_no_loss = True
             warnings.warn("LayerScales (a list of units): this backward pass started from a loss it was not given, "
                           "so a unit's parameter read after the units (a tied output head left out of the list, a "

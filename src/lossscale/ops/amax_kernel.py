@@ -8,9 +8,7 @@ address needs to stay put between steps), and writes one partial maximum per (te
 
 Per call: the table (one pinned host tensor, copied without waiting), one output vector, one kernel launch, one
 ``max``: a constant number of host ops whatever the number of tensors. No host read, no synchronisation. The first
-call per dtype compiles the kernel (Triton's cache keeps it on disk). Measured on an NVIDIA H200 (triton 3.6.0):
-0.32 ms of host time over GPT-2 medium's 294 gradients where the inf-norm and its reduction take 0.96, which took
-``PredictiveScale``'s step from 1.022-1.025x ``DynamicScale``'s to 1.009-1.014x (``benchmarks/RESULTS.md``).
+call per dtype compiles the kernel (Triton's cache keeps it on disk). Its worth, measured on an H200: docs/cuda.md.
 
 :func:`lossscale.ops.overflow.largest_magnitude` calls :func:`amax` on a CUDA device where ``triton`` imports and
 the environment variable ``LOSSSCALE_TRITON`` is not ``0``.
