@@ -27,7 +27,7 @@ import torch
 
 from lossscale import (EMA, DynamicScale, FixedScale, GradScaler, LossScale, LossScaleOptimizer, PrecisionSchedule,
                        PredictiveScale, presets)
-from lossscale.checks import StateDictError
+from lossscale.validation import StateDictError
 from lossscale.compat import ascend, keras, mindspore, nnabla
 
 inf, nan = math.inf, math.nan

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from lossscale import presets
-from lossscale.checks import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
+from lossscale.validation import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
 from lossscale.policies.base import ScaleState
 from oracles import DynamicOracle, f32
 

@@ -16,7 +16,7 @@ from transformers.integrations import integration_utils
 
 import lossscale
 from lossscale import PredictiveScale
-from lossscale.checks import StateDictError
+from lossscale.validation import StateDictError
 from lossscale.integrations.transformers import LossScaleCallback, use_lossscale
 from test_integration_accelerate import reset_accelerate_state
 

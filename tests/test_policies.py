@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from lossscale import (DynamicScale, FixedScale, FloorError, HostReadCounter, LossScale, Policy, PredictiveScale,
                        presets)
-from lossscale.checks import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
+from lossscale.validation import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
 from lossscale.policies.base import state_from_dict, state_to_dict
 from oracles import DynamicOracle, TorchOracle, f32
 
@@ -158,21 +158,21 @@ def test_found_inf_is_a_bool_or_a_count_and_must_be_a_tensor(policy):
 
 
 def test_a_raising_step_at_the_floor_changes_nothing_but_floor_hits():
-    """``at_floor="raise"``: the step that backs off at the floor raises in check_floor and leaves the counters, so
+    """``at_floor="raise"``: the step that backs off at the floor raises in enforce_floor and leaves the counters, so
     a caller that catches it carries on as if it had not happened (DeepSpeed raises before touching its state)."""
     policy = DynamicScale(init_scale=2.0, min_scale=1.0, hysteresis=2, hysteresis_mode="cumulative",
                           refill_after_backoff=False, growth_interval=3, growth_delay=1, at_floor="raise")
     state = policy.init()
     for o in [True, True, False, False]:  # 2 -> 1 (the floor), then two clean steps toward a growth
         state = policy.update(state, torch.tensor(o))
-        policy.check_floor(state)  # reaching the floor is fine
+        policy.enforce_floor(state)  # reaching the floor is fine
     frozen = policy.update(state, torch.tensor(True))
     assert (float(frozen.scale), int(frozen.floor_hits)) == (1.0, 1)
     assert (int(frozen.growth_tracker), int(frozen.hysteresis_left)) == (1, 0) == (
         int(state.growth_tracker), int(state.hysteresis_left))
     with pytest.raises(FloorError, match=r"min_scale=1.0 .*\(1 step\(s\) in a row at the floor\).*NaN or inf in the "
                                          r"data.*at_floor='skip'"):
-        policy.check_floor(frozen)
+        policy.enforce_floor(frozen)
     scales, _ = [], None
     for o in [False, False]:  # the two clean steps before the raise still count
         frozen = policy.update(frozen, torch.tensor(o))
@@ -361,7 +361,7 @@ def test_is_a_policy_with_the_whole_protocol(policy):
     assert SMALLEST_NORMAL_FLOAT32 <= policy.min_scale <= policy.max_scale <= FLOAT32_MAX
     state = policy.init("cpu")
     assert state.scale.dtype == torch.float32 and state.scale.shape == () and state.scale.device.type == "cpu"
-    policy.check_floor(state)  # nothing to say about a fresh state
+    policy.enforce_floor(state)  # nothing to say about a fresh state
 
 
 def test_update_is_pure_reads_nothing_on_the_host_and_keeps_each_fields_dtype(policy):

@@ -14,7 +14,7 @@ import math
 import pytest
 
 from lossscale import DynamicScale, presets
-from lossscale.checks import SMALLEST_NORMAL_FLOAT32
+from lossscale.validation import SMALLEST_NORMAL_FLOAT32
 
 #: Each peer's defaults, as the whole DynamicScale they translate to.
 DEFAULTS = {

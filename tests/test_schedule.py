@@ -12,7 +12,7 @@ import torch
 
 from lossscale import DynamicScale, FixedScale, LossScaleOptimizer, PrecisionSchedule
 from lossscale.compat.ascend import ExperimentalConfig, TellMeStepOrLossHook
-from lossscale.addons.schedule import ScheduleConfig, ScheduleState, advance, check_attachable
+from lossscale.addons.schedule import ScheduleConfig, ScheduleState, advance, validate_attachable
 
 ALLOWED_PARTS = ("'fast' (float16)", "'fast1' (bfloat16)", "'step'", "[0.2, 0.9]", "'loss'", "[1.01, 1.5]")
 
@@ -238,7 +238,7 @@ def test_attaching_anything_but_a_schedule_is_a_type_error():
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(TypeError, match="schedule must be a lossscale.PrecisionSchedule"):
         LossScaleOptimizer(opt, schedule="fast|step|0.9")
-    check_attachable(PrecisionSchedule("fast|step|0.9", total_steps=3), [torch.zeros(2, dtype=torch.float64)])
+    validate_attachable(PrecisionSchedule("fast|step|0.9", total_steps=3), [torch.zeros(2, dtype=torch.float64)])
 
 
 def regression(seed=0, steps=30):

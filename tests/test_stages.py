@@ -86,11 +86,11 @@ def test_measure_adds_the_overflow_and_returns_the_largest_scaled_magnitude(mode
 
 
 @pytest.mark.parametrize("scale, refused", [(0.0, True), (-1.0, True), (math.nan, True), (INF, True), (-INF, True),
-                                            (1e-40, True), (2.0**-128, True), (2.0**-127, False), (2.0**-126, False),
+                                            (1e-40, True), (2.0**-128, True), (2.0**-127, True), (2.0**-126, False),
                                             (1.0, False), (65536.0, False), (3.4028234663852886e38, False)])
-def test_the_guard_turns_a_corrupted_scale_into_an_overflow_and_the_inverse_never_leaves_the_finite(scale, refused):
+def test_the_guard_refuses_a_scale_no_setter_accepts_and_the_inverse_never_leaves_the_finite(scale, refused):
     found = stages.guarded_found(torch.tensor(scale))
-    inv = stages.inverse_(torch.tensor(scale), found)
+    inv = stages.inverse(torch.tensor(scale), found)
     assert found.dtype == torch.float32 and found.dim() == 0 and float(found) == float(refused)
     expected = 1.0 if refused else float(torch.tensor(scale).double().reciprocal().float())
     assert float(inv) == expected and 0 < float(inv) < INF
@@ -103,7 +103,7 @@ def test_the_inverse_is_torchs_double_rounded_reciprocal_bit_for_bit():
     expected = scales.double().reciprocal().float()
     for scale, want in zip(scales, expected):
         found = stages.guarded_found(scale)
-        got = stages.inverse_(scale, found)
+        got = stages.inverse(scale, found)
         assert got.view(torch.int32) == want.view(torch.int32) and float(found) == 0.0, float(scale)
 
 

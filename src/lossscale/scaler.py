@@ -3,7 +3,7 @@
 With torch's arguments: the same calls, scale trajectory and parameter updates, bit for bit. Beyond torch:
 ``policy=``, ``overflow_mode="saturation"``, ``step()`` returning its decision, overflow attribution, and
 found_inf agreed over ``torch.distributed``. Unlike torch, the scale never goes below the policy's floor
-(2**-126 by default) and every scale set from outside is checked (:func:`~lossscale.checks.checked_scale`).
+(2**-126 by default) and every scale set from outside is checked (:func:`~lossscale.validation.validated_scale`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from lossscale import stages
-from lossscale.checks import ArgumentTypeError, StateDictError, check_choice, check_process_group
+from lossscale.validation import ArgumentTypeError, validate_optimizer, StateDictError, validate_choice, validate_process_group
 from lossscale.ops import distributed as _dist
-from lossscale.ops.overflow import OverflowMode, check_mode, check_with_amax_, saturation_threshold, unscale_and_check_
-from lossscale.policies.base import Policy, check_policy
-from lossscale.policies.dynamic import DynamicScale, check_dynamic_args
+from lossscale.ops.overflow import OverflowMode, validate_mode, check_with_amax_, saturation_threshold, unscale_and_check_
+from lossscale.policies.base import Policy, validate_policy
+from lossscale.policies.dynamic import DynamicScale, validate_dynamic_args
 from lossscale.reporting import ScalerStep
 from lossscale.state import LossScale
 
@@ -71,8 +71,8 @@ class GradScaler:
                  skip_mode: Literal["auto", "host"] = "auto") -> None:
         policy = _policy_from_args(policy, dict(init_scale=init_scale, growth_factor=growth_factor,
                                                 backoff_factor=backoff_factor, growth_interval=growth_interval))
-        check_mode("GradScaler", overflow_mode)
-        check_choice("GradScaler", "skip_mode", skip_mode, ("auto", "host"))
+        validate_mode("GradScaler", overflow_mode)
+        validate_choice("GradScaler", "skip_mode", skip_mode, ("auto", "host"))
         self.skip_mode = skip_mode
         if not isinstance(enabled, bool):
             raise ValueError(f"GradScaler(enabled={enabled!r}): enabled must be True or False; got {enabled!r}.")
@@ -80,7 +80,7 @@ class GradScaler:
         self._enabled = enabled
         self.overflow_mode = overflow_mode
         self._threshold = saturation_threshold(saturation_dtype, "GradScaler")
-        check_process_group("GradScaler", process_group)
+        validate_process_group("GradScaler", process_group)
         self.process_group = process_group
         self._loss_scale = LossScale(policy)
         self._placed = False  # whether the state has moved to the device of the first scaled output
@@ -151,7 +151,7 @@ class GradScaler:
         One read+write pass (saturation: one read more); no host read."""
         if not self._enabled:
             return
-        stages.check_optimizer("GradScaler.unscale_(optimizer)", optimizer)
+        validate_optimizer("GradScaler.unscale_", optimizer)
         loss_scale = self._require_state("unscale_()")
         record = self._per_optimizer_states[id(optimizer)]
         if record["stage"] is OptState.UNSCALED:
@@ -161,7 +161,7 @@ class GradScaler:
             raise RuntimeError("unscale_() was called after step() for this optimizer; step() already unscaled the "
                                "gradients, so call unscale_() before step(), then update().")
         found_inf = stages.guarded_found(loss_scale.scale)
-        inv_scale = stages.inverse_(loss_scale.scale, found_inf)
+        inv_scale = stages.inverse(loss_scale.scale, found_inf)
         found = self._unscale_grads_(optimizer, inv_scale, found_inf, False)  # starts from the guard's verdict
         record["found_inf_per_device"] = self._agreed(found)
         record["stage"] = OptState.UNSCALED
@@ -194,7 +194,7 @@ class GradScaler:
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled: "
                                "GradScaler.step(optimizer, closure=...) cannot scale the closure's loss.")
-        stages.check_optimizer("GradScaler.step(optimizer)", optimizer)
+        validate_optimizer("GradScaler.step", optimizer)
         self._require_state("step()")
         record = self._per_optimizer_states[id(optimizer)]
         if record["stage"] is OptState.STEPPED:
@@ -472,13 +472,13 @@ class GradScaler:
 def _policy_from_args(policy: Policy | None, torch_args: dict[str, Any]) -> Policy:
     """torch's four arguments as a DynamicScale, or ``policy`` (then those arguments must be left alone)."""
     if policy is None:
-        check_dynamic_args("GradScaler", torch_args)
+        validate_dynamic_args("GradScaler", torch_args)
         return DynamicScale(**torch_args)
     changed = {k: v for k, v in torch_args.items() if v != _TORCH_DEFAULTS[k]}
     if changed:
         raise ValueError(f"GradScaler(policy=..., {', '.join(f'{k}={v!r}' for k, v in changed.items())}): pass "
                          f"either policy= or torch's scale arguments, not both; got both.")
-    check_policy("GradScaler", policy)
+    validate_policy("GradScaler", policy)
     return policy
 
 

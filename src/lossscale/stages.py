@@ -7,7 +7,7 @@
                         (flat_groups: the flat buffers of ops.flat.FlatGrads, one per device and dtype)
     guarded_found       found_inf: 1 where the scale itself is corrupted       0-d ops
     measure_            overflow (+ amax) of the scaled gradients              1 pass
-    inverse_            1/scale (1 where the guard refused the scale)          0-d ops
+    inverse             1/scale (1 where the guard refused the scale)          0-d ops
     unscale_and_check_  (ops.overflow) fused multiply + inf/NaN check          1 read + 1 write
     agree_              found_inf (and amax) reduced over ranks                1 all-reduce each
     clip coefficient    (ops.clip) min(1, max_norm / (norm + eps))              0-d ops
@@ -27,19 +27,18 @@ from typing import Any, Sequence
 
 import torch
 
-from lossscale.checks import ArgumentTypeError, capturing
+from lossscale.validation import SMALLEST_NORMAL_FLOAT32, ArgumentTypeError, capturing
 from lossscale.ops import distributed as _dist
 from lossscale.ops.overflow import OverflowMode, check_, check_with_amax_, one, overflowing
 
 __all__ = [
     "NoGradientsError",
-    "check_optimizer",
     "scale_loss",
     "grouped_gradients",
     "flat_groups",
     "measure_",
     "guarded_found",
-    "inverse_",
+    "inverse",
     "agree_",
     "agree_amax_",
     "fused_step_",
@@ -59,14 +58,7 @@ class NoGradientsError(RuntimeError, AssertionError):
     """A step was asked for with no gradient at all (an AssertionError too, as torch's scaler asserts)."""
 
 
-def check_optimizer(call: str, optimizer: Any) -> None:
-    """A TypeError unless ``optimizer`` looks like a torch optimizer (``param_groups`` and a ``step``)."""
-    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
-        raise ArgumentTypeError(f"{call}: optimizer must be a torch.optim.Optimizer (param_groups and step()); got "
-                                f"{type(optimizer).__name__}.")
-
-
-def check_loss(call: str, loss: Any) -> None:
+def validate_loss(call: str, loss: Any) -> None:
     """A TypeError naming ``call`` unless ``loss`` is a tensor (a Python or NumPy scalar has no graph)."""
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"{call}: loss must be a tensor produced by the forward pass (it is "
@@ -74,8 +66,8 @@ def check_loss(call: str, loss: Any) -> None:
 
 
 def scale_loss(loss: Any, scale: torch.Tensor, divisor: int = 1, call: str = "scale_loss(loss)") -> torch.Tensor:
-    """``loss * scale / divisor`` on the loss's device (:func:`check_loss` first). No pass, no host read."""
-    check_loss(call, loss)
+    """``loss * scale / divisor`` on the loss's device (:func:`validate_loss` first). No pass, no host read."""
+    validate_loss(call, loss)
     factor = scale if divisor == 1 else scale / divisor
     return loss * factor.to(loss.device, non_blocking=True)
 
@@ -171,19 +163,18 @@ def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, thresh
 
 
 _FMAX = float(torch.finfo(torch.float32).max)
-_GUARD_MIN = 2.0**-127  # the smallest scale whose float32 inverse is finite
 
 
 def guarded_found(scale: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """A step's first found_inf: 0-d float32 on ``device`` (default the scale's), 1 where ``scale`` is not a
-    number in [2**-127, FMAX] (NaN, inf, 0, a negative: corrupted in memory), else 0. 2 0-d ops, no host read."""
-    found = scale.clamp(min=_GUARD_MIN, max=_FMAX).ne_(scale)
+    number in [2**-126, FMAX] (NaN, inf, 0, a negative: corrupted in memory), else 0. 2 0-d ops, no host read."""
+    found = scale.clamp(min=SMALLEST_NORMAL_FLOAT32, max=_FMAX).ne_(scale)
     if found.dtype != torch.float32 or (device is not None and found.device != torch.device(device)):
         found = found.to(device=found.device if device is None else device, dtype=torch.float32)
     return found
 
 
-def inverse_(scale: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+def inverse(scale: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
     """``1 / scale`` rounded once to float32, and 1 where :func:`guarded_found` refused the scale (``found``,
     its flag before any check sets it). 3 0-d ops, no host read."""
     inv = scale.reciprocal() if scale.dtype == torch.float32 else scale.double().reciprocal().float()

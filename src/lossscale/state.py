@@ -1,7 +1,7 @@
 """LossScale: the one object that holds a policy and its current state.
 
 Every front end and facade reads and writes the scale and counters through it; every setter and loader checks
-the scale with :func:`~lossscale.checks.checked_scale` against the policy's bounds. On a CUDA device, a policy whose
+the scale with :func:`~lossscale.validation.validated_scale` against the policy's bounds. On a CUDA device, a policy whose
 ``cuda_graph`` is True (PredictiveScale: its rule is about 80 small kernels) is advanced by replaying its update from
 a CUDA graph (:class:`ReplayedUpdate`): one launch instead of one per op.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from lossscale.checks import capturing, checked_scale
-from lossscale.policies.base import Policy, check_policy, move_state, state_from_dict, state_to_dict
+from lossscale.validation import capturing, validated_scale
+from lossscale.policies.base import Policy, validate_policy, move_state, state_from_dict, state_to_dict
 from lossscale.policies.dynamic import DynamicScale
 
 __all__ = ["LossScale"]
@@ -38,7 +38,7 @@ class LossScale:
     """
 
     def __init__(self, policy: Policy, device: torch.device | str | None = None) -> None:
-        check_policy("LossScale", policy)
+        validate_policy("LossScale", policy)
         self._policy = policy
         self._state = policy.init(device)
         self._replay: ReplayedUpdate | None = None  # built at the first update on a CUDA device (policy.cuda_graph)
@@ -78,8 +78,8 @@ class LossScale:
 
     def set_policy(self, policy: Policy) -> None:
         """Change the rule (torch's ``set_growth_factor``, ...); the state carries on if it fits the new bounds."""
-        check_policy("LossScale.set_policy", policy)
-        checked_scale(f"LossScale.set_policy({policy!r})", self.scale, policy.min_scale, policy.max_scale,
+        validate_policy("LossScale.set_policy", policy)
+        validated_scale(f"LossScale.set_policy({policy!r})", self.scale, policy.min_scale, policy.max_scale,
                       "the current scale")
         self._policy = policy
         self._replay = None  # captured from the old rule
@@ -87,7 +87,7 @@ class LossScale:
     def set_scale(self, value: float | torch.Tensor, call: str = "LossScale.set_scale(value)",
                   name: str = "the scale") -> None:
         """Set the scale; the counters carry on. Host reads: one for a tensor on an accelerator, else none."""
-        scale = checked_scale(call, value, self._policy.min_scale, self._policy.max_scale, name)
+        scale = validated_scale(call, value, self._policy.min_scale, self._policy.max_scale, name)
         self._state = dataclasses.replace(self._state, scale=torch.full_like(self._state.scale, scale))
 
     def follow(self, scale: torch.Tensor) -> None:
@@ -113,7 +113,7 @@ class LossScale:
             else:
                 new = _policy_update(self._policy, old, found_inf, amax, loss_finite)
             self._state = new
-            self._policy.check_floor(new)
+            self._policy.enforce_floor(new)
             return
         if self._policy.floor_reads_host:
             raise RuntimeError(f"LossScale.update under CUDA graph capture: the floor rule of {self._policy!r} "
@@ -121,7 +121,7 @@ class LossScale:
                                f"keeps skipping at its floor (DynamicScale's at_floor='skip', the default) for a "
                                f"captured step.")
         _write_into(old, _policy_update(self._policy, old, found_inf, amax, loss_finite))
-        self._policy.check_floor(old)
+        self._policy.enforce_floor(old)
 
     def state_dict(self) -> dict[str, Any]:
         """Every state field as plain numbers (host reads)."""
@@ -130,10 +130,10 @@ class LossScale:
     def load_state_dict(self, values: dict[str, Any], call: str = "LossScale.load_state_dict") -> None:
         """Restore what :meth:`state_dict` saved; the whole record is checked before anything changes."""
         if isinstance(values, dict) and "scale" in values and not isinstance(values["scale"], (list, tuple)):
-            checked_scale(call, values["scale"], self._policy.min_scale, self._policy.max_scale, "field 'scale'")
+            validated_scale(call, values["scale"], self._policy.min_scale, self._policy.max_scale, "field 'scale'")
         state = state_from_dict(self._state, values, call)
         for scale in state.scale.reshape(-1).tolist():  # each state of a batch, and the float32 value itself
-            checked_scale(call, scale, self._policy.min_scale, self._policy.max_scale, "field 'scale'")
+            validated_scale(call, scale, self._policy.min_scale, self._policy.max_scale, "field 'scale'")
         self._state = state
 
     def __getstate__(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lossscale.checks import ArgumentTypeError, check_int_at_least, unlike_tensor
+from lossscale.validation import ArgumentTypeError, validate_int_at_least, unlike_tensor
 
 __all__ = ["EMA"]
 
@@ -55,7 +55,7 @@ class EMA:
         return {"momentum": self.momentum, "overwrite_every": self.overwrite_every,
                 "shadow": [s.clone() for s in self.shadow]}
 
-    def check_state_dict(self, state: Any) -> None:
+    def validate_state_dict(self, state: Any) -> None:
         """Raise unless ``state`` is what :meth:`state_dict` saved for this EMA (same momentum and overwrite_every,
         one finite shadow per parameter, of its shape and dtype). Changes nothing."""
         call = "EMA.load_state_dict"
@@ -80,7 +80,7 @@ class EMA:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`, checked whole first (one host read per tensor)."""
-        self.check_state_dict(state)
+        self.validate_state_dict(state)
         with torch.no_grad():
             for s, v in zip(self.shadow, state["shadow"]):
                 s.copy_(v)
@@ -94,5 +94,5 @@ def _check_config(call: str, momentum: Any, overwrite_every: Any) -> None:
     if not (0.0 <= momentum < 1.0):
         raise ValueError(f"{call}(momentum={momentum!r}): momentum must be in [0, 1); got {momentum!r}.")
     if overwrite_every is not None:
-        check_int_at_least(call, "overwrite_every", overwrite_every, 1)
+        validate_int_at_least(call, "overwrite_every", overwrite_every, 1)
 

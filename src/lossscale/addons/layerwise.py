@@ -64,7 +64,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from lossscale.checks import check_int_at_least, check_process_group
+from lossscale.validation import validate_int_at_least, validate_process_group
 from lossscale.ops import distributed as _dist
 from lossscale.ops.gather import gathered
 
@@ -237,8 +237,8 @@ class LayerScales:
         for name, value, low in (("margin", margin, 0), ("search_step", search_step, 1),
                                  ("max_exponent", max_exponent, 1), ("history", history, 1),
                                  ("forget_interval", forget_interval, 1)):
-            check_int_at_least(call, name, value, low)
-        check_process_group(call, process_group)
+            validate_int_at_least(call, name, value, low)
+        validate_process_group(call, process_group)
         self.process_group = process_group
         self.margin, self.search_step, self.max_exponent = margin, search_step, max_exponent
         self.history, self.forget_interval = history, forget_interval
@@ -768,15 +768,15 @@ class LayerScales:
         return {"units": [n for n, _ in self.units], "order": list(self._order), "calibrated": self._calibrated,
                 **{k: getattr(self, k).tolist() for k in _FIELDS}}
 
-    def check_state_dict(self, state: Any) -> dict[str, Any]:
+    def validate_state_dict(self, state: Any) -> dict[str, Any]:
         """What :meth:`load_state_dict` would install, or the error it would raise; changes nothing."""
         like = {k: getattr(self, k) for k in _FIELDS}
-        return checked_layer_state([n for n, _ in self.units], state, like)
+        return validated_layer_state([n for n, _ in self.units], state, like)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output, checked whole first (:meth:`check_state_dict`). A group's units
+        """Restore :meth:`state_dict`'s output, checked whole first (:meth:`validate_state_dict`). A group's units
         take their smallest exponent; the wiring is read again at the next backward pass."""
-        checked = self.check_state_dict(state)
+        checked = self.validate_state_dict(state)
         for k in _FIELDS:
             setattr(self, k, checked[k])
         self._calibrated = checked["calibrated"]
@@ -800,7 +800,7 @@ _LOADER = "LayerScales.load_state_dict"
 _FIELDS = ("exponent", "level", "observed", "penalty")
 
 
-def checked_layer_state(names: list[str], state: Any, like: dict[str, torch.Tensor]) -> dict[str, Any]:
+def validated_layer_state(names: list[str], state: Any, like: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The per-unit tensors (shaped, typed and placed as ``like``), the chain order and ``calibrated`` of ``state``.
 
     Rule: ``state`` is what ``LayerScales.state_dict()`` saved for the same units (``names``, in order);

@@ -26,9 +26,9 @@ from typing import Any, ContextManager, Iterable, Literal
 
 import torch
 
-from lossscale.checks import ArgumentTypeError
+from lossscale.validation import ArgumentTypeError
 
-__all__ = ["PrecisionSchedule", "ScheduleConfig", "ScheduleState", "advance", "check_attachable", "parse_mode"]
+__all__ = ["PrecisionSchedule", "ScheduleConfig", "ScheduleState", "advance", "validate_attachable", "parse_mode"]
 
 Trigger = Literal["step", "loss"]
 
@@ -259,10 +259,10 @@ class PrecisionSchedule:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the mode must match (total_steps/target_loss may change on resume)."""
-        self._state = self.check_state_dict(state_dict)
+        self._state = self.validate_state_dict(state_dict)
         self._told = True
 
-    def check_state_dict(self, state_dict: Any) -> ScheduleState:
+    def validate_state_dict(self, state_dict: Any) -> ScheduleState:
         """The state :meth:`load_state_dict` would install, or the error it would raise; changes nothing."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"{self!r}.load_state_dict(state_dict={state_dict!r}): state_dict must be a dict "
@@ -293,7 +293,7 @@ def _checked_state(call: str, state_dict: dict[str, Any]) -> ScheduleState:
     return ScheduleState(**values)
 
 
-def check_attachable(schedule: Any, params: Iterable[torch.Tensor]) -> None:
+def validate_attachable(schedule: Any, params: Iterable[torch.Tensor]) -> None:
     """Refuse a non-schedule, and parameters already in float16/bfloat16 (no original precision to return to)."""
     if not isinstance(schedule, PrecisionSchedule):
         raise TypeError(f"LossScaleOptimizer(schedule={schedule!r}): schedule must be a lossscale.PrecisionSchedule.")

@@ -9,35 +9,28 @@ from typing import Any
 
 import torch
 
-from lossscale.checks import ArgumentTypeError, check_int_in_range, checked_state_dict
+from lossscale.validation import ArgumentTypeError, validate_int_in_range, validated_state_dict
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policies.base import Policy, ScaleState
 from lossscale.state import LossScale
 
-__all__ = ["COUNTER_MAX", "LossScaleHolder", "OptimizerHolder", "check_optimizer", "check_optional_number",
-           "checked_counters", "checked_tensors"]
+__all__ = ["COUNTER_MAX", "LossScaleHolder", "OptimizerHolder", "validate_optional_number",
+           "validated_counters", "validated_tensors"]
 
 #: The largest saved step counter a facade loads (exact in int64).
 COUNTER_MAX = 2**62
 
 
-def checked_counters(call: str, state_dict: Any, keys: Iterable[str], counters: Iterable[str]) -> dict[str, Any]:
+def validated_counters(call: str, state_dict: Any, keys: Iterable[str], counters: Iterable[str]) -> dict[str, Any]:
     """``state_dict`` if it is a dict holding ``keys`` and each of ``counters`` is an int (not a bool) in
     [0, 2**62]; else a TypeError or ValueError, before anything is loaded."""
-    checked_state_dict(call, state_dict, keys)
+    validated_state_dict(call, state_dict, keys)
     for name in counters:
-        check_int_in_range(call, f"state_dict[{name!r}]", state_dict[name], 0, COUNTER_MAX)
+        validate_int_in_range(call, f"state_dict[{name!r}]", state_dict[name], 0, COUNTER_MAX)
     return state_dict
 
 
-def check_optimizer(call: str, name: str, value: Any) -> None:
-    """Raise a TypeError naming ``name`` unless ``value`` is a ``torch.optim.Optimizer``."""
-    if not isinstance(value, torch.optim.Optimizer):
-        raise TypeError(f"{call}({name}={value!r}): {name} must be a torch.optim.Optimizer; got "
-                        f"{type(value).__name__}.")
-
-
-def check_optional_number(call: str, name: str, value: Any, low: float = 0.0, inclusive: bool = False) -> None:
+def validate_optional_number(call: str, name: str, value: Any, low: float = 0.0, inclusive: bool = False) -> None:
     """None, or a finite number > ``low`` (>= with ``inclusive``)."""
     if value is None:
         return
@@ -49,7 +42,7 @@ def check_optional_number(call: str, name: str, value: Any, low: float = 0.0, in
         raise ValueError(f"{call}({name}={value!r}): {name} must be None or a finite number {rule}; got {value!r}.")
 
 
-def checked_tensors(call: str, name: str, value: Any, *, none_items: bool) -> list[Any]:
+def validated_tensors(call: str, name: str, value: Any, *, none_items: bool) -> list[Any]:
     """``value`` as a list of tensors (and None where ``none_items``), else a TypeError naming ``name``."""
     if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Iterable):
         raise TypeError(f"{call}({name}={value!r}): {name} must be a list of tensors; got {type(value).__name__}.")
@@ -85,7 +78,7 @@ class LossScaleHolder:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; the whole dict is checked before anything changes."""
         call = f"{type(self).__name__}.load_state_dict"
-        checked_state_dict(call, state_dict, ("policy_state",))
+        validated_state_dict(call, state_dict, ("policy_state",))
         self.loss_scale.load_state_dict(state_dict["policy_state"], call=call)
 
 

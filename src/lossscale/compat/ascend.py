@@ -46,9 +46,9 @@ import torch.distributed as dist
 
 from lossscale import presets
 from lossscale.addons.schedule import PrecisionSchedule, parse_mode
-from lossscale.checks import FLOAT32_MAX, check_choice, check_int_at_least, check_scale
-from lossscale.compat._common import LossScaleHolder, check_optimizer
-from lossscale.ops.overflow import OverflowMode, check_mode
+from lossscale.validation import validate_optimizer, FLOAT32_MAX, validate_choice, validate_int_at_least, validate_scale
+from lossscale.compat._common import LossScaleHolder
+from lossscale.ops.overflow import OverflowMode, validate_mode
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policies.base import FixedScale
 
@@ -124,7 +124,7 @@ class FixedLossScaleManager(_LossScaleManager):
     """
 
     def __init__(self, loss_scale: float) -> None:
-        check_scale("FixedLossScaleManager", "loss_scale", loss_scale, low=1.0, high=FLOAT32_MAX)
+        validate_scale("FixedLossScaleManager", "loss_scale", loss_scale, low=1.0, high=FLOAT32_MAX)
         super().__init__(FixedScale(float(loss_scale)))
 
 
@@ -155,13 +155,13 @@ class NPULossScaleOptimizer(LossScaleOptimizer):
     def __init__(self, opt: torch.optim.Optimizer, loss_scale_manager: _LossScaleManager,
                  is_distributed: bool = False, overflow_mode: OverflowMode = "inf_nan", **kwargs: Any) -> None:
         call = "NPULossScaleOptimizer"
-        check_optimizer(call, "opt", opt)
+        validate_optimizer(call, opt, "opt")
         if not isinstance(loss_scale_manager, _LossScaleManager):
             raise TypeError(f"{call}(loss_scale_manager={loss_scale_manager!r}): loss_scale_manager must be an "
                             f"ExponentialUpdateLossScaleManager or a FixedLossScaleManager from "
                             f"lossscale.compat.ascend; got {type(loss_scale_manager).__name__}.")
-        check_choice(call, "is_distributed", is_distributed, (True, False))
-        check_mode(call, overflow_mode)
+        validate_choice(call, "is_distributed", is_distributed, (True, False))
+        validate_mode(call, overflow_mode)
         if is_distributed and not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"{call}(is_distributed=True): overflow is agreed over a torch.distributed process "
                              f"group, and none is initialized; call torch.distributed.init_process_group(...) "
@@ -200,9 +200,9 @@ class TellMeStepOrLossHook:
         if step_form == loss_form:
             raise ValueError(f"{call}: {rule}; got {'both' if step_form else 'neither'}.")
         if step_form:
-            check_int_at_least("TellMeStepOrLossHook", "total_step", total_step, 1)
+            validate_int_at_least("TellMeStepOrLossHook", "total_step", total_step, 1)
             step = 0 if step is None else step
-            check_int_at_least("TellMeStepOrLossHook", "step", step, 0)
+            validate_int_at_least("TellMeStepOrLossHook", "step", step, 0)
         elif (isinstance(final_loss, bool) or not isinstance(final_loss, (int, float))
               or not 0 < final_loss < float("inf")):
             raise ValueError(f"{call}: final_loss must be a finite number > 0 (the schedule switches back at "

@@ -39,9 +39,9 @@ import torch
 
 from lossscale import presets
 from lossscale.addons.ema import EMA
-from lossscale.checks import check_choice, check_int_at_least
-from lossscale.compat._common import (OptimizerHolder, check_optimizer, check_optional_number, checked_counters,
-                                      checked_tensors)
+from lossscale.validation import validate_optimizer, validate_choice, validate_int_at_least
+from lossscale.compat._common import (OptimizerHolder, validate_optional_number, validated_counters,
+                                      validated_tensors)
 from lossscale.ops.clip import PerTensorClip
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
 from lossscale.reporting import StepResult
@@ -73,8 +73,8 @@ def _checked_base_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
                         f"{', '.join(unknown)}; the base optimizer arguments are {', '.join(BASE_KWARGS)}.")
     args = {**BASE_KWARGS, **kwargs}
     for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
-        check_optional_number(_CALL, name, args[name])
-    check_optional_number(_CALL, "weight_decay", args["weight_decay"], inclusive=True)
+        validate_optional_number(_CALL, name, args[name])
+    validate_optional_number(_CALL, "weight_decay", args["weight_decay"], inclusive=True)
     clips = [n for n in ("clipnorm", "clipvalue", "global_clipnorm") if args[n] is not None]
     if len(clips) > 1:
         raise ValueError(f"{_CALL}({', '.join(f'{n}={args[n]!r}' for n in clips)}): only one of clipnorm, clipvalue "
@@ -82,7 +82,7 @@ def _checked_base_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     for name in ("use_ema", "ema_momentum"):
         if args[name] is None:
             args[name] = BASE_KWARGS[name]
-    check_choice(_CALL, "use_ema", args["use_ema"], (True, False))
+    validate_choice(_CALL, "use_ema", args["use_ema"], (True, False))
     m = args["ema_momentum"]
     rule = f"{_CALL}(ema_momentum={m!r}): ema_momentum must be None or a number in [0, 1]"
     if isinstance(m, bool) or not isinstance(m, (int, float)):
@@ -93,9 +93,9 @@ def _checked_base_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise TypeError(f"{_CALL}(name={args['name']!r}): name must be a str or None; got "
                         f"{type(args['name']).__name__}.")
     if args["ema_overwrite_frequency"] is not None:
-        check_int_at_least(_CALL, "ema_overwrite_frequency", args["ema_overwrite_frequency"], 1)
+        validate_int_at_least(_CALL, "ema_overwrite_frequency", args["ema_overwrite_frequency"], 1)
     if args["gradient_accumulation_steps"] is not None:
-        check_int_at_least(_CALL, "gradient_accumulation_steps", args["gradient_accumulation_steps"], 2)
+        validate_int_at_least(_CALL, "gradient_accumulation_steps", args["gradient_accumulation_steps"], 2)
     return args
 
 
@@ -125,7 +125,7 @@ def _checked_grads(call: str, grads: Any, variables: Sequence[torch.Tensor],
                    known: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """``grads`` as a list, one per variable (None allowed), shapes matching, not all None; every variable
     a parameter of the inner optimizer. Else a TypeError or ValueError."""
-    grads = checked_tensors(call, "grads", grads, none_items=True)
+    grads = validated_tensors(call, "grads", grads, none_items=True)
     if len(grads) != len(variables):
         raise ValueError(f"{call}(grads, trainable_variables): got {len(grads)} gradients for {len(variables)} "
                          f"variables; pass one gradient (or None) per variable.")
@@ -194,7 +194,7 @@ class LossScaleOptimizer(OptimizerHolder):
 
     def __init__(self, inner_optimizer: torch.optim.Optimizer, initial_scale: float = 32768,
                  dynamic_growth_steps: int = 2000, **base_kwargs: Any) -> None:
-        check_optimizer(_CALL, "inner_optimizer", inner_optimizer)
+        validate_optimizer(_CALL, inner_optimizer, "inner_optimizer")
         args = _checked_base_kwargs(base_kwargs)
         policy = presets.keras(initial_scale, dynamic_growth_steps, call=_CALL)
         self.inner_optimizer = inner_optimizer
@@ -284,7 +284,7 @@ class LossScaleOptimizer(OptimizerHolder):
                 "applied": int(self._applied)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        checked_counters(f"{_CALL}.load_state_dict", state_dict, ("core", "iterations", "applied"),
+        validated_counters(f"{_CALL}.load_state_dict", state_dict, ("core", "iterations", "applied"),
                          ("iterations", "applied"))
         self._opt.load_state_dict(state_dict["core"])
         self._iterations.fill_(state_dict["iterations"])

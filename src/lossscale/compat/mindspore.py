@@ -38,8 +38,8 @@ from typing import Any, Callable
 import torch
 
 from lossscale import presets
-from lossscale.checks import FLOAT32_MAX, check_choice, check_scale, checked_scale
-from lossscale.compat._common import LossScaleHolder, OptimizerHolder, check_optimizer, checked_counters
+from lossscale.validation import validate_optimizer, FLOAT32_MAX, validate_choice, validate_scale, validated_scale
+from lossscale.compat._common import LossScaleHolder, OptimizerHolder, validated_counters
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policies.base import FixedScale
 from lossscale.reporting import StepResult
@@ -98,7 +98,7 @@ class DynamicLossScaleUpdateCell(LossScaleHolder):
 
     def __init__(self, loss_scale_value: float, scale_factor: float, scale_window: int) -> None:
         call = "DynamicLossScaleUpdateCell"
-        check_scale(call, "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)
+        validate_scale(call, "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)
         super().__init__(presets.mindspore(loss_scale_value, scale_factor, scale_window, call=call))
         self.loss_scale_value = loss_scale_value
         self.scale_factor = scale_factor
@@ -128,7 +128,7 @@ class FixedLossScaleUpdateCell(LossScaleHolder):
     """An update cell that keeps the scale: ``cell(loss_scale, overflow)`` returns ``overflow``."""
 
     def __init__(self, loss_scale_value: float) -> None:
-        check_scale("FixedLossScaleUpdateCell", "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)
+        validate_scale("FixedLossScaleUpdateCell", "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)
         super().__init__(FixedScale(float(loss_scale_value)))
         self.loss_scale_value = loss_scale_value
 
@@ -195,7 +195,7 @@ class DynamicLossScaleManager(LossScaleHolder):
         return {**super().state_dict(), "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        checked_counters("DynamicLossScaleManager.load_state_dict", state_dict, ("policy_state", "bad_steps"),
+        validated_counters("DynamicLossScaleManager.load_state_dict", state_dict, ("policy_state", "bad_steps"),
                          ("bad_steps",))
         super().load_state_dict(state_dict)
         self.bad_steps = state_dict["bad_steps"]
@@ -205,8 +205,8 @@ class FixedLossScaleManager(LossScaleHolder):
     """A constant scale (>= 1); ``drop_overflow_update`` says whether overflowing steps are skipped."""
 
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
-        check_scale("FixedLossScaleManager", "loss_scale", loss_scale, low=1.0, high=FLOAT32_MAX)
-        check_choice("FixedLossScaleManager", "drop_overflow_update", drop_overflow_update, (True, False))
+        validate_scale("FixedLossScaleManager", "loss_scale", loss_scale, low=1.0, high=FLOAT32_MAX)
+        validate_choice("FixedLossScaleManager", "drop_overflow_update", drop_overflow_update, (True, False))
         super().__init__(FixedScale(float(loss_scale)))
         self.drop_overflow_update = drop_overflow_update
 
@@ -249,7 +249,7 @@ class TrainOneStepWithLossScaleCell(OptimizerHolder):
         call = "TrainOneStepWithLossScaleCell"
         if not callable(network):
             raise TypeError(f"{call}(network={network!r}): network must be a callable returning the loss.")
-        check_optimizer(call, "optimizer", optimizer)
+        validate_optimizer(call, optimizer, "optimizer")
         self.network = network
         self.optimizer = optimizer
         self.loss_scaling_manager = None
@@ -260,7 +260,7 @@ class TrainOneStepWithLossScaleCell(OptimizerHolder):
             if tuple(scale_sense.shape) not in ((), (1,)):
                 raise ValueError(f"{call}(scale_sense=tensor of shape {tuple(scale_sense.shape)}): the shape of "
                                  f"scale_sense must be (1,) or (); got {tuple(scale_sense.shape)}.")
-            loss_scale = LossScale(FixedScale(checked_scale(f"{call}(scale_sense={scale_sense!r})", scale_sense)))
+            loss_scale = LossScale(FixedScale(validated_scale(f"{call}(scale_sense={scale_sense!r})", scale_sense)))
         else:
             raise TypeError(f"{call}(scale_sense={scale_sense!r}): scale_sense must be an update cell "
                             f"(DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell) or a tensor; got "

@@ -31,8 +31,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lossscale import presets
-from lossscale.checks import check_choice, check_int_at_least
-from lossscale.compat._common import OptimizerHolder, check_optional_number, checked_tensors
+from lossscale.validation import validate_choice, validate_int_at_least
+from lossscale.compat._common import OptimizerHolder, validate_optional_number, validated_tensors
 from lossscale.ops.distributed import all_reduce_grads_
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.reporting import StepResult
@@ -93,10 +93,10 @@ class DynamicLossScalingUpdater(OptimizerHolder):
                                   ("data_feeder", data_feeder, "loading the next batch")):
             if not callable(value):
                 raise TypeError(f"{call}({name}={value!r}): {name} must be a zero-argument callable ({role}).")
-        check_int_at_least(call, "accum_grad", accum_grad, 1)
-        check_optional_number(call, "weight_decay", weight_decay, inclusive=True)
-        check_choice(call, "clear_buffer", clear_buffer, (True, False))
-        grads = [] if grads is None else checked_tensors(call, "grads", grads, none_items=False)
+        validate_int_at_least(call, "accum_grad", accum_grad, 1)
+        validate_optional_number(call, "weight_decay", weight_decay, inclusive=True)
+        validate_choice(call, "clear_buffer", clear_buffer, (True, False))
+        grads = [] if grads is None else validated_tensors(call, "grads", grads, none_items=False)
         _check_comm(call, comm, grads)
         if weight_decay and kwargs.get("skip_mode", "auto") not in ("auto", "host", "masked"):
             raise ValueError(f"{call}(weight_decay={weight_decay!r}, skip_mode={kwargs['skip_mode']!r}): weight decay "

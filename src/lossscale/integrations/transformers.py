@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from lossscale.checks import StateDictError
+from lossscale.validation import StateDictError
 from lossscale.integrations import require
 
 require("transformers", "transformers", "transformers")

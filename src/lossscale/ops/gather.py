@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from lossscale.checks import capturing
+from lossscale.validation import capturing
 
 __all__ = ["gathered", "largest"]
 

@@ -20,7 +20,7 @@ from typing import Iterable, Literal, Sequence
 
 import torch
 
-from lossscale.checks import ArgumentTypeError, check_choice
+from lossscale.validation import ArgumentTypeError, validate_choice
 from lossscale.ops.gather import largest
 
 __all__ = [
@@ -39,9 +39,9 @@ OverflowMode = Literal["inf_nan", "saturation"]
 OVERFLOW_MODES: tuple[str, ...] = ("inf_nan", "saturation")
 
 
-def check_mode(call: str, mode: str) -> None:
+def validate_mode(call: str, mode: str) -> None:
     """Check an ``overflow_mode`` argument."""
-    check_choice(call, "overflow_mode", mode, OVERFLOW_MODES)
+    validate_choice(call, "overflow_mode", mode, OVERFLOW_MODES)
 
 
 def saturation_threshold(dtype: torch.dtype = torch.float16, call: str = "saturation_threshold") -> float:

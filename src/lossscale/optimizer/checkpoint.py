@@ -10,27 +10,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from lossscale.checks import check_int_in_range, checked_state_dict, unlike_tensor
+from lossscale.validation import validate_int_in_range, validated_state_dict, unlike_tensor
 
-__all__ = ["checked_position", "checked_window", "checked_loss_finite", "checked_seen_switch"]
+__all__ = ["validated_position", "validated_window", "validated_loss_finite", "validated_seen_switch"]
 
 _REQUIRED = ("inner", "policy_state", "micro_step", "boundaries")
 
 
-def checked_position(call: str, state_dict: dict[str, Any], accumulation_steps: int) -> tuple[int, int]:
+def validated_position(call: str, state_dict: dict[str, Any], accumulation_steps: int) -> tuple[int, int]:
     """(micro_step, boundaries) of a checkpoint holding every required key."""
-    checked_state_dict(call, state_dict, _REQUIRED, " A plain torch optimizer's state_dict goes to "
+    validated_state_dict(call, state_dict, _REQUIRED, " A plain torch optimizer's state_dict goes to "
                        "opt.inner.load_state_dict(...).")
     micro, boundaries = state_dict["micro_step"], state_dict["boundaries"]
-    check_int_in_range(call, "micro_step", micro, 0, accumulation_steps - 1)
-    check_int_in_range(call, "boundaries", boundaries, 0, 2**62)
+    validate_int_in_range(call, "micro_step", micro, 0, accumulation_steps - 1)
+    validate_int_in_range(call, "boundaries", boundaries, 0, 2**62)
     return micro, boundaries
 
 
 _PRECISIONS = (None, "float16", "bfloat16", "float32")  # what a window records
 
 
-def checked_window(call: str, state_dict: dict[str, Any], params: list[Any], micro: int
+def validated_window(call: str, state_dict: dict[str, Any], params: list[Any], micro: int
                    ) -> tuple[list[Any], tuple[bool, str | None] | None]:
     """The gradients accumulated so far (one entry per parameter: None, or a tensor of its shape and dtype)
     and the window's decision ``(scaled, precision)``, both required mid-window and refused otherwise."""
@@ -56,7 +56,7 @@ def checked_window(call: str, state_dict: dict[str, Any], params: list[Any], mic
     return list(grads), tuple(window)
 
 
-def checked_loss_finite(call: str, state_dict: dict[str, Any], micro: int) -> bool | None:
+def validated_loss_finite(call: str, state_dict: dict[str, Any], micro: int) -> bool | None:
     """Whether every loss of the window so far was finite (saved mid-window for a policy that observes the losses),
     or None where the checkpoint holds no such entry."""
     finite = state_dict.get("loss_finite")
@@ -70,7 +70,7 @@ def checked_loss_finite(call: str, state_dict: dict[str, Any], micro: int) -> bo
     return finite
 
 
-def checked_seen_switch(call: str, state_dict: dict[str, Any]) -> bool | None:
+def validated_seen_switch(call: str, state_dict: dict[str, Any]) -> bool | None:
     """The saved ``seen_switch`` (whether the run reported its switch back to the original precision), or None."""
     seen = state_dict.get("seen_switch")
     if seen is not None and not isinstance(seen, bool):

@@ -15,8 +15,8 @@ import torch
 
 from lossscale import stages
 from lossscale.addons.layerwise import LayerScales
-from lossscale.addons.schedule import PrecisionSchedule, check_attachable
-from lossscale.checks import ArgumentTypeError, capturing
+from lossscale.addons.schedule import PrecisionSchedule, validate_attachable
+from lossscale.validation import ArgumentTypeError, capturing
 from lossscale.ops.clip import global_clip_coefficient, global_norm_squared, grouped_norm_squared
 from lossscale.ops.flat import FlatGrads
 from lossscale.ops.masked import MaskedSkip
@@ -24,7 +24,7 @@ from lossscale.ops.overflow import check_, unscale_and_check_
 from lossscale.ops.underflow import underflow_share
 from lossscale.optimizer import checkpoint
 from lossscale.optimizer.options import StepOptions
-from lossscale.policies.base import FloorError, Policy, check_policy
+from lossscale.policies.base import FloorError, Policy, validate_policy
 from lossscale.reporting import StepResult
 from lossscale.state import LossScale
 
@@ -161,7 +161,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                                     f"torch.nn.Module whose parameters the optimizer updates (it names them); got "
                                     f"{type(module).__name__}.")
         if policy is not None and not isinstance(policy, LossScale):
-            check_policy("LossScaleOptimizer", policy)
+            validate_policy("LossScaleOptimizer", policy)
         self.inner = inner
         self._run = _Run(options=StepOptions(**options))
         self._configure(self._run.options, flat=False)
@@ -325,7 +325,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if run.flat is not None and not run.flat.attached(params := self._params()):
             self._attach_flat(params)  # before the backward, so that it writes into the buffer
         if not run.window[0] and self.options.accumulation_steps == 1:
-            stages.check_loss("LossScaleOptimizer.scale_loss(loss)", loss)
+            stages.validate_loss("LossScaleOptimizer.scale_loss(loss)", loss)
             scaled = loss
         else:
             factor = self._loss_scale.scale if run.window[0] else torch.ones_like(self._loss_scale.scale)
@@ -340,7 +340,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale_loss(loss).backward(**kwargs)``."""
-        stages.check_loss("LossScaleOptimizer.backward(loss)", loss)
+        stages.validate_loss("LossScaleOptimizer.backward(loss)", loss)
         self.scale_loss(loss).backward(**kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -398,7 +398,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if not active:
                 inv = torch.ones_like(scale)
             elif run.explicit_unscale or options.clip_grad_norm is not None:
-                inv = stages.inverse_(scale, found)
+                inv = stages.inverse(scale, found)
             else:
                 inv = None
             amax, norm_sq, detected = self._measure(groups, found, active, checking)
@@ -591,7 +591,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def attach_schedule(self, schedule: PrecisionSchedule) -> None:
         """Scale only while ``schedule`` is in float16; refuse parameters already in low precision."""
-        check_attachable(schedule, self._params())
+        validate_attachable(schedule, self._params())
         self._run.schedule = schedule
         self._run.seen_switch = schedule.switched
 
@@ -672,13 +672,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         call = "LossScaleOptimizer.load_state_dict"
         run = self._run
         params = self._params()
-        micro, boundaries = checkpoint.checked_position(call, state_dict, self.options.accumulation_steps)
-        grads, window = checkpoint.checked_window(call, state_dict, params, micro)
-        loss_finite = checkpoint.checked_loss_finite(call, state_dict, micro)
+        micro, boundaries = checkpoint.validated_position(call, state_dict, self.options.accumulation_steps)
+        grads, window = checkpoint.validated_window(call, state_dict, params, micro)
+        loss_finite = checkpoint.validated_loss_finite(call, state_dict, micro)
         parts = [(key, part) for key, part in self._parts() if key in state_dict]
         for key, part in parts:
-            part.check_state_dict(state_dict[key])
-        seen_switch = checkpoint.checked_seen_switch(call, state_dict)
+            part.validate_state_dict(state_dict[key])
+        seen_switch = checkpoint.validated_seen_switch(call, state_dict)
         before = self._loss_scale.state_dict()
         self._loss_scale.load_state_dict(state_dict["policy_state"], f"{call} (key 'policy_state')")
         try:

@@ -8,9 +8,9 @@ from typing import Any, Callable, Literal
 import torch
 
 from lossscale.addons.ema import EMA
-from lossscale.checks import (check_choice, check_int_at_least, check_positive_or_none, check_process_group,
-                              require_real)
-from lossscale.ops.overflow import OverflowMode, check_mode, saturation_threshold
+from lossscale.validation import (validate_choice, validate_int_at_least, validate_positive_or_none, validate_process_group,
+                              validate_real)
+from lossscale.ops.overflow import OverflowMode, validate_mode, saturation_threshold
 
 __all__ = ["SkipMode", "StepOptions"]
 
@@ -38,30 +38,30 @@ class StepOptions:
 
     def __post_init__(self) -> None:
         call = "LossScaleOptimizer"
-        check_mode(call, self.overflow_mode)
-        check_positive_or_none(call, "clip_grad_norm", self.clip_grad_norm)
-        check_positive_or_none(call, "clip_grad_value", self.clip_grad_value)
+        validate_mode(call, self.overflow_mode)
+        validate_positive_or_none(call, "clip_grad_norm", self.clip_grad_norm)
+        validate_positive_or_none(call, "clip_grad_value", self.clip_grad_value)
         clips = [n for n in ("clip_grad_norm", "clip_grad_value", "transform_unscaled") if getattr(self, n) is not None]
         if len(clips) > 1:
             raise ValueError(f"{call}({', '.join(clips)}): set at most one way of clipping (as Keras requires); "
                              f"got {len(clips)}.")
-        check_int_at_least(call, "accumulation_steps", self.accumulation_steps, 1)
+        validate_int_at_least(call, "accumulation_steps", self.accumulation_steps, 1)
         if self.ema is not None and not isinstance(self.ema, EMA):
             raise TypeError(f"{call}(ema={self.ema!r}): ema must be a lossscale.EMA or None.")
         wd = self.weight_decay
         if wd is not None:
-            require_real(call, "weight_decay", wd, "None or a finite number >= 0")
+            validate_real(call, "weight_decay", wd, "None or a finite number >= 0")
             if not 0 <= wd < float("inf"):
                 raise ValueError(f"{call}(weight_decay={wd!r}): weight_decay must be None or a finite number >= 0; "
                                  f"got {wd!r}.")
-        check_process_group(call, self.process_group)
-        check_choice(call, "skip_mode", self.skip_mode, ("auto", "fused", "host", "masked"))
-        check_choice(call, "check_when_unscaled", self.check_when_unscaled, (True, False))
-        check_choice(call, "sharded_grads", self.sharded_grads, (None, True, False))
-        check_choice(call, "flat_grads", self.flat_grads, (True, False))
+        validate_process_group(call, self.process_group)
+        validate_choice(call, "skip_mode", self.skip_mode, ("auto", "fused", "host", "masked"))
+        validate_choice(call, "check_when_unscaled", self.check_when_unscaled, (True, False))
+        validate_choice(call, "sharded_grads", self.sharded_grads, (None, True, False))
+        validate_choice(call, "flat_grads", self.flat_grads, (True, False))
         saturation_threshold(self.saturation_dtype, call)
         if self.underflow_stride is not None:
-            check_int_at_least(call, "underflow_stride", self.underflow_stride, 1)
+            validate_int_at_least(call, "underflow_stride", self.underflow_stride, 1)
         if self.transform_unscaled is not None and not callable(self.transform_unscaled):
             raise TypeError(f"{call}(transform_unscaled={self.transform_unscaled!r}): transform_unscaled must be a "
                             f"callable taking the list of unscaled gradients, or None.")

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lossscale.checks import FLOAT32_MAX, INT32_MAX, SMALLEST_NORMAL_FLOAT32, StateDictError, checked_scale
+from lossscale.validation import FLOAT32_MAX, INT32_MAX, SMALLEST_NORMAL_FLOAT32, StateDictError, validated_scale
 
 __all__ = [
     "FixedScale",
@@ -21,8 +21,8 @@ __all__ = [
     "Policy",
     "ScaleState",
     "as_flag",
-    "check_flag",
-    "check_policy",
+    "validate_found_inf",
+    "validate_policy",
     "move_state",
     "state_from_dict",
     "state_to_dict",
@@ -66,8 +66,8 @@ class Policy:
     - ``observes_amax`` (False): True asks for ``amax``, the largest scaled-gradient magnitude of the step.
     - ``observes_loss_finite`` (False): True asks for ``update(..., loss_finite=...)``, whether every loss of the
       step was finite (0-d bool).
-    - ``check_floor(state)``: the floor rule, run after every update; may raise :class:`FloorError`.
-    - ``floor_reads_host`` (False): True where ``check_floor`` reads the state on the host (it cannot run inside a
+    - ``enforce_floor(state)``: the floor rule, run after every update; may raise :class:`FloorError`.
+    - ``floor_reads_host`` (False): True where ``enforce_floor`` reads the state on the host (it cannot run inside a
       CUDA graph).
     - ``cuda_graph`` (False): True asks :class:`~lossscale.LossScale` to replay ``update`` from a CUDA graph when the
       state is on a CUDA device (worth it for a rule of many small kernels; ``update`` must then make no host read).
@@ -90,16 +90,16 @@ class Policy:
         raise NotImplementedError(f"{type(self).__name__}.update(state, found_inf, amax) is required by the Policy "
                                   f"protocol")
 
-    def check_floor(self, state: Any) -> None:
+    def enforce_floor(self, state: Any) -> None:
         """The floor rule after an update: by default none (the scale stays at its floor and steps skip)."""
 
     @property
     def floor_reads_host(self) -> bool:
-        """Whether :meth:`check_floor` reads the state on the host (by default it does nothing)."""
+        """Whether :meth:`enforce_floor` reads the state on the host (by default it does nothing)."""
         return False
 
 
-def check_policy(call: str, policy: Any) -> None:
+def validate_policy(call: str, policy: Any) -> None:
     """A TypeError unless ``policy`` is a :class:`Policy`."""
     if not isinstance(policy, Policy):
         raise TypeError(f"{call}(policy={policy!r}): policy must have init(device) and update(state, found_inf, "
@@ -107,7 +107,7 @@ def check_policy(call: str, policy: Any) -> None:
                         f"preset, or your own subclass of Policy); got {type(policy).__name__}.")
 
 
-def check_flag(found_inf: Any) -> None:
+def validate_found_inf(found_inf: Any) -> None:
     """A TypeError unless found_inf is a tensor (bool, or a float/int count as torch's scaler keeps it)."""
     if not isinstance(found_inf, torch.Tensor):
         raise TypeError(
@@ -118,7 +118,7 @@ def check_flag(found_inf: Any) -> None:
 
 def as_flag(found_inf: torch.Tensor, device: torch.device) -> torch.Tensor:
     """found_inf (bool, or a float/int count) as a 0-d bool on ``device``."""
-    check_flag(found_inf)
+    validate_found_inf(found_inf)
     flag = found_inf.to(device=device, non_blocking=True)
     return flag if flag.dtype == torch.bool else flag != 0
 
@@ -137,7 +137,7 @@ class FixedScale(Policy):
     scale: float = 2.0**16
 
     def __post_init__(self) -> None:
-        checked_scale(f"{type(self).__name__}(scale={self.scale!r})", self.scale, name="scale")
+        validated_scale(f"{type(self).__name__}(scale={self.scale!r})", self.scale, name="scale")
 
     def init(self, device: torch.device | str | None = None) -> ScaleState:
         """A state holding the fixed scale on ``device`` (default CPU)."""
@@ -151,7 +151,7 @@ class FixedScale(Policy):
 
     def update(self, state: ScaleState, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> ScaleState:
         """The same state: a fixed scale ignores overflow (found_inf's type is still checked)."""
-        check_flag(found_inf)
+        validate_found_inf(found_inf)
         return state
 
 

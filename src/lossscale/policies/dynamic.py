@@ -9,11 +9,11 @@ from typing import Any, Literal, Mapping
 
 import torch
 
-from lossscale.checks import (FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, check_choice, check_factor_above_one,
-                              check_fraction, check_int_in_range, check_scale_bounds, to_float32)
-from lossscale.policies.base import SATURATE, FloorError, Policy, ScaleState, as_flag, check_flag
+from lossscale.validation import (FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, validate_choice, validate_factor_above_one,
+                              validate_fraction, validate_int_in_range, validate_scale_bounds, to_float32)
+from lossscale.policies.base import SATURATE, FloorError, Policy, ScaleState, as_flag, validate_found_inf
 
-__all__ = ["DynamicScale", "check_dynamic_args"]
+__all__ = ["DynamicScale", "validate_dynamic_args"]
 
 
 @dataclass(frozen=True)
@@ -92,12 +92,12 @@ class DynamicScale(Policy):
         d = self.backoff_divisor
         if isinstance(d, (int, float)) and not isinstance(d, bool) and d > 1 and self.backoff_factor in (0.5, 1 / d):
             object.__setattr__(self, "backoff_factor", 1.0 / d)
-        check_dynamic_args(type(self).__name__, dataclasses.asdict(self))
+        validate_dynamic_args(type(self).__name__, dataclasses.asdict(self))
 
     def replaced(self, call: str, names: Mapping[str, str] | None = None, **changes: Any) -> DynamicScale:
         """A copy with ``changes``, checked first as ``call`` under the caller's argument ``names`` (a field ->
         the caller's name for it), so the error names the call the user made (``GradScaler.set_growth_factor``)."""
-        check_dynamic_args(call, {**dataclasses.asdict(self), **changes}, names)
+        validate_dynamic_args(call, {**dataclasses.asdict(self), **changes}, names)
         return dataclasses.replace(self, **changes)
 
     def init(self, device: torch.device | str | None = None) -> ScaleState:
@@ -112,7 +112,7 @@ class DynamicScale(Policy):
     def update(self, state: ScaleState, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> ScaleState:
         """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
         if self._torch_rule:
-            check_flag(found_inf)
+            validate_found_inf(found_inf)
             if _is_kernel_flag(found_inf, state):
                 return self._update_torch_rule(state, found_inf.bool(), found_inf)  # the flag as it came: 1 op
             bad = as_flag(found_inf, state.scale.device)
@@ -181,10 +181,10 @@ class DynamicScale(Policy):
 
     @property
     def floor_reads_host(self) -> bool:
-        """True with ``at_floor="raise"``: :meth:`check_floor` reads the floor counter on the host."""
+        """True with ``at_floor="raise"``: :meth:`enforce_floor` reads the floor counter on the host."""
         return self.at_floor == "raise"
 
-    def check_floor(self, state: ScaleState) -> None:
+    def enforce_floor(self, state: ScaleState) -> None:
         """Raise :class:`FloorError` if ``at_floor="raise"`` and the scale hit its floor (then one host read)."""
         if self.at_floor != "raise":
             return
@@ -204,7 +204,7 @@ def _is_kernel_flag(found_inf: torch.Tensor, state: ScaleState) -> bool:
     return found_inf.dtype == torch.float32 and found_inf.dim() == 0 and found_inf.device == state.scale.device
 
 
-def check_dynamic_args(call: str, args: Mapping[str, Any], names: Mapping[str, str] | None = None) -> None:
+def validate_dynamic_args(call: str, args: Mapping[str, Any], names: Mapping[str, str] | None = None) -> None:
     """The one check of :class:`DynamicScale`'s arguments: ``args`` maps field names to values (absent fields take
     their defaults); ``names`` maps a field to the caller's name for it (a preset's), which errors then give."""
     names = names or {}
@@ -216,22 +216,22 @@ def check_dynamic_args(call: str, args: Mapping[str, Any], names: Mapping[str, s
 
     d = v["backoff_divisor"]
     if d is not None:
-        check_factor_above_one(call, n("backoff_divisor"), d, "a backoff divides the scale by it")
+        validate_factor_above_one(call, n("backoff_divisor"), d, "a backoff divides the scale by it")
         if v["backoff_factor"] not in (0.5, 1.0 / d):
             raise ValueError(
                 f"{call}(backoff_factor={v['backoff_factor']!r}, backoff_divisor={d!r}): pass one of them; "
                 f"a backoff either multiplies by backoff_factor or divides by backoff_divisor; got both."
             )
-    check_scale_bounds(call, v["min_scale"], v["max_scale"], v["init_scale"],
+    validate_scale_bounds(call, v["min_scale"], v["max_scale"], v["init_scale"],
                        (n("min_scale"), n("max_scale"), n("init_scale")))
-    check_factor_above_one(call, n("growth_factor"), v["growth_factor"], "it multiplies the scale on growth")
+    validate_factor_above_one(call, n("growth_factor"), v["growth_factor"], "it multiplies the scale on growth")
     if d is None:
-        check_fraction(call, n("backoff_factor"), v["backoff_factor"], "it multiplies the scale when it backs off")
-    check_int_in_range(call, n("growth_interval"), v["growth_interval"], 1)
-    check_int_in_range(call, n("hysteresis"), v["hysteresis"], 1)
-    check_choice(call, n("hysteresis_mode"), v["hysteresis_mode"], ("consecutive", "cumulative"))
-    check_choice(call, n("refill_after_backoff"), v["refill_after_backoff"], (True, False))
-    check_choice(call, n("at_floor"), v["at_floor"], ("skip", "raise"))
-    check_choice(call, n("arithmetic"), v["arithmetic"], ("float64", "float32"))
-    check_choice(call, n("growth_guard"), v["growth_guard"], ("result", "operand"))
-    check_int_in_range(call, n("growth_delay"), v["growth_delay"], 0)
+        validate_fraction(call, n("backoff_factor"), v["backoff_factor"], "it multiplies the scale when it backs off")
+    validate_int_in_range(call, n("growth_interval"), v["growth_interval"], 1)
+    validate_int_in_range(call, n("hysteresis"), v["hysteresis"], 1)
+    validate_choice(call, n("hysteresis_mode"), v["hysteresis_mode"], ("consecutive", "cumulative"))
+    validate_choice(call, n("refill_after_backoff"), v["refill_after_backoff"], (True, False))
+    validate_choice(call, n("at_floor"), v["at_floor"], ("skip", "raise"))
+    validate_choice(call, n("arithmetic"), v["arithmetic"], ("float64", "float32"))
+    validate_choice(call, n("growth_guard"), v["growth_guard"], ("result", "operand"))
+    validate_int_in_range(call, n("growth_delay"), v["growth_delay"], 0)

@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from lossscale.checks import (FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, check_choice, check_int_at_least,
-                              check_scale_bounds)
+from lossscale.validation import (FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, validate_choice, validate_int_at_least,
+                              validate_scale_bounds)
 from lossscale.policies.base import Policy, as_flag, move_state
 
 __all__ = ["PredictiveScale", "PredictiveState"]
@@ -125,13 +125,13 @@ class PredictiveScale(Policy):
 
     def __post_init__(self) -> None:
         call = type(self).__name__
-        check_scale_bounds(call, self.min_scale, self.max_scale, self.init_scale)
-        check_int_at_least(call, "target_interval", self.target_interval, 10)
+        validate_scale_bounds(call, self.min_scale, self.max_scale, self.init_scale)
+        validate_int_at_least(call, "target_interval", self.target_interval, 10)
         for name in ("history", "tail_history", "forget_interval", "fault_gap"):
-            check_int_at_least(call, name, getattr(self, name), 1)
-        check_int_at_least(call, "margin", self.margin, 0)
-        check_choice(call, "learn_margin", self.learn_margin, (True, False))
-        check_choice(call, "cuda_graph", self.cuda_graph, (True, False))
+            validate_int_at_least(call, name, getattr(self, name), 1)
+        validate_int_at_least(call, "margin", self.margin, 0)
+        validate_choice(call, "learn_margin", self.learn_margin, (True, False))
+        validate_choice(call, "cuda_graph", self.cuda_graph, (True, False))
         b = self.backoff_factor
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0.0 < b < 1.0):
             raise ValueError(f"{call}(backoff_factor={b!r}): backoff_factor must be in (0, 1); got {b!r}.")
@@ -220,5 +220,5 @@ class PredictiveScale(Policy):
         exponent = torch.floor(math.log2(self.limit) - observed.level - headroom)
         return torch.exp2(exponent.clamp(-126.0, 127.0))
 
-    def check_floor(self, state: PredictiveState) -> None:
+    def enforce_floor(self, state: PredictiveState) -> None:
         """A predictive scale keeps skipping at its floor; it never raises."""

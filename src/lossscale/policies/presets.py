@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lossscale.checks import check_choice, check_factor_above_one, check_int_at_least
-from lossscale.policies.dynamic import DynamicScale, check_dynamic_args
+from lossscale.validation import validate_choice, validate_factor_above_one, validate_int_at_least
+from lossscale.policies.dynamic import DynamicScale, validate_dynamic_args
 
 __all__ = [
     "torch_amp",
@@ -58,7 +58,7 @@ ASCEND_LIMIT = 3.4e38
 
 def _dynamic(call: str, names: dict[str, str], **fields: Any) -> DynamicScale:
     """``DynamicScale(**fields)``, checked first under the peer's names (``names``: field -> peer's argument)."""
-    check_dynamic_args(call, fields, names)
+    validate_dynamic_args(call, fields, names)
     return DynamicScale(**fields)
 
 
@@ -145,7 +145,7 @@ def mindspore(init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_w
         >>> presets.mindspore(scale_factor=4).backoff_factor
         0.25
     """
-    check_factor_above_one(call, "scale_factor", scale_factor, "the scale is multiplied and divided by it")
+    validate_factor_above_one(call, "scale_factor", scale_factor, "the scale is multiplied and divided by it")
     names = {"init_scale": "init_loss_scale", "growth_interval": "scale_window"}
     return _dynamic(call, names, init_scale=init_loss_scale, growth_factor=float(scale_factor),
                     backoff_factor=1.0 / scale_factor, growth_interval=scale_window, min_scale=1.0,
@@ -170,7 +170,7 @@ def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000, *,
         >>> (p.growth_interval, p.growth_delay)
         (4, 1)
     """
-    check_int_at_least(call, "N", N, 0)  # N + 1 is the growth interval
+    validate_int_at_least(call, "N", N, 0)  # N + 1 is the growth interval
     names = {"init_scale": "scale", "growth_factor": "scaling_factor", "backoff_divisor": "scaling_factor"}
     return _dynamic(call, names, init_scale=scale, growth_factor=scaling_factor, backoff_divisor=scaling_factor,
                     growth_interval=N + 1, growth_delay=1)
@@ -204,8 +204,8 @@ def deepspeed(init_scale: float = 2.0**16, scale_factor: float = 2.0, scale_wind
         >>> (p.hysteresis, p.hysteresis_mode, p.refill_after_backoff, p.at_floor)
         (2, 'cumulative', False, 'raise')
     """
-    check_choice(call, "consecutive_hysteresis", consecutive_hysteresis, (True, False))
-    check_choice(call, "raise_error_at_min_scale", raise_error_at_min_scale, (True, False))
+    validate_choice(call, "consecutive_hysteresis", consecutive_hysteresis, (True, False))
+    validate_choice(call, "raise_error_at_min_scale", raise_error_at_min_scale, (True, False))
     names = {"growth_factor": "scale_factor", "backoff_divisor": "scale_factor", "growth_interval": "scale_window",
              "hysteresis": "delayed_shift"}
     return _dynamic(call, names, init_scale=init_scale, growth_factor=scale_factor, backoff_divisor=scale_factor,
@@ -285,7 +285,7 @@ def ascend(init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_
         >>> (p.hysteresis, p.hysteresis_mode, p.min_scale, p.arithmetic)
         (2, 'cumulative', 1.0, 'float32')
     """
-    check_factor_above_one(call, "incr_ratio", incr_ratio, "it multiplies the scale on growth")
+    validate_factor_above_one(call, "incr_ratio", incr_ratio, "it multiplies the scale on growth")
     names = {"init_scale": "init_loss_scale", "growth_interval": "incr_every_n_steps",
              "hysteresis": "decr_every_n_nan_or_inf", "growth_factor": "incr_ratio", "backoff_factor": "decr_ratio"}
     return _dynamic(call, names, init_scale=init_loss_scale, growth_factor=float(incr_ratio), backoff_factor=decr_ratio,

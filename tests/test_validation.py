@@ -1,4 +1,4 @@
-"""The argument and value checks of lossscale.checks, as properties over good and bad values.
+"""The argument and value checks of lossscale.validation, as properties over good and bad values.
 
 Each check is compared with a plain statement of its rule over values hypothesis draws (Python numbers of
 every size and kind, bools, strings, None, tensors of every dtype and shape), and every refusal must be an
@@ -16,10 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossscale.checks import (FLOAT32_MAX, INT32_MAX, SMALLEST_NORMAL_FLOAT32, ArgumentTypeError, StateDictError,
-                              check_choice, check_factor_above_one, check_fraction, check_int_at_least,
-                              check_int_in_range, check_positive_or_none, check_scale, checked_scale,
-                              checked_state_dict, to_float32, unlike_tensor)
+from lossscale.validation import (FLOAT32_MAX, INT32_MAX, SMALLEST_NORMAL_FLOAT32, ArgumentTypeError, StateDictError,
+                              validate_choice, validate_factor_above_one, validate_fraction, validate_int_at_least,
+                              validate_int_in_range, validate_positive_or_none, validate_scale, validated_scale,
+                              validated_state_dict, to_float32, unlike_tensor)
 
 CALL = "Thing.setter(x=...)"
 
@@ -88,11 +88,11 @@ def assert_names(message: str, *words: str) -> None:
     assert message.endswith("."), message
 
 
-# --- checked_scale: the one check of a scale value -----------------------------------------------------------
+# --- validated_scale: the one check of a scale value -----------------------------------------------------------
 
 
 def scale_rule(value, low: float, high: float):
-    """What checked_scale must do with ``value``: the float32 value it returns, or the error it raises.
+    """What validated_scale must do with ``value``: the float32 value it returns, or the error it raises.
 
     A scale is a real Python number or a tensor of one real element (not bool, without grad, on a real device)
     whose float32 value is finite and normal (>= 2**-126) and inside ``[low, high]``."""
@@ -121,7 +121,7 @@ bounds = st.tuples(st.sampled_from([SMALLEST_NORMAL_FLOAT32, 0.0, 1.0, 2.0**-3, 
 def test_checked_scale_accepts_exactly_the_normal_float32_values_inside_the_bounds(value, low_high):
     low, high = low_high
     expected = scale_rule(value, low, high)
-    check = lambda v: checked_scale(CALL, v, low, high, name="new_scale")  # noqa: E731
+    check = lambda v: validated_scale(CALL, v, low, high, name="new_scale")  # noqa: E731
     if isinstance(expected, float):
         got = check(value)
         assert got == expected and type(got) is float
@@ -146,7 +146,7 @@ def test_checked_scale_accepts_exactly_the_normal_float32_values_inside_the_boun
 @given(anything, st.sampled_from([(1.0, FLOAT32_MAX), (SMALLEST_NORMAL_FLOAT32, FLOAT32_MAX), (4.0, 4.0)]))
 def test_check_scale_takes_a_finite_real_number_inside_the_bounds(value, low_high):
     low, high = low_high
-    check = lambda v: check_scale(CALL, "init_scale", v, low=low, high=high)  # noqa: E731
+    check = lambda v: validate_scale(CALL, "init_scale", v, low=low, high=high)  # noqa: E731
     if not is_real(value):
         message = refusal(check, value, ArgumentTypeError)
     elif math.isfinite(value) and low <= value <= high:
@@ -161,7 +161,7 @@ def test_check_scale_takes_a_finite_real_number_inside_the_bounds(value, low_hig
 @settings(max_examples=100, deadline=None)
 @given(anything)
 def test_check_factor_above_one_takes_a_finite_real_number_above_one(value):
-    check = lambda v: check_factor_above_one(CALL, "growth_factor", v, "it multiplies the scale")  # noqa: E731
+    check = lambda v: validate_factor_above_one(CALL, "growth_factor", v, "it multiplies the scale")  # noqa: E731
     if is_real(value) and math.isfinite(value) and value > 1:
         check(value)
         return
@@ -173,7 +173,7 @@ def test_check_factor_above_one_takes_a_finite_real_number_above_one(value):
 @settings(max_examples=100, deadline=None)
 @given(anything)
 def test_check_fraction_takes_a_real_number_strictly_between_zero_and_one(value):
-    check = lambda v: check_fraction(CALL, "backoff_factor", v, "it multiplies the scale")  # noqa: E731
+    check = lambda v: validate_fraction(CALL, "backoff_factor", v, "it multiplies the scale")  # noqa: E731
     if is_real(value) and 0 < value < 1:
         check(value)
         return
@@ -185,7 +185,7 @@ def test_check_fraction_takes_a_real_number_strictly_between_zero_and_one(value)
 @settings(max_examples=100, deadline=None)
 @given(anything | st.none())
 def test_check_positive_or_none_takes_none_or_a_finite_positive_number(value):
-    check = lambda v: check_positive_or_none(CALL, "clip_grad_norm", v)  # noqa: E731
+    check = lambda v: validate_positive_or_none(CALL, "clip_grad_norm", v)  # noqa: E731
     if value is None or (is_real(value) and 0 < value < math.inf):
         check(value)
         return
@@ -197,7 +197,7 @@ def test_check_positive_or_none_takes_none_or_a_finite_positive_number(value):
 @settings(max_examples=100, deadline=None)
 @given(anything | st.integers(), st.sampled_from([0, 1, 10]))
 def test_check_int_at_least_takes_an_int_not_a_bool_at_or_above_the_low_end(value, low):
-    check = lambda v: check_int_at_least(CALL, "growth_interval", v, low)  # noqa: E731
+    check = lambda v: validate_int_at_least(CALL, "growth_interval", v, low)  # noqa: E731
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if is_int and value >= low:
         check(value)
@@ -211,7 +211,7 @@ def test_check_int_at_least_takes_an_int_not_a_bool_at_or_above_the_low_end(valu
 @given(st.integers() | floats | not_numbers, st.sampled_from([(1, INT32_MAX), (0, INT32_MAX), (2, 5)]))
 def test_check_int_in_range_refuses_what_an_int32_counter_cannot_hold(value, low_high):
     low, high = low_high
-    check = lambda v: check_int_in_range(CALL, "hysteresis", v, low, high)  # noqa: E731
+    check = lambda v: validate_int_in_range(CALL, "hysteresis", v, low, high)  # noqa: E731
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if is_int and low <= value <= high:
         check(value)
@@ -232,7 +232,7 @@ CHOICES = [("consecutive", "cumulative"), (True, False), (1, 2)]
 @given(st.sampled_from(["consecutive", "cumulative", "Consecutive", "", 1, 2, 1.0, 3]) | numbers | not_numbers,
        st.sampled_from(CHOICES))
 def test_check_choice_takes_one_of_the_allowed_values_and_bools_only_as_bools(value, allowed):
-    check = lambda v: check_choice(CALL, "mode", v, allowed)  # noqa: E731
+    check = lambda v: validate_choice(CALL, "mode", v, allowed)  # noqa: E731
     if any((value is a) if isinstance(a, bool) else (not isinstance(value, bool) and value == a) for a in allowed):
         check(value)
         return
@@ -242,10 +242,10 @@ def test_check_choice_takes_one_of_the_allowed_values_and_bools_only_as_bools(va
 
 
 @pytest.mark.parametrize("check", [
-    lambda v: checked_scale(CALL, v, name="new_scale"),
-    lambda v: check_scale(CALL, "init_scale", v, low=1.0, high=FLOAT32_MAX),
-    lambda v: check_factor_above_one(CALL, "growth_factor", v, "it multiplies the scale"),
-], ids=["checked_scale", "check_scale", "check_factor_above_one"])
+    lambda v: validated_scale(CALL, v, name="new_scale"),
+    lambda v: validate_scale(CALL, "init_scale", v, low=1.0, high=FLOAT32_MAX),
+    lambda v: validate_factor_above_one(CALL, "growth_factor", v, "it multiplies the scale"),
+], ids=["validated_scale", "validate_scale", "validate_factor_above_one"])
 def test_an_int_past_floats_range_is_a_value_error(check):
     with pytest.raises(ValueError, match=re.escape(CALL)):
         check(2**1100)
@@ -259,7 +259,7 @@ def test_an_int_past_floats_range_is_a_value_error(check):
        | not_numbers | st.lists(st.integers(), max_size=2),
        st.sampled_from([("scale",), ("scale", "growth_tracker"), ()]))
 def test_checked_state_dict_wants_a_dict_with_every_key(state_dict, keys):
-    check = lambda d: checked_state_dict(CALL, d, keys, " Hint.")  # noqa: E731
+    check = lambda d: validated_state_dict(CALL, d, keys, " Hint.")  # noqa: E731
     if not isinstance(state_dict, dict):
         with pytest.raises(TypeError) as info:
             check(state_dict)

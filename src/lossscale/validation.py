@@ -1,6 +1,6 @@
 """Argument and value checks: each error echoes the call, states the rule and shows the value.
 
-:func:`checked_scale` is the one check of a loss-scale value; every setter and loader of a scale calls it.
+:func:`validated_scale` is the one check of a loss-scale value; every setter and loader of a scale calls it.
 """
 
 from __future__ import annotations
@@ -35,29 +35,37 @@ def _finite(x: int | float) -> bool:
         return False
 
 
-def require_real(call: str, name: str, value: Any, rule: str) -> None:
+def validate_optimizer(call: str, value: Any, name: str = "optimizer") -> None:
+    """An :class:`ArgumentTypeError` naming ``call`` and ``name`` unless ``value`` is a torch optimizer: an object with
+    ``param_groups`` and a ``step()``, as torch's own scaler accepts."""
+    if not hasattr(value, "param_groups") or not callable(getattr(value, "step", None)):
+        raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be a torch.optim.Optimizer (param_groups "
+                                f"and step()); got {type(value).__name__}.")
+
+
+def validate_real(call: str, name: str, value: Any, rule: str) -> None:
     if not _is_real(value):
         raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be {rule}; got {value!r} "
                                 f"({type(value).__name__}).")
 
 
-def check_scale(call: str, name: str, value: Any, *, low: float, high: float) -> None:
+def validate_scale(call: str, name: str, value: Any, *, low: float, high: float) -> None:
     """A finite positive number in ``[low, high]``."""
-    require_real(call, name, value, f"a finite number in [{low!r}, {high!r}]")
+    validate_real(call, name, value, f"a finite number in [{low!r}, {high!r}]")
     if not _finite(value) or not (low <= value <= high):
         raise ValueError(
             f"{call}({name}={value!r}): {name} must be a finite number in [{low!r}, {high!r}]; got {value!r}."
         )
 
 
-def check_factor_above_one(call: str, name: str, value: Any, why: str) -> None:
+def validate_factor_above_one(call: str, name: str, value: Any, why: str) -> None:
     """A finite number > 1."""
-    require_real(call, name, value, f"a finite number > 1 ({why})")
+    validate_real(call, name, value, f"a finite number > 1 ({why})")
     if not _finite(value) or value <= 1.0:
         raise ValueError(f"{call}({name}={value!r}): {name} must be a finite number > 1 ({why}); got {value!r}.")
 
 
-def check_int_at_least(call: str, name: str, value: Any, low: int) -> None:
+def validate_int_at_least(call: str, name: str, value: Any, low: int) -> None:
     """An int (not a bool) >= ``low``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be an integer >= {low}; got "
@@ -66,7 +74,7 @@ def check_int_at_least(call: str, name: str, value: Any, low: int) -> None:
         raise ValueError(f"{call}({name}={value!r}): {name} must be an integer >= {low}; got {value!r}.")
 
 
-def check_choice(call: str, name: str, value: Any, allowed: Iterable[Any]) -> None:
+def validate_choice(call: str, name: str, value: Any, allowed: Iterable[Any]) -> None:
     """One of ``allowed`` (compared with ``is`` for bools, ``==`` otherwise)."""
     allowed = tuple(allowed)
     ok = any((value is a) if isinstance(a, bool) else (not isinstance(value, bool) and value == a) for a in allowed)
@@ -79,22 +87,22 @@ def check_choice(call: str, name: str, value: Any, allowed: Iterable[Any]) -> No
 INT32_MAX = 2**31 - 1
 
 
-def check_int_in_range(call: str, name: str, value: Any, low: int, high: int = INT32_MAX) -> None:
+def validate_int_in_range(call: str, name: str, value: Any, low: int, high: int = INT32_MAX) -> None:
     """An int (not a bool) in ``[low, high]`` (default high: the largest int32, what the counters hold)."""
-    check_int_at_least(call, name, value, low)
+    validate_int_at_least(call, name, value, low)
     if value > high:
         why = " (it is counted in an int32 tensor)" if high == INT32_MAX else ""
         raise ValueError(f"{call}({name}={value!r}): {name} must be an integer <= {high}{why}; got {value!r}.")
 
 
-def check_fraction(call: str, name: str, value: Any, why: str) -> None:
+def validate_fraction(call: str, name: str, value: Any, why: str) -> None:
     """A number in (0, 1)."""
-    require_real(call, name, value, f"in (0, 1) ({why})")
+    validate_real(call, name, value, f"in (0, 1) ({why})")
     if not (0.0 < value < 1.0):
         raise ValueError(f"{call}({name}={value!r}): {name} must be in (0, 1) ({why}); got {value!r}.")
 
 
-def check_process_group(call: str, group: Any) -> None:
+def validate_process_group(call: str, group: Any) -> None:
     """None (the world) or a ``torch.distributed.ProcessGroup``."""
     if group is None:
         return
@@ -105,11 +113,11 @@ def check_process_group(call: str, group: Any) -> None:
                                 f"{type(group).__name__}.")
 
 
-def check_positive_or_none(call: str, name: str, value: Any) -> None:
+def validate_positive_or_none(call: str, name: str, value: Any) -> None:
     """None, or a finite number > 0."""
     if value is None:
         return
-    require_real(call, name, value, "None or a finite number > 0")
+    validate_real(call, name, value, "None or a finite number > 0")
     if not (0 < value < math.inf):
         raise ValueError(f"{call}({name}={value!r}): {name} must be None or a finite number > 0; got {value!r}.")
 
@@ -125,7 +133,7 @@ def unlike_tensor(value: Any, like: Any, *, finite: bool = False) -> str | None:
     return f"a {'non-finite ' if bad else ''}{value.dtype} tensor of shape {tuple(value.shape)}"
 
 
-def checked_state_dict(call: str, state_dict: Any, keys: Any, hint: str = "") -> dict[str, Any]:
+def validated_state_dict(call: str, state_dict: Any, keys: Any, hint: str = "") -> dict[str, Any]:
     """``state_dict`` if it is a dict holding ``keys``, else a TypeError or :class:`StateDictError` (+ ``hint``)."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"{call}(state_dict={state_dict!r}): state_dict must be the dict that state_dict() "
@@ -168,7 +176,7 @@ def _as_number(call: str, name: str, value: Any) -> float:
     return float(value) if _finite(value) else (math.inf if value > 0 else -math.inf)
 
 
-def checked_scale(call: str, value: Any, low: float = SMALLEST_NORMAL_FLOAT32, high: float = FLOAT32_MAX,
+def validated_scale(call: str, value: Any, low: float = SMALLEST_NORMAL_FLOAT32, high: float = FLOAT32_MAX,
                   name: str = "the scale") -> float:
     """``value`` as a float32-exact Python float, or an error that names ``call``, the rule and the value.
 
@@ -176,9 +184,9 @@ def checked_scale(call: str, value: Any, low: float = SMALLEST_NORMAL_FLOAT32, h
     ``[low, high]``. Host reads: one for a tensor on an accelerator, else none.
 
     Example:
-        >>> checked_scale("set_scale(new_scale=1024)", 1024, name="new_scale")
+        >>> validated_scale("set_scale(new_scale=1024)", 1024, name="new_scale")
         1024.0
-        >>> checked_scale("set_scale(new_scale=1e-46)", 1e-46, name="new_scale")  # doctest: +ELLIPSIS
+        >>> validated_scale("set_scale(new_scale=1e-46)", 1e-46, name="new_scale")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         ValueError: set_scale(new_scale=1e-46): new_scale must be a finite number > 0 whose float32 value is a ...
@@ -194,15 +202,15 @@ def checked_scale(call: str, value: Any, low: float = SMALLEST_NORMAL_FLOAT32, h
     return rounded
 
 
-def check_scale_bounds(call: str, min_scale: Any, max_scale: Any, init_scale: Any,
+def validate_scale_bounds(call: str, min_scale: Any, max_scale: Any, init_scale: Any,
                        names: tuple[str, str, str] = ("min_scale", "max_scale", "init_scale")) -> None:
     """``min_scale <= init_scale <= max_scale``, each a finite number in [2**-126, float32 max]."""
     lo, hi, init = names
-    check_scale(call, lo, min_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
-    check_scale(call, hi, max_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
+    validate_scale(call, lo, min_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
+    validate_scale(call, hi, max_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
     if min_scale > max_scale:
         raise ValueError(f"{call}({lo}={min_scale!r}, {hi}={max_scale!r}): {lo} must be <= {hi}; got {lo} > {hi}.")
-    check_scale(call, init, init_scale, low=min_scale, high=max_scale)
+    validate_scale(call, init, init_scale, low=min_scale, high=max_scale)
 
 
 def capturing(tensor: torch.Tensor) -> bool:
