@@ -2,6 +2,7 @@
 #   make demo   -> creates .venv, installs lossscale with the demo extra, runs the quick demo
 #   make test   -> creates .venv, installs lossscale with the dev, demo, lightning, accelerate and transformers
 #                  extras, runs the test suite (the integration tests run the real frameworks)
+#   make check  -> the same .venv; the type checker (mypy, on src/) and ruff's lint and format check
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +15,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test check venv bench clean
 
 $(VENV)/.installed-%: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,12 @@ demo: $(VENV)/.installed-demo
 
 test: $(VENV)/.installed-dev,demo,lightning,accelerate,transformers
 	$(PY) -m pytest
+
+# the same extras as test (one .venv): mypy reads the optional frameworks' own types where they are installed
+check: $(VENV)/.installed-dev,demo,lightning,accelerate,transformers
+	$(PY) -m mypy
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff format --check src tests benchmarks examples
 
 bench: $(VENV)/.installed-dev,demo,lightning,accelerate,transformers
 	$(PY) benchmarks/run_all.py
