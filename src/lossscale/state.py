@@ -10,19 +10,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeAlias, cast
 
 import torch
 
-from lossscale.validation import capturing, validated_scale
-from lossscale.policies.base import Policy, validate_policy, move_state, state_from_dict, state_to_dict
+from lossscale.policies.base import (
+    Policy,
+    StateRecord,
+    StateT,
+    move_state,
+    state_from_dict,
+    state_to_dict,
+    validate_policy,
+)
 from lossscale.policies.dynamic import DynamicScale
+from lossscale.validation import capturing, validated_scale
 
 __all__ = ["LossScale"]
 
 
-class LossScale:
-    """A policy and its current state (scale, counters).
+class LossScale(Generic[StateT]):
+    """A policy and its current state (scale, counters): ``LossScale[StateT]`` holds a ``Policy[StateT]``.
 
     Args:
         policy: A :class:`~lossscale.Policy`.
@@ -37,14 +46,14 @@ class LossScale:
         512.0
     """
 
-    def __init__(self, policy: Policy, device: torch.device | str | None = None) -> None:
+    def __init__(self, policy: Policy[StateT], device: torch.device | str | None = None) -> None:
         validate_policy("LossScale", policy)
         self._policy = policy
         self._state = policy.init(device)
-        self._replay: ReplayedUpdate | None = None  # built at the first update on a CUDA device (policy.cuda_graph)
+        self._replay: ReplayedUpdate[StateT] | None = None  # built at the first update on a CUDA device (policy.cuda_graph)
 
     @staticmethod
-    def shared_or_new(policy: Policy | LossScale | None, device: torch.device | str) -> LossScale:
+    def shared_or_new(policy: Policy[Any] | LossScale[Any] | None, device: torch.device | str) -> LossScale[Any]:
         """``policy`` itself if it is a LossScale (moved to ``device``, still shared), else a new one of ``policy``
         (default :class:`~lossscale.DynamicScale`) on ``device``."""
         if isinstance(policy, LossScale):
@@ -53,12 +62,12 @@ class LossScale:
         return LossScale(DynamicScale() if policy is None else policy, device)
 
     @property
-    def policy(self) -> Policy:
+    def policy(self) -> Policy[StateT]:
         """The frozen rule."""
         return self._policy
 
     @property
-    def state(self) -> Any:
+    def state(self) -> StateT:
         """The whole state record (0-d tensors; no host read)."""
         return self._state
 
@@ -76,7 +85,7 @@ class LossScale:
         """Move the state to ``device``, in place for every holder."""
         self._state = move_state(self._state, device)
 
-    def set_policy(self, policy: Policy) -> None:
+    def set_policy(self, policy: Policy[StateT]) -> None:
         """Change the rule (torch's ``set_growth_factor``, ...); the state carries on if it fits the new bounds."""
         validate_policy("LossScale.set_policy", policy)
         validated_scale(f"LossScale.set_policy({policy!r})", self.scale, policy.min_scale, policy.max_scale,
@@ -123,11 +132,11 @@ class LossScale:
         _write_into(old, _policy_update(self._policy, old, found_inf, amax, loss_finite))
         self._policy.enforce_floor(old)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, float | int | list[float] | list[int]]:
         """Every state field as plain numbers (host reads)."""
         return state_to_dict(self._state)
 
-    def load_state_dict(self, values: dict[str, Any], call: str = "LossScale.load_state_dict") -> None:
+    def load_state_dict(self, values: object, call: str = "LossScale.load_state_dict") -> None:
         """Restore what :meth:`state_dict` saved; the whole record is checked before anything changes."""
         if isinstance(values, dict) and "scale" in values and not isinstance(values["scale"], (list, tuple)):
             validated_scale(call, values["scale"], self._policy.min_scale, self._policy.max_scale, "field 'scale'")
@@ -136,7 +145,7 @@ class LossScale:
             validated_scale(call, scale, self._policy.min_scale, self._policy.max_scale, "field 'scale'")
         self._state = state
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         """Pickled and deep-copied without the captured graph (the copy captures its own at its first update)."""
         return {**self.__dict__, "_replay": None}
 
@@ -144,15 +153,31 @@ class LossScale:
         return f"LossScale({self._policy!r})"
 
 
-def _policy_update(policy: Policy, state: Any, found_inf: torch.Tensor, amax: torch.Tensor | None,
-                   loss_finite: torch.Tensor | None) -> Any:
+class _UpdateWithLossFinite(Protocol[StateT]):
+    """``update`` of a policy whose ``observes_loss_finite`` is True (the :class:`~lossscale.Policy` contract)."""
+
+    def __call__(self, state: StateT, found_inf: torch.Tensor, amax: torch.Tensor | None = None, *,
+                 loss_finite: torch.Tensor | None = None) -> StateT: ...
+
+
+def _policy_update(policy: Policy[StateT], state: StateT, found_inf: torch.Tensor, amax: torch.Tensor | None,
+                   loss_finite: torch.Tensor | None) -> StateT:
     """``policy.update`` with ``loss_finite`` passed only to a policy that observes it."""
     if policy.observes_loss_finite:
-        return policy.update(state, found_inf, amax=amax, loss_finite=loss_finite)
+        # observes_loss_finite is the policy's promise that its update takes loss_finite=
+        update = cast("_UpdateWithLossFinite[StateT]", policy.update)
+        return update(state, found_inf, amax=amax, loss_finite=loss_finite)
     return policy.update(state, found_inf, amax=amax)
 
 
-class ReplayedUpdate:
+#: (dtype, shape) of a tensor.
+_Spec: TypeAlias = "tuple[torch.dtype, torch.Size]"
+#: What a captured graph was built for: the state's device and fields, then found_inf, amax and loss_finite
+#: (None where absent).
+_Key: TypeAlias = "tuple[torch.device, tuple[_Spec, ...], tuple[_Spec | None, ...]]"
+
+
+class ReplayedUpdate(Generic[StateT]):
     """``policy.update`` captured once in a CUDA graph and replayed at every call: one launch for the whole rule.
 
     For a rule of many small kernels (PredictiveScale's is about 80 ops on 0-d tensors, each a kernel launch and
@@ -177,24 +202,25 @@ class ReplayedUpdate:
     replayed (any device; the CPU tests run it so).
     """
 
-    def __init__(self, policy: Policy, capture: bool = True) -> None:
+    def __init__(self, policy: Policy[StateT], capture: bool = True) -> None:
         self.policy = policy
         self.capture = capture
-        self._key: tuple | None = None
-        self._graph: Any = None
+        self._key: _Key | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
         self._state_inputs: list[torch.Tensor] = []  # the graph's copy of the state, field by field
         self._in_buffers: list[torch.Tensor] = []  # the same memory, one buffer per dtype
         self._inputs: list[torch.Tensor] = []  # found_inf, then amax and loss_finite where given
         self._out_buffers: list[torch.Tensor] = []
         self._out_layout: _Layout | None = None
-        self._last: tuple[Any, list[torch.Tensor]] | None = None  # (record returned last, the buffers it views)
-        self._body: Any = None  # the update into the output buffers: what the graph holds
+        self._last: tuple[StateT, list[torch.Tensor]] | None = None  # (record returned last, the buffers it views)
+        self._body: Callable[[], None] | None = None  # the update into the output buffers: what the graph holds
         self._same_layout = False  # the outputs laid out as the inputs
 
-    def __call__(self, state: Any, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
-                 loss_finite: torch.Tensor | None = None) -> Any:
+    def __call__(self, state: StateT, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
+                 loss_finite: torch.Tensor | None = None) -> StateT:
         given = (found_inf, amax, loss_finite)
-        if self._last is not None and self._last[0] is state and self._same_layout:
+        key: _Key
+        if self._last is not None and self._last[0] is state and self._same_layout and self._key is not None:
             key = (self._key[0], self._key[1], tuple(None if t is None else (t.dtype, t.shape) for t in given))
             if key == self._key:
                 for target, source in zip(self._in_buffers, self._last[1]):
@@ -212,7 +238,7 @@ class ReplayedUpdate:
             target.copy_(value)
         if self._graph is not None:
             self._graph.replay()
-        else:
+        elif self._body is not None:  # built above
             self._body()
         assert self._out_layout is not None
         buffers = [b.clone() for b in self._out_buffers]
@@ -220,7 +246,7 @@ class ReplayedUpdate:
         self._last = (record, buffers)
         return record
 
-    def _build(self, state: Any, key: tuple) -> None:
+    def _build(self, state: StateT, key: _Key) -> None:
         """Static inputs (the state's fields by dtype, then the input tensors); a warm-up run that gives the
         outputs' layout and buffers; then the capture (``capture=True``)."""
         device = state.scale.device
@@ -230,12 +256,13 @@ class ReplayedUpdate:
         self._state_inputs = [getattr(in_record, f.name) for f in dataclasses.fields(in_record)]
         found_inf, amax, loss_finite = (None if spec is None else torch.zeros(spec[1], dtype=spec[0], device=device)
                                         for spec in key[2])
+        assert found_inf is not None  # always given
         self._inputs = [t for t in (found_inf, amax, loss_finite) if t is not None]
         self._graph, self._last = None, None
         # The warm-up reads the state (not uninitialised memory) and the zeroed inputs: a step with no overflow.
         torch._foreach_copy_(self._state_inputs, [getattr(state, f.name) for f in dataclasses.fields(state)])
 
-        def run() -> Any:
+        def run() -> StateT:
             return _policy_update(self.policy, in_record, found_inf, amax, loss_finite)
 
         def body() -> None:
@@ -244,7 +271,7 @@ class ReplayedUpdate:
             outputs = self._out_layout.fields(self._out_buffers)
             torch._foreach_copy_(list(outputs.values()), [getattr(new, name) for name in outputs])
 
-        def set_outputs(new: Any) -> None:
+        def set_outputs(new: StateT) -> None:
             self._out_layout = _Layout(new)
             self._out_buffers = self._out_layout.buffers(device)
             self._same_layout = self._out_layout.groups == layout.groups  # a record returned is copied in whole
@@ -273,7 +300,7 @@ class ReplayedUpdate:
 class _Layout:
     """Where each field of a state record lives in one flat buffer per dtype (fields in their record's order)."""
 
-    def __init__(self, record: Any) -> None:
+    def __init__(self, record: StateRecord) -> None:
         groups: dict[torch.dtype, list[tuple[str, torch.Size]]] = {}
         for f in dataclasses.fields(record):
             tensor = getattr(record, f.name)
@@ -289,6 +316,7 @@ class _Layout:
         """Each field as a view of its dtype's buffer (0-d fields by one ``unbind``)."""
         out: dict[str, torch.Tensor] = {}
         for (_, members), buffer in zip(self.groups, buffers):
+            parts: list[torch.Tensor] | tuple[torch.Tensor, ...]
             if all(len(shape) == 0 for _, shape in members):
                 parts = buffer.unbind()
             else:
@@ -298,7 +326,7 @@ class _Layout:
         return out
 
 
-def _write_into(target: Any, source: Any) -> None:
+def _write_into(target: StateRecord, source: StateRecord) -> None:
     """Copy every field of the state record ``source`` into ``target``'s tensor of that field, in place."""
     pairs = [(getattr(target, f.name), getattr(source, f.name)) for f in dataclasses.fields(target)]
     pairs = [(t, s) for t, s in pairs if t is not s]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any, TypeGuard
 
 import torch
 
@@ -23,7 +24,7 @@ class StateDictError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-def _is_real(x: Any) -> bool:
+def _is_real(x: object) -> TypeGuard[int | float]:
     return not isinstance(x, bool) and isinstance(x, (int, float))
 
 
@@ -35,7 +36,7 @@ def _finite(x: int | float) -> bool:
         return False
 
 
-def validate_optimizer(call: str, value: Any, name: str = "optimizer") -> None:
+def validate_optimizer(call: str, value: object, name: str = "optimizer") -> None:
     """An :class:`ArgumentTypeError` naming ``call`` and ``name`` unless ``value`` is a torch optimizer: an object with
     ``param_groups`` and a ``step()``, as torch's own scaler accepts."""
     if not hasattr(value, "param_groups") or not callable(getattr(value, "step", None)):
@@ -43,38 +44,56 @@ def validate_optimizer(call: str, value: Any, name: str = "optimizer") -> None:
                                 f"and step()); got {type(value).__name__}.")
 
 
-def validate_real(call: str, name: str, value: Any, rule: str) -> None:
+def validate_real(call: str, name: str, value: object, rule: str) -> None:
+    _real(call, name, value, rule)
+
+
+def _real(call: str, name: str, value: object, rule: str) -> int | float:
+    """``value`` if it is an int or float (not a bool), else an :class:`ArgumentTypeError`."""
     if not _is_real(value):
         raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be {rule}; got {value!r} "
                                 f"({type(value).__name__}).")
+    return value
 
 
-def validate_scale(call: str, name: str, value: Any, *, low: float, high: float) -> None:
+def validate_scale(call: str, name: str, value: object, *, low: float, high: float) -> None:
     """A finite positive number in ``[low, high]``."""
-    validate_real(call, name, value, f"a finite number in [{low!r}, {high!r}]")
-    if not _finite(value) or not (low <= value <= high):
+    _scale_in(call, name, value, low, high)
+
+
+def _scale_in(call: str, name: str, value: object, low: float, high: float) -> int | float:
+    """``value`` if it is a finite number in ``[low, high]``, else the error :func:`validate_scale` raises."""
+    number = _real(call, name, value, f"a finite number in [{low!r}, {high!r}]")
+    if not _finite(number) or not (low <= number <= high):
         raise ValueError(
             f"{call}({name}={value!r}): {name} must be a finite number in [{low!r}, {high!r}]; got {value!r}."
         )
+    return number
 
 
-def validate_factor_above_one(call: str, name: str, value: Any, why: str) -> None:
+def validate_factor_above_one(call: str, name: str, value: object, why: str) -> None:
     """A finite number > 1."""
-    validate_real(call, name, value, f"a finite number > 1 ({why})")
-    if not _finite(value) or value <= 1.0:
+    number = _real(call, name, value, f"a finite number > 1 ({why})")
+    if not _finite(number) or number <= 1.0:
         raise ValueError(f"{call}({name}={value!r}): {name} must be a finite number > 1 ({why}); got {value!r}.")
 
 
-def validate_int_at_least(call: str, name: str, value: Any, low: int) -> None:
+def validate_int_at_least(call: str, name: str, value: object, low: int) -> None:
     """An int (not a bool) >= ``low``."""
+    _int_at_least(call, name, value, low)
+
+
+def _int_at_least(call: str, name: str, value: object, low: int) -> int:
+    """``value`` if it is an int (not a bool) >= ``low``, else the error :func:`validate_int_at_least` raises."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be an integer >= {low}; got "
                                 f"{value!r} ({type(value).__name__}).")
     if value < low:
         raise ValueError(f"{call}({name}={value!r}): {name} must be an integer >= {low}; got {value!r}.")
+    return value
 
 
-def validate_choice(call: str, name: str, value: Any, allowed: Iterable[Any]) -> None:
+def validate_choice(call: str, name: str, value: object, allowed: Iterable[object]) -> None:
     """One of ``allowed`` (compared with ``is`` for bools, ``==`` otherwise)."""
     allowed = tuple(allowed)
     ok = any((value is a) if isinstance(a, bool) else (not isinstance(value, bool) and value == a) for a in allowed)
@@ -87,22 +106,20 @@ def validate_choice(call: str, name: str, value: Any, allowed: Iterable[Any]) ->
 INT32_MAX = 2**31 - 1
 
 
-def validate_int_in_range(call: str, name: str, value: Any, low: int, high: int = INT32_MAX) -> None:
+def validate_int_in_range(call: str, name: str, value: object, low: int, high: int = INT32_MAX) -> None:
     """An int (not a bool) in ``[low, high]`` (default high: the largest int32, what the counters hold)."""
-    validate_int_at_least(call, name, value, low)
-    if value > high:
+    if _int_at_least(call, name, value, low) > high:
         why = " (it is counted in an int32 tensor)" if high == INT32_MAX else ""
         raise ValueError(f"{call}({name}={value!r}): {name} must be an integer <= {high}{why}; got {value!r}.")
 
 
-def validate_fraction(call: str, name: str, value: Any, why: str) -> None:
+def validate_fraction(call: str, name: str, value: object, why: str) -> None:
     """A number in (0, 1)."""
-    validate_real(call, name, value, f"in (0, 1) ({why})")
-    if not (0.0 < value < 1.0):
+    if not (0.0 < _real(call, name, value, f"in (0, 1) ({why})") < 1.0):
         raise ValueError(f"{call}({name}={value!r}): {name} must be in (0, 1) ({why}); got {value!r}.")
 
 
-def validate_process_group(call: str, group: Any) -> None:
+def validate_process_group(call: str, group: object) -> None:
     """None (the world) or a ``torch.distributed.ProcessGroup``."""
     if group is None:
         return
@@ -113,16 +130,15 @@ def validate_process_group(call: str, group: Any) -> None:
                                 f"{type(group).__name__}.")
 
 
-def validate_positive_or_none(call: str, name: str, value: Any) -> None:
+def validate_positive_or_none(call: str, name: str, value: object) -> None:
     """None, or a finite number > 0."""
     if value is None:
         return
-    validate_real(call, name, value, "None or a finite number > 0")
-    if not (0 < value < math.inf):
+    if not (0 < _real(call, name, value, "None or a finite number > 0") < math.inf):
         raise ValueError(f"{call}({name}={value!r}): {name} must be None or a finite number > 0; got {value!r}.")
 
 
-def unlike_tensor(value: Any, like: Any, *, finite: bool = False) -> str | None:
+def unlike_tensor(value: object, like: torch.Tensor, *, finite: bool = False) -> str | None:
     """None where ``value`` is a tensor like ``like`` (shape, dtype; all finite with ``finite``: one host read);
     else what it is, for an error message ("str", "a torch.float64 tensor of shape (5,)", ...)."""
     if not isinstance(value, torch.Tensor):
@@ -133,7 +149,7 @@ def unlike_tensor(value: Any, like: Any, *, finite: bool = False) -> str | None:
     return f"a {'non-finite ' if bad else ''}{value.dtype} tensor of shape {tuple(value.shape)}"
 
 
-def validated_state_dict(call: str, state_dict: Any, keys: Any, hint: str = "") -> dict[str, Any]:
+def validated_state_dict(call: str, state_dict: object, keys: Iterable[str], hint: str = "") -> dict[str, Any]:
     """``state_dict`` if it is a dict holding ``keys``, else a TypeError or :class:`StateDictError` (+ ``hint``)."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"{call}(state_dict={state_dict!r}): state_dict must be the dict that state_dict() "
@@ -158,7 +174,7 @@ def to_float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-def _as_number(call: str, name: str, value: Any) -> float:
+def _as_number(call: str, name: str, value: object) -> float:
     """The Python number a float, int or one-element tensor holds (one sync for a tensor off the CPU)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.requires_grad or value.is_complex() or value.dtype == torch.bool:
@@ -176,7 +192,7 @@ def _as_number(call: str, name: str, value: Any) -> float:
     return float(value) if _finite(value) else (math.inf if value > 0 else -math.inf)
 
 
-def validated_scale(call: str, value: Any, low: float = SMALLEST_NORMAL_FLOAT32, high: float = FLOAT32_MAX,
+def validated_scale(call: str, value: object, low: float = SMALLEST_NORMAL_FLOAT32, high: float = FLOAT32_MAX,
                   name: str = "the scale") -> float:
     """``value`` as a float32-exact Python float, or an error that names ``call``, the rule and the value.
 
@@ -202,15 +218,15 @@ def validated_scale(call: str, value: Any, low: float = SMALLEST_NORMAL_FLOAT32,
     return rounded
 
 
-def validate_scale_bounds(call: str, min_scale: Any, max_scale: Any, init_scale: Any,
-                       names: tuple[str, str, str] = ("min_scale", "max_scale", "init_scale")) -> None:
+def validate_scale_bounds(call: str, min_scale: object, max_scale: object, init_scale: object,
+                          names: tuple[str, str, str] = ("min_scale", "max_scale", "init_scale")) -> None:
     """``min_scale <= init_scale <= max_scale``, each a finite number in [2**-126, float32 max]."""
     lo, hi, init = names
-    validate_scale(call, lo, min_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
-    validate_scale(call, hi, max_scale, low=SMALLEST_NORMAL_FLOAT32, high=FLOAT32_MAX)
-    if min_scale > max_scale:
+    low = _scale_in(call, lo, min_scale, SMALLEST_NORMAL_FLOAT32, FLOAT32_MAX)
+    high = _scale_in(call, hi, max_scale, SMALLEST_NORMAL_FLOAT32, FLOAT32_MAX)
+    if low > high:
         raise ValueError(f"{call}({lo}={min_scale!r}, {hi}={max_scale!r}): {lo} must be <= {hi}; got {lo} > {hi}.")
-    validate_scale(call, init, init_scale, low=min_scale, high=max_scale)
+    validate_scale(call, init, init_scale, low=low, high=high)
 
 
 def capturing(tensor: torch.Tensor) -> bool:

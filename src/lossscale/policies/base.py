@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -20,6 +20,8 @@ __all__ = [
     "FloorError",
     "Policy",
     "ScaleState",
+    "StateRecord",
+    "StateT",
     "as_flag",
     "validate_found_inf",
     "validate_policy",
@@ -30,6 +32,21 @@ __all__ = [
 
 #: Counters stop here instead of wrapping.
 SATURATE = 2**30
+
+
+class StateRecord(Protocol):
+    """What every policy's state is: a frozen dataclass of tensors with a ``scale`` field (0-d float32, or one
+    per state of a batch). Its other fields are the policy's own; records are saved, moved and copied field by
+    field through :func:`dataclasses.fields`."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # what dataclasses.fields and replace read
+
+    @property
+    def scale(self) -> torch.Tensor: ...
+
+
+#: A policy's state record type: ``Policy[StateT]`` returns it from ``init`` and takes and returns it in ``update``.
+StateT = TypeVar("StateT", bound=StateRecord)
 
 
 class FloorError(RuntimeError):
@@ -57,15 +74,19 @@ class ScaleState:
         return move_state(self, device)
 
 
-class Policy:
-    """The protocol of a loss-scale policy: everything the step stages call, with defaults.
+class Policy(Generic[StateT]):
+    """The protocol of a loss-scale policy over its state record ``StateT``: everything the step stages call, with
+    defaults.
 
-    Required: ``init(device) -> state`` (a frozen dataclass of tensors with a ``scale`` field) and
-    ``update(state, found_inf, amax=None) -> state`` (tensor ops only). Optional, with defaults here:
+    Required: ``init(device) -> state`` (a :class:`StateRecord`: a frozen dataclass of tensors with a ``scale``
+    field) and ``update(state, found_inf, amax=None) -> state`` (tensor ops only). ``found_inf`` is a tensor on
+    any device: a bool flag, or a count of overflows (torch's scaler keeps a float32 count, the core a 0-d float32
+    0/1 flag); nonzero means the step overflowed, and its dtype and device are the caller's. Optional, with defaults
+    here:
 
     - ``observes_amax`` (False): True asks for ``amax``, the largest scaled-gradient magnitude of the step.
-    - ``observes_loss_finite`` (False): True asks for ``update(..., loss_finite=...)``, whether every loss of the
-      step was finite (0-d bool).
+    - ``observes_loss_finite`` (False): True asks for ``update(..., loss_finite=...)`` (keyword-only), whether every
+      loss of the step was finite (0-d bool).
     - ``enforce_floor(state)``: the floor rule, run after every update; may raise :class:`FloorError`.
     - ``floor_reads_host`` (False): True where ``enforce_floor`` reads the state on the host (it cannot run inside a
       CUDA graph).
@@ -81,16 +102,16 @@ class Policy:
     min_scale: float = SMALLEST_NORMAL_FLOAT32
     max_scale: float = FLOAT32_MAX
 
-    def init(self, device: torch.device | str | None = None) -> Any:
+    def init(self, device: torch.device | str | None = None) -> StateT:
         """A fresh state on ``device`` (default CPU)."""
         raise NotImplementedError(f"{type(self).__name__}.init(device) is required by the Policy protocol")
 
-    def update(self, state: Any, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> Any:
+    def update(self, state: StateT, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> StateT:
         """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
         raise NotImplementedError(f"{type(self).__name__}.update(state, found_inf, amax) is required by the Policy "
                                   f"protocol")
 
-    def enforce_floor(self, state: Any) -> None:
+    def enforce_floor(self, state: StateT) -> None:
         """The floor rule after an update: by default none (the scale stays at its floor and steps skip)."""
 
     @property
@@ -99,7 +120,7 @@ class Policy:
         return False
 
 
-def validate_policy(call: str, policy: Any) -> None:
+def validate_policy(call: str, policy: object) -> None:
     """A TypeError unless ``policy`` is a :class:`Policy`."""
     if not isinstance(policy, Policy):
         raise TypeError(f"{call}(policy={policy!r}): policy must have init(device) and update(state, found_inf, "
@@ -107,7 +128,7 @@ def validate_policy(call: str, policy: Any) -> None:
                         f"preset, or your own subclass of Policy); got {type(policy).__name__}.")
 
 
-def validate_found_inf(found_inf: Any) -> None:
+def validate_found_inf(found_inf: object) -> None:
     """A TypeError unless found_inf is a tensor (bool, or a float/int count as torch's scaler keeps it)."""
     if not isinstance(found_inf, torch.Tensor):
         raise TypeError(
@@ -124,7 +145,7 @@ def as_flag(found_inf: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class FixedScale(Policy):
+class FixedScale(Policy[ScaleState]):
     """A constant loss scale: overflowing steps are still detected and skipped, the scale never moves.
 
     Example:
@@ -158,7 +179,7 @@ class FixedScale(Policy):
 # --- state records, field by field -----------------------------------------------------------------------------
 
 
-def move_state(state: Any, device: torch.device | str) -> Any:
+def move_state(state: StateT, device: torch.device | str) -> StateT:
     """Any state record with every field on ``device`` (a copy only where it moves). A copy from host memory to an
     accelerator does not wait for the device (no host synchronisation: the values are staged before the call
     returns); a copy to host memory is a blocking one, so the values can be read at once."""
@@ -167,12 +188,12 @@ def move_state(state: Any, device: torch.device | str) -> Any:
                                          for f in dataclasses.fields(state)})
 
 
-def state_to_dict(state: Any) -> dict[str, float | int | list]:
+def state_to_dict(state: StateRecord) -> dict[str, float | int | list[float] | list[int]]:
     """Plain Python numbers for every field of a state record (one host read per field)."""
     return {f.name: getattr(state, f.name).tolist() for f in dataclasses.fields(state)}
 
 
-def _field_tensor(call: str, name: str, value: Any, like: torch.Tensor) -> torch.Tensor:
+def _field_tensor(call: str, name: str, value: object, like: torch.Tensor) -> torch.Tensor:
     """``value`` as a tensor shaped, typed and placed like ``like``; finite, and in int32 for counters."""
     try:
         raw = torch.as_tensor(value, dtype=torch.float64)
@@ -192,7 +213,7 @@ def _field_tensor(call: str, name: str, value: Any, like: torch.Tensor) -> torch
     return raw.to(like.dtype).to(like.device)
 
 
-def state_from_dict(template: Any, values: dict[str, Any], call: str = "load_state_dict") -> Any:
+def state_from_dict(template: StateT, values: object, call: str = "load_state_dict") -> StateT:
     """A state like ``template`` (dtype, device) holding ``values``: every field required, finite, of the right
     shape; counters int32 integers. The scale's own check is :class:`~lossscale.state.LossScale`'s."""
     if not isinstance(values, dict):

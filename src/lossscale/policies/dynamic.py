@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal, cast
 
 import torch
 
@@ -17,7 +18,7 @@ __all__ = ["DynamicScale", "validate_dynamic_args"]
 
 
 @dataclass(frozen=True)
-class DynamicScale(Policy):
+class DynamicScale(Policy[ScaleState]):
     """Dynamic loss scaling: back off on overflow, grow after a run of clean steps.
 
     The rule, per call of ``update(state, found_inf)`` (``growth_tracker`` starts at ``-growth_delay``)::
@@ -204,7 +205,7 @@ def _is_kernel_flag(found_inf: torch.Tensor, state: ScaleState) -> bool:
     return found_inf.dtype == torch.float32 and found_inf.dim() == 0 and found_inf.device == state.scale.device
 
 
-def validate_dynamic_args(call: str, args: Mapping[str, Any], names: Mapping[str, str] | None = None) -> None:
+def validate_dynamic_args(call: str, args: Mapping[str, object], names: Mapping[str, str] | None = None) -> None:
     """The one check of :class:`DynamicScale`'s arguments: ``args`` maps field names to values (absent fields take
     their defaults); ``names`` maps a field to the caller's name for it (a preset's), which errors then give."""
     names = names or {}
@@ -217,7 +218,7 @@ def validate_dynamic_args(call: str, args: Mapping[str, Any], names: Mapping[str
     d = v["backoff_divisor"]
     if d is not None:
         validate_factor_above_one(call, n("backoff_divisor"), d, "a backoff divides the scale by it")
-        if v["backoff_factor"] not in (0.5, 1.0 / d):
+        if v["backoff_factor"] not in (0.5, 1.0 / cast(float, d)):  # d: a number, validated just above
             raise ValueError(
                 f"{call}(backoff_factor={v['backoff_factor']!r}, backoff_divisor={d!r}): pass one of them; "
                 f"a backoff either multiplies by backoff_factor or divides by backoff_divisor; got both."

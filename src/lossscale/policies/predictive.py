@@ -57,10 +57,10 @@ def _pow2_floor(x: float) -> float:
 
 
 @dataclass(frozen=True)
-class PredictiveScale(Policy):
-    """Loss scale from a forecast of log2(max |gradient|): level, tail, and a target overflow rate.
+class PredictiveScale(Policy[PredictiveState]):
+    """Loss scale from a forecast of ``log2(max |gradient|)``: level, tail, and a target overflow rate.
 
-    The rule, per ``update(state, found_inf, amax, loss_finite=None)`` (amax: max |scaled gradient|)::
+    The rule, per ``update(state, found_inf, amax, loss_finite=None)`` (amax: ``max |scaled gradient|``)::
 
         fault    = found_inf and (loss_finite is False
                                   or (amax finite and amax < limit * 2**-fault_gap and clean_run > 0))

@@ -18,8 +18,8 @@ mindspore      W-th clean step             every one              S * f32(1/f)  
 nnabla         (N+2)-th, then every N+1    every attempt, retry   S / f (f64)     none (*)     none (*)
 deepspeed      (W+1)-th, then every W      delayed_shift, no      S / f (f64)     min_scale,   none (*)
                                            refill after backoff                   may raise
-megatron       W-th clean step             hysteresis, cumulative S * b (f32)     min_scale    inf (*)
-                                           no refill
+megatron       W-th clean step             hysteresis,            S * b (f32)     min_scale    inf (*)
+                                           cumulative, no refill
 paddle         W-th clean step             n consecutive          S * b (f32)     none (*)     inf (*)
 ascend         W-th clean step             n cumulative (a clean  S * d (f32)     1            refused when
                                            step keeps the count)                               S >= 3.4e38/r
