@@ -1,0 +1,146 @@
+"""``keep_float32``: the standard fix for a forward overflow, one module run in float32 inside an autocast model."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Literal
+
+import torch
+from torch import nn
+
+from lossscale.validation import ArgumentTypeError, validate_choice
+
+__all__ = ["Float32Forward", "keep_float32"]
+
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+_LOW = (torch.float16, torch.bfloat16)
+
+
+class Float32Forward:
+    """The handle :func:`keep_float32` returns: :meth:`remove` undoes it (also as a context manager)."""
+
+    def __init__(self, module: nn.Module, outputs: str) -> None:
+        self.module = module
+        self.outputs = outputs
+        self.removed = False
+        self._had_own = "forward" in module.__dict__
+        self._previous = module.__dict__.get("forward")
+        inner = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.removed:
+                return inner(*args, **kwargs)
+            return self._run(inner, args, kwargs)
+
+        self._forward = forward
+        module.forward = forward  # type: ignore[method-assign]
+
+    def _run(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        enabled = [d for d in _DEVICE_TYPES if _autocast_on(d)]
+        first = next((t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()), None)
+        with contextlib.ExitStack() as stack:
+            for device_type in enabled:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            out = inner(*_to_float32(args), **_to_float32(kwargs))
+        if self.outputs == "float32":
+            return out
+        targets = {d: torch.get_autocast_dtype(d) for d in enabled}
+
+        def back(t: torch.Tensor) -> torch.Tensor:
+            if t.dtype != torch.float32:
+                return t
+            target = targets.get(t.device.type, None if enabled else first)
+            return t if target is None or target == torch.float32 else t.to(target)
+
+        return _map(back, out)
+
+    def remove(self) -> None:
+        """Undo: the module's forward runs as before (idempotent)."""
+        if self.removed:
+            return
+        self.removed = True
+        if self.module.__dict__.get("forward") is self._forward:
+            if self._had_own:
+                self.module.forward = self._previous  # type: ignore[method-assign]
+            else:
+                del self.module.forward
+        # else something wrapped the forward after us: our wrapper stays in its chain and now passes calls through
+
+    def __enter__(self) -> Float32Forward:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self.removed else "active"
+        return f"Float32Forward({type(self.module).__name__}, outputs={self.outputs!r}, {state})"
+
+
+def keep_float32(module: nn.Module, *, outputs: Literal["autocast", "float32"] = "autocast") -> Float32Forward:
+    """Run ``module``'s forward outside autocast on float32 inputs; returns a handle whose ``remove()`` undoes it.
+
+    The rule, at each call::
+
+        inputs:  every float16/bfloat16 tensor in args and kwargs -> float32
+        forward: with autocast disabled on every device type where it was enabled
+        outputs: "autocast": each float32 output -> autocast's dtype on its device (float16 on CUDA under
+                 torch.autocast("cuda")), what autocast gives a matmul-like op; without autocast, the dtype
+                 of the first floating-point input
+                 "float32": outputs stay float32 (for a module whose output itself passes 65504)
+
+    The module's parameters are not touched (under autocast they are float32 already). Host reads: none.
+
+    Args:
+        module: The module to run in float32 (e.g. the one :func:`find_overflow` names).
+        outputs: ``"autocast"`` or ``"float32"``, as above.
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> handle = keep_float32(layer)
+        >>> with torch.autocast("cpu", dtype=torch.float16):
+        ...     layer(torch.ones(1, 2)).dtype
+        torch.float16
+        >>> handle.remove()
+    """
+    call = f"keep_float32(module={type(module).__name__}, outputs={outputs!r})"
+    if not isinstance(module, nn.Module):
+        raise ArgumentTypeError(f"keep_float32(module={module!r:.60}): module must be a torch.nn.Module (e.g. "
+                                f"model.get_submodule(report.module)); got {type(module).__name__}.")
+    validate_choice(call, "outputs", outputs, ("autocast", "float32"))
+    return Float32Forward(module, outputs)
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map(lambda t: found.append(t) or t, obj)
+    return found
+
+
+def _to_float32(obj: Any) -> Any:
+    return _map(lambda t: t.float() if t.dtype in _LOW else t, obj)
+
+
+def _map(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it (tuples, named tuples, lists and dicts rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(fn, v) for v in obj)
+    if isinstance(obj, dict):
+        mapped = {k: _map(fn, v) for k, v in obj.items()}
+        try:
+            return type(obj)(**mapped) if not type(obj) is dict else mapped
+        except TypeError:
+            return mapped
+    return obj

@@ -1,0 +1,384 @@
+"""The tracer behind :func:`~lossscale.diagnosis.find_overflow` and the automatic diagnosis: module hooks that record
+each call's largest input and output magnitudes, tensor hooks that record each gradient's, and the rule that turns
+them into an :class:`~lossscale.diagnosis.report.OverflowReport`.
+
+Every magnitude stays a 0-d device tensor until :meth:`Tracer.report` reads them all at once; the hooks do no host
+read. A forward hook that runs inside a backward (activation checkpointing's recomputation) records no new call: it
+only watches the recomputed tensors' gradients where the original call's tensors carried none (``use_reentrant=True``
+runs the first forward without grad).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from lossscale.diagnosis.report import FLOAT16_MAX, Kind, ModuleRecord, OverflowReport
+
+__all__ = ["Tracer", "advice_for", "floating_tensors"]
+
+
+def floating_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The floating-point tensors in ``obj`` (a tensor, or tuples, lists, dicts and dataclass-like records of them)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() or obj.is_complex():
+            yield obj
+    elif depth > 8 or isinstance(obj, (str, bytes)):
+        return
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from floating_tensors(value, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from floating_tensors(value, depth + 1)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from floating_tensors(getattr(obj, name, None), depth + 1)
+
+
+def _amax(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """Largest ``|x|`` over ``tensors`` as a 0-d float32 tensor on the first one's device (nan wins over inf)."""
+    parts = []
+    for t in tensors:
+        t = t.detach()
+        if t.is_sparse:
+            t = t._values()
+        if t.numel() == 0:
+            continue
+        parts.append(t.abs().amax().float().to(tensors[0].device))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.stack(parts).amax()
+
+
+@dataclass(eq=False)
+class _Call:
+    """One module call in one forward pass."""
+
+    name: str
+    type: str
+    index: int
+    parent: _Call | None
+    depth: int
+    forward_pass: int
+    start: int
+    end: int = -1
+    input_max: torch.Tensor | None = None
+    output_max: torch.Tensor | None = None
+    output_dtype: str | None = None
+    watched: bool = False  # whether a gradient hook watches any of its outputs
+
+
+@dataclass(eq=False)
+class _Watched:
+    """A tensor whose gradient a hook records: the calls that produced it (innermost first) and took it as input."""
+
+    ref: Callable[[], torch.Tensor | None]
+    producers: list[_Call] = field(default_factory=list)
+    consumers: list[_Call] = field(default_factory=list)
+    owners: list[str] = field(default_factory=list)  # a parameter's modules (several where it is tied)
+
+
+@dataclass(eq=False)
+class _GradEvent:
+    run: int
+    forward_pass: int
+    watched: _Watched
+    amax: torch.Tensor
+    limit: float
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Tracer:
+    """Hooks on every module and parameter of ``model`` that record magnitudes until :meth:`remove`.
+
+    A forward pass ends at :meth:`end_forward` (the loss); the backward events after it belong to that pass.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.handles: list[Any] = []
+        self.calls: list[_Call] = []
+        self.events: list[_GradEvent] = []
+        self.losses: list[torch.Tensor | None] = []
+        self.run = 0
+        self._seq = 0
+        self._pass = 0
+        self._backward_pass = 0
+        self._stack: list[_Call] = []
+        self._counts: dict[str, int] = {}
+        self._recomputed: dict[str, int] = {}
+        self._last_recomputed: dict[str, _Call] = {}
+        self._watched: dict[int, _Watched] = {}
+        self._types: dict[str, str] = {}
+        for name, module in model.named_modules():
+            self._types[name] = type(module).__name__
+            self.handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post_hook(name), with_kwargs=True,
+                                                             always_call=True))
+        params: dict[int, _Watched] = {}
+        for name, module in model.named_modules():
+            for param in module._parameters.values():
+                if param is None or not param.requires_grad:
+                    continue
+                if id(param) not in params:
+                    params[id(param)] = _Watched(weakref.ref(param))
+                    self.handles.append(param.register_hook(self._grad_hook(params[id(param)])))
+                params[id(param)].owners.append(name)
+
+    # hooks ------------------------------------------------------------------------------------------------------
+
+    def _pre_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if _in_backward():
+                call = self._recomputation(name)
+                if call is not None and not call.watched:
+                    for t in floating_tensors((args, kwargs)):
+                        self._watch(t, call, produced=False)
+                return
+            parent = self._stack[-1] if self._stack else None
+            index = self._counts.get(name, 0)
+            self._counts[name] = index + 1
+            inputs = list(floating_tensors((args, kwargs)))
+            call = _Call(name, self._types[name], index, parent, 0 if parent is None else parent.depth + 1,
+                         self._pass, self._next(), input_max=_amax(inputs))
+            self.calls.append(call)
+            self._stack.append(call)
+            for t in inputs:
+                self._watch(t, call, produced=False)
+        return hook
+
+    def _post_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if _in_backward():
+                call = self._last_recomputed.get(name)
+                if call is not None and not call.watched:
+                    for t in floating_tensors(output):
+                        self._watch(t, call, produced=True)
+                return
+            index = next((i for i in range(len(self._stack) - 1, -1, -1) if self._stack[i].name == name), None)
+            if index is None:
+                return
+            call = self._stack[index]
+            del self._stack[index:]
+            outputs = list(floating_tensors(output))
+            call.output_max = _amax(outputs)
+            call.output_dtype = str(outputs[0].dtype).replace("torch.", "") if outputs else None
+            for t in outputs:
+                call.watched |= self._watch(t, call, produced=True)
+            call.end = self._next()
+        return hook
+
+    def _grad_hook(self, watched: _Watched) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            amax = _amax([grad])
+            if amax is not None:
+                limit = torch.finfo(grad.dtype).max if grad.is_floating_point() else math.inf
+                self.events.append(_GradEvent(self.run, self._backward_pass, watched, amax, limit))
+        return hook
+
+    def _watch(self, t: torch.Tensor, call: _Call, produced: bool) -> bool:
+        if not t.requires_grad:
+            return False
+        watched = self._watched.get(id(t))
+        if watched is None or watched.ref() is not t:
+            watched = _Watched(weakref.ref(t))
+            try:
+                self.handles.append(t.register_hook(self._grad_hook(watched)))
+            except RuntimeError:  # a tensor that cannot take a hook (e.g. a view made in no-grad mode)
+                return False
+            self._watched[id(t)] = watched
+        (watched.producers if produced else watched.consumers).append(call)
+        return True
+
+    def _recomputation(self, name: str) -> _Call | None:
+        """The original call a recomputation (in the backward) repeats: the module's calls in turn."""
+        calls = [c for c in self.calls if c.name == name and c.forward_pass == self._backward_pass]
+        if not calls:
+            return None
+        k = self._recomputed.get(name, 0)
+        self._recomputed[name] = k + 1
+        call = calls[k % len(calls)]
+        self._last_recomputed[name] = call
+        return call
+
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # phases -----------------------------------------------------------------------------------------------------
+
+    def end_forward(self, loss: torch.Tensor | None) -> None:
+        """The current forward pass ended with ``loss``; its backward comes next."""
+        self.losses.append(None if loss is None else _amax([loss]))
+        self._backward_pass = self._pass
+        self._pass += 1
+        self._counts.clear()
+        self._recomputed.clear()
+        self._stack.clear()
+
+    def remove(self) -> None:
+        """Remove every hook (idempotent)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self._watched.clear()
+
+    # analysis ---------------------------------------------------------------------------------------------------
+
+    def backward_peak(self, run: int) -> tuple[bool, float]:
+        """For backward ``run``: whether every gradient was finite, and the smallest ``dtype max / |grad|`` (how far
+        the scale could be multiplied before the closest gradient leaves its format's range). One host read."""
+        events = [e for e in self.events if e.run == run]
+        values = _read([e.amax for e in events])
+        finite = all(math.isfinite(v) for v in values)
+        ratio = min((e.limit / v for e, v in zip(events, values) if v > 0 and math.isfinite(v)), default=math.inf)
+        return finite, ratio
+
+    def report(self, scale: float, max_safe_scale: float | None = None, run: int = 0,
+               rank: int | None = None) -> OverflowReport:
+        """The first non-finite value over the traced passes (forward, then loss, then backward ``run``), read in
+        one host read."""
+        calls = self.calls
+        run_events = [e for e in self.events if e.run == run]
+        values = _read([c.input_max for c in calls] + [c.output_max for c in calls]
+                       + list(self.losses) + [e.amax for e in run_events])
+        n, m = len(calls), len(self.losses)
+        inputs, outputs = values[:n], values[n:2 * n]
+        losses, grads = values[2 * n:2 * n + m], values[2 * n + m:]
+        counts: dict[tuple[int, str], int] = {}
+        for c in calls:
+            counts[(c.forward_pass, c.name)] = counts.get((c.forward_pass, c.name), 0) + 1
+        grad_of: dict[int, float] = {}
+        for e, v in zip(run_events, grads):
+            for c in e.watched.producers:
+                old = grad_of.get(id(c))
+                grad_of[id(c)] = v if old is None or _worse(v, old) else old
+
+        def records_of(p: int) -> tuple[ModuleRecord, ...]:
+            return tuple(ModuleRecord(c.name, c.type, c.index, inputs[i], outputs[i], c.output_dtype,
+                                      grad_of.get(id(c))) for i, c in enumerate(calls) if c.forward_pass == p)
+
+        def located(p: int, kind: Kind, call: _Call | None, value: float | None,
+                    name: str | None = None) -> OverflowReport:
+            module = call.name if call is not None else name
+            index = call.index if call is not None else None
+            total = counts.get((call.forward_pass, call.name)) if call is not None else None
+            if call is None and name is not None:
+                total = sum(1 for c in calls if c.name == name and c.forward_pass == p) or None
+                index = 0 if total == 1 else None
+            nan = value is not None and math.isnan(value)
+            return OverflowReport(kind, module, index if (total or 0) > 1 else None, total, nan, scale,
+                                  None if kind in ("input", "forward", "loss") else max_safe_scale,
+                                  advice_for(kind, module, nan, scale, max_safe_scale), records_of(p),
+                                  losses[p] if p < m else None, rank)
+
+        passes = sorted({c.forward_pass for c in calls} | set(range(m)))
+        for p in passes:
+            events: list[tuple[int, str, _Call, float]] = []
+            for i, c in enumerate(calls):
+                if c.forward_pass != p:
+                    continue
+                if inputs[i] is not None and not math.isfinite(inputs[i]):
+                    events.append((c.start, "start", c, inputs[i]))
+                if c.end >= 0 and outputs[i] is not None and not math.isfinite(outputs[i]):
+                    events.append((c.end, "end", c, outputs[i]))
+            if events:
+                _, where, c, v = min(events, key=lambda e: e[0])
+                if where == "end":
+                    return located(p, "forward", c, v)
+                return located(p, "input", c, v) if c.parent is None else located(p, "forward", c.parent, v)
+            if p < m and losses[p] is not None and not math.isfinite(losses[p]):
+                return located(p, "loss", None, losses[p])
+            for e, v in zip(run_events, grads):
+                if e.forward_pass == p and not math.isfinite(v):
+                    call, name = _blame(e.watched, [c for c in calls if c.forward_pass == p])
+                    return located(p, "backward", call, v, name)
+        return located(passes[0] if passes else 0, "none", None, None)
+
+
+def _blame(watched: _Watched, calls: list[_Call]) -> tuple[_Call | None, str | None]:
+    """Whose backward made this gradient: a parameter's module (tied: the holder whose call ended last in the
+    forward, the first to run backward), the innermost call that took the tensor as input, else the code around
+    the outermost call that produced it (None: the loss)."""
+    if watched.owners:
+        if len(watched.owners) == 1:
+            return None, watched.owners[0]
+        ends = {c.name: c.end for c in calls if c.name in watched.owners}
+        return None, max(watched.owners, key=lambda name: ends.get(name, -1))
+    if watched.consumers:
+        return max(watched.consumers, key=lambda c: c.depth), None
+    if watched.producers:
+        return watched.producers[-1].parent, None
+    return None, None
+
+
+def _worse(a: float, b: float) -> bool:
+    if math.isnan(a):
+        return True
+    if math.isnan(b):
+        return False
+    return a > b
+
+
+def _read(tensors: list[torch.Tensor | None]) -> list[float | None]:
+    """Every 0-d tensor as a float (None stays None), one host read per device."""
+    out: list[float | None] = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t is not None:
+            by_device.setdefault(t.device, []).append(i)
+    for device, idx in by_device.items():
+        read = torch.stack([tensors[i].reshape(()).float() for i in idx]).tolist()  # type: ignore[union-attr]
+        for i, v in zip(idx, read):
+            out[i] = v
+    return out
+
+
+def advice_for(kind: Kind, module: str | None, nan: bool, scale: float, max_safe_scale: float | None) -> str:
+    """One or two sentences on what fixes a fault of this kind."""
+    name = "the model" if module == "" else repr(module)
+    if kind == "input":
+        return ("A batch already holds inf or NaN before the model sees it, and no loss scale fixes that: check the "
+                "data loader and preprocessing (e.g. assert torch.isfinite(batch).all()), or skip such batches.")
+    if kind == "forward":
+        if nan:
+            return (f"{name}'s own code made a NaN from finite inputs (0/0, inf-inf, log or sqrt of a negative, a "
+                    f"softmax over all -inf): guard that op (an eps, a mask that keeps one entry), or run it in "
+                    f"float32 with lossscale.keep_float32(model.get_submodule({module!r})). Lowering the loss "
+                    f"scale cannot fix it.")
+        return (f"{name}'s activations pass float16's 65504: run it in float32 with "
+                f"lossscale.keep_float32(model.get_submodule({module!r})) (or keep its weights and inputs smaller). "
+                f"Lowering the loss scale cannot fix a forward overflow.")
+    if kind == "loss":
+        return ("The loss computation overflowed though every module's output was finite: compute the loss in "
+                "float32, outside autocast (e.g. loss_fn(logits.float(), target)), and use a mean, not a sum.")
+    if kind == "backward":
+        if max_safe_scale is not None and max_safe_scale < 1:
+            return (f"Even an unscaled backward overflows at {name if module is not None else 'the loss'} "
+                    f"(exploding gradients): lower the learning rate, clip gradients, or run that module in float32 "
+                    f"with lossscale.keep_float32.")
+        cap = f" (max_scale={_pow2(max_safe_scale)})" if max_safe_scale is not None else ""
+        return (f"The scale is too large for this batch's gradients at "
+                f"{name if module is not None else 'the loss'}: bound the scale{cap}, use per-layer scales "
+                f"(LossScaleOptimizer(..., layerwise=model)) so one module's gradients do not set every other's, "
+                f"or clip gradients.")
+    safe = f"; this batch's backward stays finite up to scale {_pow2(max_safe_scale)}" if max_safe_scale else ""
+    return (f"Nothing overflowed at scale {_pow2(scale)}{safe}. If the scale keeps collapsing, the fault depends on "
+            f"the batch or the step: let OverflowDiagnosis trace the failing step.")
+
+
+def _pow2(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x > 0 and math.isfinite(x) and x == 2.0 ** round(math.log2(x)):
+        return f"2**{round(math.log2(x))}"
+    return f"{x:.4g}"

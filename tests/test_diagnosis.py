@@ -1,0 +1,479 @@
+"""find_overflow, keep_float32 and the OverflowDiagnosis add-on on the CPU under float16 autocast.
+
+Every kind is planted in a small model and must be named where it was planted; max_safe_scale is checked against a
+brute-force oracle (the backward rerun at every power of two); the model, its gradients, buffers, modes, hooks and
+the optimizer must be left as found. The add-on is driven by a hand-written loop that calls its hooks as a front end
+does, and its trigger is replayed over every recorded golden trajectory.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lossscale import DynamicScale, HostReadCounter, presets
+from lossscale.addons.base import StepOutcome
+from lossscale.diagnosis import (OverflowDiagnosis, OverflowReport, OverflowWarning, TriggerState, advance_trigger,
+                                 find_overflow, keep_float32)
+
+sys.path.insert(0, str(Path(__file__).parent / "golden"))
+import golden_data  # noqa: E402
+
+F16 = torch.float16
+
+
+def autocast():
+    return torch.autocast("cpu", dtype=F16)
+
+
+class Gated(nn.Module):
+    """A T5-style gated feed-forward: ``wo(gelu(wi_0(x)) * wi_1(x))``."""
+
+    def __init__(self, d: int = 8, ff: int = 16) -> None:
+        super().__init__()
+        self.wi_0, self.wi_1, self.wo = nn.Linear(d, ff, bias=False), nn.Linear(d, ff, bias=False), nn.Linear(ff, d)
+
+    def forward(self, x):
+        return self.wo(F.gelu(self.wi_0(x)) * self.wi_1(x))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.ff = Gated(d)
+
+    def forward(self, x):
+        return x + self.ff(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 8, blocks: int = 3, ckpt: bool | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(blocks)])
+        self.head = nn.Linear(d, 1)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.ckpt) if self.ckpt is not None else block(x)
+        return self.head(x)
+
+
+def make_net(seed: int = 0, **kwargs) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kwargs)
+
+
+def batch(seed: int = 1, n: int = 4, d: int = 8) -> torch.Tensor:
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
+
+
+def closure_for(model: nn.Module, x: torch.Tensor, loss=lambda y: y.float().mean()):
+    def closure():
+        with autocast():
+            return loss(model(x))
+    return closure
+
+
+def plant_gate_overflow(model: Net, block: int = 1) -> None:
+    """The gated product of one block passes 65504 (each factor stays finite); wo brings it back down."""
+    ff = model.blocks[block].ff
+    with torch.no_grad():
+        ff.wi_0.weight.mul_(250.0)
+        ff.wi_1.weight.mul_(250.0)
+        ff.wo.weight.mul_(1e-4)
+
+
+# kinds ----------------------------------------------------------------------------------------------------------
+
+
+def test_none_on_a_healthy_batch_with_the_oracle_max_safe_scale():
+    model, x = make_net(), batch()
+    report = find_overflow(model, closure_for(model, x), scale=2.0**10)
+    assert report.kind == "none" and report.module is None and not report.nan
+    assert report.scale == 2.0**10
+    assert report.max_safe_scale == oracle_max_safe_scale(model, x) == 2.0**15
+    assert find_overflow(model, closure_for(model, x)).kind == "backward"  # at the default 2**16
+    assert [r.module for r in report.records] == [n for n, m in model.named_modules() if n != "blocks"]
+    assert "nothing was non-finite" in str(report)
+
+
+def test_input_inf_and_nan():
+    model, x = make_net(), batch()
+    x[2, 3] = float("inf")
+    report = find_overflow(model, closure_for(model, x))
+    assert (report.kind, report.module, report.nan, report.max_safe_scale) == ("input", "", False, None)
+    x[2, 3] = float("nan")
+    assert find_overflow(model, closure_for(model, x)).nan
+
+
+def test_forward_names_the_linear_inside_a_nested_block_not_its_parents_or_successors():
+    model, x = make_net(), batch()
+    with torch.no_grad():
+        model.blocks[1].ff.wi_1.weight.mul_(1e5)
+    report = find_overflow(model, closure_for(model, x))
+    assert (report.kind, report.module, report.call) == ("forward", "blocks.1.ff.wi_1", None)
+    assert report.max_safe_scale is None and "keep_float32" in report.advice
+    row = next(r for r in report.records if r.module == "blocks.1.ff.wi_1")
+    assert math.isinf(row.output_max) and row.input_max < 65504 and row.output_dtype == "float16"
+
+
+def test_forward_names_the_module_whose_own_code_overflowed_not_its_children():
+    model, x = make_net(), batch()
+    plant_gate_overflow(model)
+    report = find_overflow(model, closure_for(model, x))
+    assert (report.kind, report.module) == ("forward", "blocks.1.ff")
+    rows = {r.module: r for r in report.records}
+    assert rows["blocks.1.ff.wi_0"].output_max < 65504 and rows["blocks.1.ff.wi_1"].output_max < 65504
+
+
+class Twice(nn.Module):
+    """One Linear called twice: the first call is fine, the second passes 65504."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=False)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(4) * 300)
+
+    def forward(self, x):
+        return self.proj(self.proj(x)).sum(-1)
+
+
+def test_a_module_called_twice_names_the_call_that_overflowed():
+    model = Twice()
+    report = find_overflow(model, closure_for(model, torch.ones(2, 4)))
+    assert (report.kind, report.module, report.call, report.calls) == ("forward", "proj", 1, 2)
+    assert "call 2 of 2" in str(report)
+    assert [r.call for r in report.records if r.module == "proj"] == [0, 1]
+
+
+def test_loss_that_overflows_in_its_own_computation():
+    model, x = make_net(), batch()
+    report = find_overflow(model, closure_for(model, x, loss=lambda y: (y * 1000).pow(2).sum()))
+    assert (report.kind, report.module, report.max_safe_scale) == ("loss", None, None)
+    assert all(r.output_max is not None and math.isfinite(r.output_max) for r in report.records)
+    assert "float32" in report.advice
+
+
+class Amplifier(nn.Module):
+    """Finite forward; its backward multiplies the gradient by 800 on the way to its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.amp = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.amp.weight.fill_(100.0)
+
+    def forward(self, x):
+        return self.amp(torch.tanh(self.inp(x)))
+
+
+def test_backward_only_overflow_names_the_module_and_bounds_the_scale():
+    torch.manual_seed(0)
+    model, x = Amplifier(), batch()
+    closure = closure_for(model, x)
+    report = find_overflow(model, closure)
+    assert (report.kind, report.module) == ("backward", "amp")
+    assert all(r.output_max is not None and math.isfinite(r.output_max) for r in report.records)
+    assert report.max_safe_scale == oracle_max_safe_scale(model, x) < 2.0**16
+    assert find_overflow(model, closure, scale=report.max_safe_scale).kind == "none"
+    assert find_overflow(model, closure, scale=2 * report.max_safe_scale).kind == "backward"
+
+
+def test_max_safe_scale_below_one_when_even_an_unscaled_backward_overflows():
+    torch.manual_seed(0)
+    model, x = Amplifier(), batch()
+    with torch.no_grad():
+        model.inp.weight.mul_(1e-6)
+        model.inp.bias.zero_()
+        model.amp.weight.fill_(3e4)  # forward: 3e4 * 8 * 1e-6; backward: 64 * 3e4 * 8 per unit of the loss
+    loss = lambda y: y.float().sum() * 64  # noqa: E731
+    assert find_overflow(model, closure_for(model, x, loss=loss)).module is None  # 64 * 2**16: the loss's backward
+    report = find_overflow(model, closure_for(model, x, loss=loss), scale=1.0)
+    assert (report.kind, report.module) == ("backward", "amp")
+    assert report.max_safe_scale == oracle_max_safe_scale(model, x, loss) < 1
+    assert "exploding gradients" in report.advice
+
+
+def oracle_max_safe_scale(model: nn.Module, x: torch.Tensor, loss=lambda y: y.float().mean()) -> float | None:
+    """Brute force: the largest 2**k whose backward leaves every parameter's gradient finite (a fresh copy per k)."""
+    best = None
+    for k in range(-30, 40):
+        m = copy.deepcopy(model)
+        (closure_for(m, x, loss)().float() * 2.0**k).backward()
+        if all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None):
+            best = 2.0**k
+    return best
+
+
+# model state ----------------------------------------------------------------------------------------------------
+
+
+def hook_count(model: nn.Module) -> int:
+    n = 0
+    for m in model.modules():
+        n += len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+        n += len(m._forward_hooks_with_kwargs) + len(m._forward_pre_hooks_with_kwargs)
+    for p in model.parameters():
+        n += len(p._backward_hooks or {})
+    return n
+
+
+@pytest.mark.parametrize("plant", ["none", "forward", "backward"])
+def test_the_model_and_optimizer_are_left_as_found(plant):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), Amplifier() if plant == "backward"
+                          else nn.Linear(8, 8), nn.Linear(8, 1))
+    x = batch(n=6)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with autocast():
+        model(x).float().mean().backward()
+    opt.step()
+    if plant == "forward":
+        with torch.no_grad():
+            model[3].weight.mul_(1e5)
+    model[0].weight.grad = None  # a mix: one None, the rest accumulated values
+    model[4].eval()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    grad_values = {n: None if g is None else g.clone() for n, g in grads.items()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    modes = [m.training for m in model.modules()]
+    opt_state = copy.deepcopy(opt.state_dict())
+    hooks = hook_count(model)
+    rng = torch.get_rng_state()
+
+    report = find_overflow(model, closure_for(model, x), scale=2.0**4 if plant == "none" else 2.0**16)
+    assert report.kind == plant
+
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert hook_count(model) == hooks
+    assert [m.training for m in model.modules()] == modes
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params[n]), n
+        assert p.grad is grads[n], n
+        if grad_values[n] is not None:
+            assert torch.equal(p.grad, grad_values[n]), n
+    for n, b in model.named_buffers():
+        assert torch.equal(b, buffers[n]), n
+    assert _same(opt.state_dict(), opt_state)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(u, v) for u, v in zip(a, b))
+    return a == b
+
+
+def test_dropout_draws_the_masks_the_next_real_forward_draws():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    x = batch()
+    seen = []
+    model[1].register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    find_overflow(model, closure_for(model, x))
+    closure_for(model, x)()
+    assert torch.equal(seen[0], seen[1])
+
+
+def test_gradients_of_tensors_outside_the_model_are_left_as_found():
+    model, x = make_net(), batch()
+    extra = torch.ones((), requires_grad=True)
+    extra.grad = torch.full((), 5.0)
+    grad = extra.grad
+    find_overflow(model, closure_for(model, x, loss=lambda y: y.float().mean() * extra))
+    assert extra.grad is grad and extra.grad.item() == 5.0
+
+
+# structures -----------------------------------------------------------------------------------------------------
+
+
+class TupleDict(nn.Module):
+    """A child returning a tuple, one returning a dict; the dict's second entry overflows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = PairOut()
+        self.named = DictOut()
+
+    def forward(self, x):
+        a, b = self.pair(x)
+        out = self.named(a + b)
+        return out["small"] + out["big"].clamp(-1, 1)
+
+
+class PairOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y * 2
+
+
+class DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return {"small": y, "big": y * 1e5}
+
+
+def test_tuple_and_dict_outputs():
+    torch.manual_seed(0)
+    model = TupleDict()
+    report = find_overflow(model, closure_for(model, batch()))
+    assert (report.kind, report.module) == ("forward", "named")
+    rows = {r.module: r for r in report.records}
+    assert math.isfinite(rows["pair"].output_max) and math.isinf(rows["named"].output_max)
+
+
+def test_modules_without_parameters_are_traced():
+    model = nn.Sequential(nn.Identity(), nn.ReLU(), nn.Softmax(-1))
+    x = batch().requires_grad_()
+    report = find_overflow(model, lambda: model(x).sum() * 1e37, scale=2.0**10)
+    assert report.kind == "backward" and report.module is None  # the loss's own backward: 1e37 * 2**10 is inf
+    assert [r.module for r in report.records] == ["", "0", "1", "2"]
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+def test_tied_weights_blame_the_holder_that_ran_last_and_restore_the_shared_grad():
+    torch.manual_seed(0)
+    model = Tied()
+    ids = torch.randint(0, 16, (64, 32), generator=torch.Generator().manual_seed(0))
+    model.embed.weight.grad = torch.ones(16, 8)
+    grad = model.embed.weight.grad
+    closure = closure_for(model, ids, loss=lambda y: y.float().logsumexp(-1).sum())
+    report = find_overflow(model, closure)
+    assert report.kind == "backward" and report.module == "head"
+    assert model.head.weight.grad is grad and torch.equal(grad, torch.ones(16, 8))
+    assert find_overflow(model, closure, scale=report.max_safe_scale).kind == "none"
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_is_not_a_new_call(reentrant):
+    plain, x = make_net(), batch()
+    ckpt = make_net(ckpt=reentrant)
+    for model in (plain, ckpt):
+        plant_gate_overflow(model)
+    a, b = find_overflow(plain, closure_for(plain, x)), find_overflow(ckpt, closure_for(ckpt, x))
+    assert (b.kind, b.module, b.call) == (a.kind, a.module, a.call) == ("forward", "blocks.1.ff", None)
+    assert [(r.module, r.call) for r in b.records] == [(r.module, r.call) for r in a.records]
+    torch.manual_seed(0)
+    healthy = [make_net(), make_net(ckpt=reentrant)]
+    for model in healthy:
+        with torch.no_grad():
+            model.head.weight.mul_(200.0)  # a backward overflow at the head's input gradient
+    a, b = (find_overflow(m, closure_for(m, x), scale=2.0**20) for m in healthy)
+    assert (b.kind, b.module, b.max_safe_scale) == (a.kind, a.module, a.max_safe_scale)
+    assert a.kind == "backward"
+    assert [(r.module, r.call) for r in b.records] == [(r.module, r.call) for r in a.records]
+    assert all(r.grad_max is not None for r in b.records if r.module.startswith("blocks."))
+
+
+# keep_float32 ---------------------------------------------------------------------------------------------------
+
+
+def test_keep_float32_fixes_the_forward_overflow_on_the_same_batch_and_undoes():
+    model, x = make_net(), batch()
+    plant_gate_overflow(model)
+    closure = closure_for(model, x)
+    assert find_overflow(model, closure).module == "blocks.1.ff"
+    forward = model.blocks[1].ff.forward
+    handle = keep_float32(model.get_submodule("blocks.1.ff"))
+    fixed = find_overflow(model, closure, scale=2.0**10)
+    assert fixed.kind == "none"
+    row = next(r for r in fixed.records if r.module == "blocks.1.ff")
+    assert row.output_dtype == "float16"  # what autocast gives the wrapped Linear
+    assert next(r for r in fixed.records if r.module == "blocks.1.ff.wo").output_dtype == "float32"
+    handle.remove()
+    handle.remove()
+    assert "forward" not in model.blocks[1].ff.__dict__ and model.blocks[1].ff.forward == forward
+    assert find_overflow(model, closure).module == "blocks.1.ff"
+
+
+def test_keep_float32_outputs_and_without_autocast():
+    layer = nn.Linear(4, 4)
+    with keep_float32(layer, outputs="float32"), autocast():
+        assert layer(torch.ones(2, 4)).dtype == torch.float32
+    with keep_float32(layer):
+        assert layer(torch.ones(2, 4, dtype=torch.float16)).dtype == torch.float16  # the input's dtype
+        assert layer(torch.ones(2, 4)).dtype == torch.float32
+    assert "forward" not in layer.__dict__
+
+
+def test_bad_arguments_name_the_parameter():
+    model = make_net()
+    with pytest.raises(TypeError, match=r"find_overflow\(model=.*model must be a torch.nn.Module"):
+        find_overflow("net", lambda: None)
+    with pytest.raises(TypeError, match="closure must be a callable"):
+        find_overflow(model, 3)
+    with pytest.raises(ValueError, match="scale must be"):
+        find_overflow(model, closure_for(model, batch()), scale=-1.0)
+    with pytest.raises(TypeError, match=r"closure\(\) must return the loss as a tensor; got float"):
+        find_overflow(model, lambda: 1.0)
+    with pytest.raises(ValueError, match="one loss value"):
+        find_overflow(model, lambda: model(batch()))
+    with pytest.raises(ValueError, match="does not require grad"):
+        find_overflow(model, lambda: torch.zeros(()))
+
+    def calls_backward():
+        loss = model(batch()).mean()
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError, match="without calling backward"):
+        find_overflow(model, calls_backward)
+    assert all(p.grad is None for p in model.parameters()) and hook_count(model) == 0
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        keep_float32(lambda x: x)
+    with pytest.raises(ValueError, match="outputs"):
+        keep_float32(model, outputs="half")
+    with pytest.raises(TypeError, match="model must be the torch.nn.Module"):
+        OverflowDiagnosis(None)
+    with pytest.raises(ValueError, match="patience"):
+        OverflowDiagnosis(model, patience=0)
+
+
+def test_report_prints_and_plots(tmp_path):
+    model, x = make_net(), batch()
+    plant_gate_overflow(model)
+    report = find_overflow(model, closure_for(model, x))
+    text = str(report)
+    assert "forward overflow" in text and "'blocks.1.ff' (Gated)" in text and "<--" in text
+    assert report.log_fields() == {"overflow_kind": "forward", "overflow_module": "blocks.1.ff"}
+    pytest.importorskip("matplotlib", reason="report.plot needs matplotlib (the demo extra)")
+    report.plot(tmp_path / "magnitudes.png")
+    assert (tmp_path / "magnitudes.png").stat().st_size > 1000
