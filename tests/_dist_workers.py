@@ -288,12 +288,13 @@ def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer
-    from lossscale.ops.clip import PerTensorClip
+    from lossscale.compat.keras import KerasArguments
 
     model = DDP(make_model())
+    inner = OPTIMIZERS[opt_name](model.parameters())
     clips = {None: {}, "norm": {"clip_grad_norm": 0.3}, "value": {"clip_grad_value": 0.05},
-             "per_param": {"transform_unscaled": PerTensorClip(0.2)}}[clip]
-    opt = LossScaleOptimizer(OPTIMIZERS[opt_name](model.parameters()),
+             "per_param": {"add_ons": [KerasArguments(inner, clipnorm=0.2, weight_decay=None)]}}[clip]
+    opt = LossScaleOptimizer(inner,
                              policy=DynamicScale(init_scale=2.0**10, growth_interval=3), skip_mode=skip_mode,
                              process_group=None if agree else own_group(rank, world_size), flat_grads=flat_grads,
                              **clips)
@@ -314,7 +315,7 @@ def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str
         reduces.append(calls[0])
         reads.append(counter.count)
         if flat_grads:
-            attached.append(opt._run.flat.attached(list(model.parameters())))
+            attached.append(opt._flat.attached(list(model.parameters())))
         if not stepped[-1] and not torch.equal(flat(model), before):
             raise AssertionError(f"step {step}: skipped, yet the parameters changed")
     return {"stepped": stepped, "scales": scales, "all_reduces": reduces, "host_reads": reads,
@@ -374,7 +375,8 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from lossscale import DynamicScale, GradScaler, HostReadCounter, LossScaleOptimizer
-    from lossscale.ops.clip import PerTensorClip, squared_norms
+    from lossscale.compat.keras import KerasArguments
+    from lossscale.ops.clip import squared_norms
 
     model = make_model()
     reference = copy.deepcopy(model)
@@ -385,14 +387,15 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
     poison = 1e5 if kind == "lso_saturation" else INF  # finite but saturated once scaled
     lso_args = {"lso_fused": dict(clip_grad_norm=0.3), "lso_host": dict(clip_grad_norm=0.3, skip_mode="host"),
                 "lso_saturation": dict(clip_grad_norm=0.3, overflow_mode="saturation"),
-                "lso_per_param": dict(transform_unscaled=PerTensorClip(0.2)),
+                "lso_per_param": {},
                 "lso_masked": dict(clip_grad_norm=0.3, skip_mode="masked")}.get(kind)
 
     def trainer(module: torch.nn.Module) -> Any:
         inner = OPTIMIZERS[opt_name](module.parameters())
         if lso_args is None:
             return inner, GradScaler("cpu", policy=policy)
-        return LossScaleOptimizer(inner, policy=policy, module=module, **lso_args), None
+        extras = [KerasArguments(inner, clipnorm=0.2, weight_decay=None)] if kind == "lso_per_param" else []
+        return LossScaleOptimizer(inner, policy=policy, module=module, add_ons=extras, **lso_args), None
 
     opt, scaler = trainer(model)
     ref_opt, ref_scaler = trainer(reference)

@@ -274,12 +274,12 @@ OPTIMIZER = {
     "LossScaleOptimizer(...)": EntryPoint(nothing, bad_args(LSO, lambda w, **kw: LossScaleOptimizer(w.opt, **kw), [
         ("overflow_mode", "both", ValueError), ("clip_grad_norm", 0.0, ValueError),
         ("clip_grad_value", "1", TypeError), ("accumulation_steps", 0, ValueError), ("ema", 0.99, TypeError),
-        ("weight_decay", -1.0, ValueError), ("skip_mode", "none", ValueError),
+        ("diagnose", "model", TypeError), ("skip_mode", "none", ValueError),
         ("check_when_unscaled", "yes", ValueError), ("underflow_stride", 0, ValueError),
         ("schedule", "fast|step|0.9", TypeError), ("sharded_grads", "yes", ValueError),
         ("flat_grads", "yes", ValueError),
         ("module", "model", TypeError), ("process_group", "nccl", TypeError),
-        ("transform_unscaled", 3, TypeError)])
+        ("add_ons", 3, TypeError)])
         + bad_args(LSO, lambda w, **kw: LossScaleOptimizer(w.opt, **kw), [
             ("saturation_dtype", torch.int32, ValueError), ("saturation_dtype", "float16", TypeError)])
         + bad_args(LSO, lambda w, **kw: LossScaleOptimizer(w.opt, **kw), [("policy", "dynamic", TypeError)])

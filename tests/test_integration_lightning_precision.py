@@ -67,7 +67,7 @@ def test_automatic_optimization_skips_like_torch_and_updates_like_the_plain_loop
     if "layerwise" in wrap:  # per-layer scales ran through Lightning's closure: one total scale per unit
         assert all(sorted(r.layer_scales) == ["0", "2"] for r in rec.results)
     if "flat_grads" in wrap:  # Lightning zeroes the gradients through the wrapper: they stay in the buffer
-        assert trainer.optimizers[0]._run.flat.attached(list(ours.net.parameters()))
+        assert trainer.optimizers[0]._flat.attached(list(ours.net.parameters()))
     net, results = plain_loop(clip_grad_norm=1.0, **wrap)
     assert_same_weights(ours.net, net)
     norms, plain_norms = (torch.stack([r.grad_norm for r in rs]) for rs in (rec.results, results))

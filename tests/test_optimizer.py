@@ -14,6 +14,8 @@ import random
 import pytest
 import torch
 
+from lossscale.compat.keras import KerasArguments
+
 from lossscale import (EMA, DynamicScale, FixedScale, FloorError, HostReadCounter, LossScale, LossScaleOptimizer,
                        PredictiveScale, StepResult)
 from lossscale.stages import NoGradientsError
@@ -145,9 +147,10 @@ def test_random_overflows_skip_exactly_the_poisoned_steps_and_never_corrupt(make
     rng = random.Random(7)
     model, _ = model_and_data(11)
     ema = EMA(0.9)
-    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=DynamicScale(init_scale=2.0**20, growth_interval=5,
-                             hysteresis=2), skip_mode=skip_mode, clip_grad_norm=1.0, ema=ema, weight_decay=0.01,
-                             flat_grads=flat)
+    inner = make_opt(model.parameters())
+    opt = LossScaleOptimizer(inner, policy=DynamicScale(init_scale=2.0**20, growth_interval=5, hysteresis=2),
+                             skip_mode=skip_mode, clip_grad_norm=1.0, ema=ema,
+                             add_ons=[KerasArguments(inner, clipnorm=None, weight_decay=0.01)], flat_grads=flat)
     gen = torch.Generator().manual_seed(0)
     poisoned, skipped = [], []
     for _ in range(80):
@@ -267,8 +270,9 @@ def test_ema_and_weight_decay_only_on_applied_steps():
     model, data = model_and_data()
     p0 = [p.detach().clone() for p in model.parameters()]
     ema = EMA(momentum=0.5)
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=FixedScale(1.0), ema=ema,
-                             weight_decay=0.5, skip_mode="masked")
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = LossScaleOptimizer(inner, policy=FixedScale(1.0), ema=ema, skip_mode="masked",
+                             add_ons=[KerasArguments(inner, clipnorm=None, weight_decay=0.5)])
     opt.zero_grad()
     opt.backward(loss_fn(model, *data[0]))
     for p in model.parameters():
@@ -565,7 +569,7 @@ def _flat_run(zero, steps=6):
 def test_flat_gradients_set_to_none_elsewhere_go_back_into_the_buffer_before_the_backward():
     kept, _ = _flat_run(lambda model, opt: opt.zero_grad())
     released, opt = _flat_run(lambda model, opt: model.zero_grad())  # Lightning does it before validating
-    assert opt._run.flat.attached(list(released.parameters()))
+    assert opt._flat.attached(list(released.parameters()))
     assert all(torch.equal(p, q) for p, q in zip(released.parameters(), kept.parameters()))
 
 
@@ -579,7 +583,7 @@ def test_flat_gradients_made_outside_the_buffer_are_copied_back_with_one_warning
                                          r".* opt.backward\(loss\)") as record:
         replaced, opt = _flat_run(replace)
     assert len(record) == 1 and record[0].filename == __file__  # once per optimizer, though every step copied
-    assert opt._run.flat.attached(list(replaced.parameters()))
+    assert opt._flat.attached(list(replaced.parameters()))
     assert all(torch.equal(p, q) for p, q in zip(replaced.parameters(), kept.parameters()))
 
 
@@ -587,11 +591,11 @@ def test_flat_gradients_follow_a_new_parameter_group_and_can_be_turned_off():
     model, opt = _flat_run(lambda model, opt: opt.zero_grad(), steps=2)
     extra = torch.nn.Parameter(torch.ones(5))
     opt.add_param_group({"params": [extra]})
-    assert extra.grad is not None and opt._run.flat.attached(opt._params())
+    assert extra.grad is not None and opt._flat.attached(opt._params())
     opt.zero_grad()
     (model(torch.ones(1, 6)).sum() + (extra * 3).sum()).backward()
     assert torch.equal(extra.grad, torch.full((5,), 3.0))
     assert bool(opt.step().stepped) and not torch.equal(extra, torch.ones(5))
     opt.configure(flat_grads=False)
     opt.zero_grad()
-    assert opt._run.flat is None and all(p.grad is None for p in opt._params())
+    assert opt._flat is None and all(p.grad is None for p in opt._params())

@@ -62,7 +62,7 @@ def test_a_round_trip_mid_window_with_hysteresis_in_flight_continues_the_same_tr
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     if flat:  # the accumulated gradients were loaded into the buffer
-        assert opt._run.flat.attached(list(model.parameters()))
+        assert opt._flat.attached(list(model.parameters()))
     rest = _run(opt, model, batches[10:], inject, 10)
     assert first + rest == full
     assert len({s for *_, s in full}) > 1 and [a for a, *_ in full].count(False) == 6

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
+
+from lossscale.compat.keras import KerasArguments
 import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -324,9 +326,13 @@ class OptimizerCase(Case):
     def build(self) -> Live:
         model = Net()
         schedule = PrecisionSchedule("fast|step|0.5", total_steps=SCHEDULE_STEPS) if self.schedule else None
-        opt = LossScaleOptimizer(self.inner(model.parameters()), policy=None if self.policy is None else self.policy(),
+        options = dict(self.options)
+        inner = self.inner(model.parameters())
+        decay = options.pop("weight_decay", None)  # Keras's decoupled decay, an add-on of the facade's
+        opt = LossScaleOptimizer(inner, policy=None if self.policy is None else self.policy(),
                                  ema=None if self.ema is None else EMA(*self.ema), schedule=schedule,
-                                 layerwise=model if self.layerwise else None, **self.options)
+                                 layerwise=model if self.layerwise else None,
+                                 add_ons=[KerasArguments(inner, None, decay)] if decay else [], **options)
         return Live(model=model, opt=opt, schedule=schedule)
 
     def step(self, live: Live, i: int, poison: str | None) -> Any:

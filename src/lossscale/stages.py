@@ -6,15 +6,20 @@
     grouped_gradients   the tensors to check and unscale in place, by device   no pass
                         (flat_groups: the flat buffers of ops.flat.FlatGrads, one per device and dtype)
     guarded_found       found_inf: 1 where the scale itself is corrupted       0-d ops
-    measure_            overflow (+ amax) of the scaled gradients              1 pass
+    measure_            overflow (+ amax) of the scaled gradients              1 read
     inverse             1/scale (1 where the guard refused the scale)          0-d ops
-    unscale_and_check_  (ops.overflow) fused multiply + inf/NaN check          1 read + 1 write
+    norm_squared        the global squared norm (the clip's input)             1 read
+    unscale_            multiply by 1/scale (x clip), checking in the pass     1 read + 1 write
     agree_              found_inf (and amax) reduced over ranks                1 all-reduce each
-    clip coefficient    (ops.clip) min(1, max_norm / (norm + eps))              0-d ops
+    clip_value_         clamp each unscaled gradient to [-v, v]                1 read + 1 write
     apply               fused_step_ (flags in the kernel, no host read), applies_on_host (one host read),
                         or ops.masked.MaskedSkip (no host read)
     advance             LossScale.update: the policy's rule, then its floor rule   0-d ops
     attribute           overflowing_names: which parameters overflowed         1 read + 1 host read, on demand
+
+found_inf is one form through every stage: a 0-d float32 tensor, 0 or 1, on the scale's device (``guarded_found``
+makes it, the checks only ever set it to 1, ``agree_`` keeps it 0/1 across ranks). The front ends turn it into a
+bool once, for their results.
 
 ``GradScaler`` and ``LossScaleOptimizer`` call these and nothing of each other.
 """
@@ -22,6 +27,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from typing import Any, Sequence
 
@@ -29,7 +35,8 @@ import torch
 
 from lossscale.validation import SMALLEST_NORMAL_FLOAT32, ArgumentTypeError, capturing
 from lossscale.ops import distributed as _dist
-from lossscale.ops.overflow import OverflowMode, check_, check_with_amax_, one, overflowing
+from lossscale.ops.clip import global_norm_squared, grouped_norm_squared
+from lossscale.ops.overflow import OverflowMode, check_, check_with_amax_, one, overflowing, unscale_and_check_
 
 __all__ = [
     "NoGradientsError",
@@ -37,6 +44,10 @@ __all__ = [
     "grouped_gradients",
     "flat_groups",
     "measure_",
+    "norm_squared",
+    "unscale_",
+    "clip_value_",
+    "takes_fused_scaling",
     "guarded_found",
     "inverse",
     "agree_",
@@ -160,6 +171,50 @@ def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, thresh
     if len(maxima) == 1:  # one device and dtype, the usual case: no stack
         return maxima[0]
     return torch.stack(maxima).max() if maxima else torch.zeros((), device=found_inf.device)
+
+
+def norm_squared(groups: Groups, grads: list[torch.Tensor], device: torch.device, process_group: Any = None,
+                 sharded: bool | None = None) -> torch.Tensor:
+    """The squared global L2 norm of the gradients, 0-d float32 on ``device``: of ``groups`` as they are where
+    they are plain local gradients, else of the parameters' own gradients ``grads`` (shards, by their placement or
+    ``sharded=True``, summed over the ranks that hold them). One read of every gradient; no host read."""
+    if sharded is not True and groups.plain:
+        return grouped_norm_squared(groups, device)
+    return global_norm_squared(grads, process_group, sharded, device)
+
+
+def note_non_finite_(found_inf: torch.Tensor, value: torch.Tensor) -> None:
+    """Set ``found_inf`` to 1 where ``value`` (a squared norm, never negative) is inf or NaN. 0-d ops."""
+    found_inf.logical_or_(~(value < math.inf))
+
+
+def unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, factor: torch.Tensor | None,
+             check: OverflowMode | None, threshold: float = 65504.0) -> None:
+    """One pass over ``grads`` (one device and dtype), in place: multiply by ``factor`` (1/scale, x the clip
+    coefficient) and, where ``check`` names a mode, record overflow in ``found_inf`` in the same pass; with
+    ``factor`` None only check. One read + one write (a check alone: one read); no host read."""
+    if factor is None:
+        if check is not None:
+            check_(grads, found_inf, check, threshold)
+        return
+    factor = factor if factor.device == grads[0].device else factor.to(grads[0].device, non_blocking=True)
+    if check is not None:
+        unscale_and_check_(grads, found_inf, factor, check, threshold)
+    else:
+        torch._foreach_mul_(grads, factor)
+
+
+def clip_value_(groups: Groups, value: float) -> None:
+    """Clamp every gradient to [-value, value] in place (torch's ``clip_grad_value_``). One read + one write."""
+    for grads in groups.values():
+        torch._foreach_clamp_min_(grads, -value)
+        torch._foreach_clamp_max_(grads, value)
+
+
+def takes_fused_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` takes ``grad_scale``/``found_inf`` and skips in its kernel (torch's fused
+    Adam/AdamW/SGD: ``_step_supports_amp_scaling``)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 _FMAX = float(torch.finfo(torch.float32).max)

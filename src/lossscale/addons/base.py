@@ -3,10 +3,10 @@ overflow diagnosis, a facade's extras).
 
 A front end calls these hooks, in this order, on every add-on it was given; each default does nothing::
 
-    attach(host)                      once, when the front end takes the add-on
+    attach(host)                      when the front end takes the add-on, and again when its options change
     on_scale_loss(loss, scaled)       after the loss is scaled, before its backward
     unscale(scale, found_inf)         per-layer scales only: unscale and check the gradients itself
-    on_unscaled(grads, stepped)       explicit unscaling only: the unscaled gradients, before the inner step
+    before_apply(stepped, grads)      after the skip decision, before the inner step
     advance(found_inf, scale)         before the policy's update: the found_inf the policy sees
     after_step(outcome)               after the inner step (applied or skipped) and the policy's update
 
@@ -37,6 +37,7 @@ class Host:
         params: The parameters the front end's optimizer updates (empty for a GradScaler, which has none of its own).
         device: Where the loss scale lives.
         process_group: The group found_inf is agreed over under torch.distributed (None: the world).
+        sharded_grads: Which gradients are shards of a larger tensor (None: detected per gradient).
         is_scaled: Whether the losses now being backpropagated are scaled (False in a precision schedule's
             bfloat16 or float32 phase).
     """
@@ -45,6 +46,7 @@ class Host:
     params: tuple[torch.Tensor, ...] = ()
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     process_group: Any = None
+    sharded_grads: bool | None = None
     is_scaled: Callable[[], bool] = _always_scaled
 
 
@@ -89,6 +91,16 @@ class AddOn:
     def attach(self, host: Host) -> None:
         """Called once when a front end takes the add-on."""
 
+    def scales_losses(self) -> bool:
+        """Whether losses are to be scaled now (False in a precision schedule's bfloat16 or float32 phase). Read
+        at the first loss of each accumulation window."""
+        return True
+
+    def precision(self) -> str | None:
+        """The precision the forward passes run in now (``"float16"``, ``"bfloat16"``, ``"float32"``), for
+        an add-on that decides it; None for the others."""
+        return None
+
     def on_scale_loss(self, loss: torch.Tensor, scaled: torch.Tensor) -> None:
         """After ``loss`` was multiplied into ``scaled``, before its backward."""
 
@@ -102,9 +114,14 @@ class AddOn:
         """Whether :meth:`unscale` replaces the step's own unscale."""
         return type(self).unscale is not AddOn.unscale
 
-    def on_unscaled(self, grads: list[torch.Tensor], stepped: torch.Tensor) -> None:
-        """The unscaled gradients (explicit unscaling only), after the overflow check, before the inner step;
-        ``stepped`` is True where the step will be applied."""
+    #: Whether :meth:`before_apply` writes the unscaled gradients: the step then unscales them in a pass of its
+    #: own rather than in a fused optimizer's kernel.
+    writes_grads: bool = False
+
+    def before_apply(self, stepped: torch.Tensor, grads: list[torch.Tensor] | None) -> None:
+        """After the overflow check, before the inner step is applied or skipped. ``stepped`` (0-d bool) is True
+        where it will be applied; ``grads`` are the unscaled gradients where the step unscaled them in a pass of
+        its own, else None (a fused kernel unscales them)."""
 
     def advance(self, found_inf: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Before the policy's update: the found_inf the policy sees (default: ``found_inf``)."""
@@ -114,15 +131,15 @@ class AddOn:
         """After the inner step (applied or skipped) and the policy's update."""
 
     def step_fields(self, scale: torch.Tensor) -> dict[str, Any]:
-        """Fields the add-on adds to the step's result (e.g. ``layer_scales``)."""
+        """Fields the add-on adds to the step's result (e.g. ``layer_scales``), before :meth:`advance`."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
         """The add-on's state for a checkpoint (only when ``key`` is set)."""
         return {}
 
-    def check_state_dict(self, state: Any) -> None:
+    def validate_state_dict(self, state: Any) -> Any:
         """Raise (naming the key) unless ``state`` is one :meth:`load_state_dict` accepts; change nothing."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (checked by :meth:`check_state_dict` first)."""
+        """Restore :meth:`state_dict` (checked by :meth:`validate_state_dict` first)."""

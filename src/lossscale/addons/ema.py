@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from lossscale.validation import ArgumentTypeError, validate_int_at_least, unlike_tensor
+from lossscale.addons.base import AddOn, Host, StepOutcome
+from lossscale.validation import ArgumentTypeError, unlike_tensor, validate_int_at_least
 
 __all__ = ["EMA"]
 
 
-class EMA:
+class EMA(AddOn):
     """Shadow weights ``ema = momentum * ema + (1 - momentum) * param`` after every applied step.
 
     A skipped step leaves the shadow unchanged. With ``overwrite_every=N`` the shadow overwrites the parameters
@@ -30,6 +32,18 @@ class EMA:
         self.params: list[torch.Tensor] = []
         self.shadow: list[torch.Tensor] = []
 
+    key = "ema"
+    label = "an EMA"
+
+    def attach(self, host: Host) -> None:
+        """Bind to the front end's parameters (once: attaching again keeps the average)."""
+        if [id(p) for p in self.params] != [id(p) for p in host.params]:
+            self.bind(host.params)
+
+    def after_step(self, outcome: StepOutcome) -> None:
+        """Advance the average where the step was applied."""
+        self.update(outcome.stepped, outcome.step + 1)
+
     def bind(self, params: Iterable[torch.Tensor]) -> None:
         """Start the average at the current values of ``params``."""
         self.params = list(params)
@@ -41,9 +55,10 @@ class EMA:
         if not self.params:
             return
         weight = stepped.to(self.shadow[0].dtype) * (1.0 - self.momentum)
-        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], weight)
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], weight)  # type: ignore[call-overload]  # a 0-d tensor weight: torch takes it, its stubs list numbers only
         if self.overwrite_every and boundary % self.overwrite_every == 0:
-            torch._foreach_lerp_([p.detach() for p in self.params], self.shadow, stepped.to(self.shadow[0].dtype))
+            torch._foreach_lerp_(  # type: ignore[call-overload]  # a 0-d tensor weight, as above
+                [p.detach() for p in self.params], self.shadow, stepped.to(self.shadow[0].dtype))
 
     @torch.no_grad()
     def copy_to(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -51,11 +66,11 @@ class EMA:
         for p, s in zip(self.params if params is None else list(params), self.shadow):
             p.copy_(s)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"momentum": self.momentum, "overwrite_every": self.overwrite_every,
                 "shadow": [s.clone() for s in self.shadow]}
 
-    def validate_state_dict(self, state: Any) -> None:
+    def validate_state_dict(self, state: object) -> None:
         """Raise unless ``state`` is what :meth:`state_dict` saved for this EMA (same momentum and overwrite_every,
         one finite shadow per parameter, of its shape and dtype). Changes nothing."""
         call = "EMA.load_state_dict"
@@ -73,12 +88,12 @@ class EMA:
             raise ValueError(f"{call}: shadow must hold one tensor per tracked parameter ({len(self.shadow)}); "
                              f"got {got}.")
         for i, (ours_t, theirs) in enumerate(zip(self.shadow, shadow)):
-            got = unlike_tensor(theirs, ours_t, finite=True)
-            if got is not None:
+            unlike = unlike_tensor(theirs, ours_t, finite=True)
+            if unlike is not None:
                 raise ValueError(f"{call}: shadow[{i}] must be a finite {ours_t.dtype} tensor of shape "
-                                 f"{tuple(ours_t.shape)}; got {got}.")
+                                 f"{tuple(ours_t.shape)}; got {unlike}.")
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`, checked whole first (one host read per tensor)."""
         self.validate_state_dict(state)
         with torch.no_grad():
@@ -86,7 +101,7 @@ class EMA:
                 s.copy_(v)
 
 
-def _check_config(call: str, momentum: Any, overwrite_every: Any) -> None:
+def _check_config(call: str, momentum: object, overwrite_every: object) -> None:
     """momentum a number in [0, 1); overwrite_every None or an int >= 1."""
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
         raise ArgumentTypeError(f"{call}(momentum={momentum!r}): momentum must be a number in [0, 1); got "

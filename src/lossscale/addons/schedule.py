@@ -20,12 +20,15 @@ import math
 import operator
 import re
 import warnings
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, ContextManager, Iterable, Literal
+from typing import Any, Literal, cast
 
 import torch
 
+from lossscale.addons.base import AddOn, Host, StepOutcome
 from lossscale.validation import ArgumentTypeError
 
 __all__ = ["PrecisionSchedule", "ScheduleConfig", "ScheduleState", "advance", "validate_attachable", "parse_mode"]
@@ -40,7 +43,7 @@ ALLOWED = ("mode is 'type|trigger|ratio' with type 'fast' (float16) or 'fast1' (
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
-def parse_mode(call: str, mode: Any) -> tuple[torch.dtype, Trigger, Fraction]:
+def parse_mode(call: str, mode: object) -> tuple[torch.dtype, Trigger, Fraction]:
     """``'fast|step|0.9'`` -> ``(torch.float16, 'step', Fraction(9, 10))``; a ValueError naming the allowed values."""
     if not isinstance(mode, str):
         raise TypeError(f"{call}: mode must be a str; {ALLOWED}; got {type(mode).__name__} {mode!r}.")
@@ -65,7 +68,7 @@ def parse_mode(call: str, mode: Any) -> tuple[torch.dtype, Trigger, Fraction]:
     ratio = Fraction(text)
     if not Fraction(low) <= ratio <= Fraction(high):
         raise bad(f"ratio {text} for trigger {trigger!r}, outside [{low}, {high}]")
-    return LOW_DTYPES[kind], trigger, ratio  # type: ignore[return-value]
+    return LOW_DTYPES[kind], cast(Trigger, trigger), ratio  # one of RATIOS' keys, checked above
 
 
 @dataclass(frozen=True)
@@ -102,13 +105,14 @@ def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss
     if state.switch_step is not None:
         return ScheduleState(position, state.switch_step)
     if config.trigger == "step":
-        switch = position >= config.switch_at_step  # type: ignore[operator]
+        switch = config.switch_at_step is not None and position >= config.switch_at_step
     else:
-        switch = loss is not None and math.isfinite(loss) and loss <= config.switch_below_loss  # type: ignore[operator]
+        switch = (loss is not None and config.switch_below_loss is not None and math.isfinite(loss)
+                  and loss <= config.switch_below_loss)
     return ScheduleState(position, position if switch else None)
 
 
-class PrecisionSchedule:
+class PrecisionSchedule(AddOn):
     """Trains the first share of a run in float16 or bfloat16, then switches back to the original precision once.
 
     Rule (see :func:`advance`): ``'fast|step|0.9'`` with ``total_steps=100`` is float16 for steps 0-89 and
@@ -201,7 +205,7 @@ class PrecisionSchedule:
 
     # --- the training-loop calls -------------------------------------------------------------------
 
-    def update(self, step: int | None = None, loss: Any = None) -> None:
+    def update(self, step: int | None = None, loss: float | torch.Tensor | None = None) -> None:
         """Report progress: ``step`` = the next step to run (= steps completed), ``loss`` = the loss of the step
         just run (alone: one more completed step). Reads a tensor ``loss`` on the host."""
         def call() -> str:  # built only for an error: repr of a tensor would read it
@@ -232,6 +236,24 @@ class PrecisionSchedule:
         self._state = advance(self.config, self._state, step, loss)
         self._told = True
 
+    key = "schedule"
+    label = "a precision schedule"
+
+    def attach(self, host: Host) -> None:
+        """Refuse parameters already in low precision (:func:`validate_attachable`)."""
+        validate_attachable(self, host.params, host.call)
+
+    def scales_losses(self) -> bool:
+        """Losses are scaled while the schedule is in float16."""
+        return self.dtype == torch.float16
+
+    def precision(self) -> str:
+        """``"float16"`` or ``"bfloat16"`` before the switch, ``"float32"`` after it."""
+        return "float32" if self.dtype is None else str(self.dtype).replace("torch.", "")
+
+    def after_step(self, outcome: StepOutcome) -> None:
+        self.note_optimizer_step()
+
     def note_optimizer_step(self) -> None:
         """Called by the attached optimizer after each step: warns once when two ran and the schedule was never
         fed (:meth:`update`, or a checkpoint loaded)."""
@@ -245,7 +267,7 @@ class PrecisionSchedule:
                 f"schedule.update(step=step) at the start of each step, or schedule.update(loss=loss) after it.",
                 UserWarning, stacklevel=3)
 
-    def autocast(self, device_type: str) -> ContextManager[Any]:
+    def autocast(self, device_type: str) -> AbstractContextManager[Any]:
         """``torch.autocast(device_type, dtype=self.dtype)`` before the switch; a context that does nothing after."""
         if self.dtype is None:
             return contextlib.nullcontext()
@@ -262,7 +284,7 @@ class PrecisionSchedule:
         self._state = self.validate_state_dict(state_dict)
         self._told = True
 
-    def validate_state_dict(self, state_dict: Any) -> ScheduleState:
+    def validate_state_dict(self, state_dict: object) -> ScheduleState:
         """The state :meth:`load_state_dict` would install, or the error it would raise; changes nothing."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"{self!r}.load_state_dict(state_dict={state_dict!r}): state_dict must be a dict "
@@ -275,7 +297,7 @@ class PrecisionSchedule:
 
 def _checked_state(call: str, state_dict: dict[str, Any]) -> ScheduleState:
     """The saved ``step`` (an integer >= 0) and ``switch_step`` (None or an integer >= 0), checked."""
-    values = {}
+    values: dict[str, int | None] = {}
     for f in dataclasses.fields(ScheduleState):
         if f.name not in state_dict:
             raise ValueError(f"{call}(state_dict={state_dict!r}): the state dict has no {f.name!r}; expected the "
@@ -290,17 +312,17 @@ def _checked_state(call: str, state_dict: dict[str, Any]) -> ScheduleState:
         if value < 0:
             raise ValueError(f"{call}({f.name}={value!r}): {f.name} must be an integer >= 0; got {value!r}.")
         values[f.name] = value
-    return ScheduleState(**values)
+    return ScheduleState(**values)  # type: ignore[arg-type]  # None only for switch_step, as checked above
 
 
-def validate_attachable(schedule: Any, params: Iterable[torch.Tensor]) -> None:
+def validate_attachable(schedule: object, params: Iterable[torch.Tensor], call: str = "LossScaleOptimizer") -> None:
     """Refuse a non-schedule, and parameters already in float16/bfloat16 (no original precision to return to)."""
     if not isinstance(schedule, PrecisionSchedule):
-        raise TypeError(f"LossScaleOptimizer(schedule={schedule!r}): schedule must be a lossscale.PrecisionSchedule.")
+        raise TypeError(f"{call}(schedule={schedule!r}): schedule must be a lossscale.PrecisionSchedule.")
     for i, p in enumerate(params):
         if p.dtype in (torch.float16, torch.bfloat16):
             raise ValueError(
-                f"LossScaleOptimizer(schedule={schedule!r}): parameter {i} of the optimizer is already {p.dtype}. "
+                f"{call}(schedule={schedule!r}): parameter {i} of the optimizer is already {p.dtype}. "
                 f"The schedule autocasts full-precision parameters to {schedule.config.low_dtype} for the first "
                 f"share of the run and then trains in their original precision, so the parameters must stay in "
                 f"float32 (as Ascend's accelerate_train_mode requires). Keep the model in float32 "

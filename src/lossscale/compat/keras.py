@@ -1,29 +1,45 @@
 """Keras 3's ``LossScaleOptimizer`` for PyTorch, with the base optimizer arguments Keras refuses on it.
 The rule is :func:`lossscale.presets.keras`.
 
-==========================================================  ===================================================
-Keras 3                                                      lossscale
-==========================================================  ===================================================
-``LossScaleOptimizer(inner_optimizer, initial_scale=2**15,   ``LossScaleOptimizer(inner, policy=presets.keras(
-dynamic_growth_steps=2000)``                                 initial_scale, dynamic_growth_steps))``
-``scale_loss(loss)``                                         ``loss * dynamic_scale`` (``* loss_scale_factor``)
-``apply(grads, trainable_variables=None)``                   scaled grads written to ``.grad``, then ``step()``
-``apply_gradients(grads_and_vars)``                          ``apply(grads, vars)``
-``dynamic_scale`` (a float32 Variable)                       the 0-d float32 scale tensor (no host read)
-``iterations``                                               0-d int64 tensor: ``apply()`` calls not skipped
-``learning_rate``                                            the inner optimizer's ``lr`` (every param group)
-``weight_decay``                                             ``weight_decay``: ``p -= p * wd * lr`` (decoupled)
-``clipnorm``                                                 ``transform_unscaled=PerTensorClip(clipnorm)``
-``clipvalue``                                                ``clip_grad_value``
-``global_clipnorm``                                          ``clip_grad_norm``
-``use_ema, ema_momentum=0.99``                               ``EMA(ema_momentum)`` on applied steps; the first
-                                                             applied step copies the weights
-``name=None``                                                ``name`` (default ``"loss_scale_optimizer"``)
-``ema_overwrite_frequency``                                  weights = average every that many applied steps
-``loss_scale_factor``                                        ``scale_loss`` multiplies by it, ``apply`` divides by it
-``gradient_accumulation_steps`` (>= 2)                       ``accumulation_steps`` (averaged over that many calls)
-``finalize_variable_values(var_list)``                       copies the average into the weights when ``use_ema``
-==========================================================  ===================================================
++----------------------------------------------------+-----------------------------------------------------------------+
+| Keras 3                                            | lossscale                                                       |
++====================================================+=================================================================+
+| ``LossScaleOptimizer(inner_optimizer,              | ``LossScaleOptimizer(inner, policy=presets.keras(               |
+| initial_scale=2**15, dynamic_growth_steps=2000)``  | initial_scale, dynamic_growth_steps))``                         |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``scale_loss(loss)``                               | ``loss * dynamic_scale`` (``* loss_scale_factor``)              |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``apply(grads, trainable_variables=None)``         | scaled grads written to ``.grad``, then ``step()``              |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``apply_gradients(grads_and_vars)``                | ``apply(grads, vars)``                                          |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``dynamic_scale`` (a float32 Variable)             | the 0-d float32 scale tensor (no host read)                     |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``iterations``                                     | 0-d int64 tensor: ``apply()`` calls not skipped                 |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``learning_rate``                                  | the inner optimizer's ``lr`` (every param group)                |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``weight_decay``                                   | ``weight_decay``: ``p -= p * wd * lr`` (decoupled)              |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``clipnorm``                                       | ``transform_unscaled=PerTensorClip(clipnorm)``                  |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``clipvalue``                                      | ``clip_grad_value``                                             |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``global_clipnorm``                                | ``clip_grad_norm``                                              |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``use_ema, ema_momentum=0.99``                     | ``EMA(ema_momentum)`` on applied steps; the first applied step  |
+|                                                    | copies the weights                                              |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``name=None``                                      | ``name`` (default ``"loss_scale_optimizer"``)                   |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``ema_overwrite_frequency``                        | weights = average every that many applied steps                 |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``loss_scale_factor``                              | ``scale_loss`` multiplies by it, ``apply`` divides by it        |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``gradient_accumulation_steps`` (>= 2)             | ``accumulation_steps`` (averaged over that many calls)          |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``finalize_variable_values(var_list)``             | copies the average into the weights when ``use_ema``            |
++----------------------------------------------------+-----------------------------------------------------------------+
 
 The base arguments act on the unscaled gradients, after the overflow check. Deviations: ``global_clipnorm``
 divides by ``norm + 1e-6`` (torch's rule); with ``gradient_accumulation_steps`` the check covers the whole
@@ -33,20 +49,21 @@ window and the average moves once per applied step; the rule's own are in :func:
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from lossscale import presets
+from lossscale.addons.base import AddOn, Host
 from lossscale.addons.ema import EMA
-from lossscale.validation import validate_optimizer, validate_choice, validate_int_at_least
-from lossscale.compat._common import (OptimizerHolder, validate_optional_number, validated_counters,
-                                      validated_tensors)
-from lossscale.ops.clip import PerTensorClip
+from lossscale.compat._common import OptimizerHolder, validate_optional_number, validated_counters, validated_tensors
+from lossscale.ops.clip import clip_per_tensor_
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
 from lossscale.reporting import StepResult
+from lossscale.validation import validate_choice, validate_int_at_least, validate_optimizer
 
-__all__ = ["LossScaleOptimizer", "BASE_KWARGS"]
+__all__ = ["LossScaleOptimizer", "BASE_KWARGS", "KerasArguments"]
 
 _CALL = "LossScaleOptimizer"
 
@@ -111,14 +128,51 @@ class _KerasEMA(EMA):
         self.momentum = float(momentum)
 
     @torch.no_grad()
-    def after_step(self, stepped: torch.Tensor, first: torch.Tensor, applied: torch.Tensor,
-                   overwrite_frequency: int | None) -> None:
+    def after_apply(self, stepped: torch.Tensor, first: torch.Tensor, applied: torch.Tensor,
+                    overwrite_frequency: int | None) -> None:
         """The rules above; ``applied`` counts applied steps, this one included."""
         copy = (stepped & first).to(self.shadow[0].dtype)
         torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], copy)
         if overwrite_frequency:
             due = stepped & (applied % overwrite_frequency == 0)
             torch._foreach_lerp_([p.detach() for p in self.params], self.shadow, due.to(self.shadow[0].dtype))
+
+
+class KerasArguments(AddOn):
+    """Keras's base-optimizer arguments that torch's optimizers lack, as an add-on of the core optimizer.
+
+    Before each step, on the unscaled gradients (after the overflow check)::
+
+        clipnorm:      g = g * clipnorm / max(||g||, clipnorm)   for each gradient (one read + one write pass)
+        weight_decay:  p = p * (1 - lr * weight_decay)            only where the step is applied (no host read)
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, clipnorm: float | None, weight_decay: float | None) -> None:
+        self._inner = inner
+        self.clipnorm = clipnorm
+        self.weight_decay = weight_decay
+        self.writes_grads = clipnorm is not None
+        self._host: Host | None = None
+
+    def attach(self, host: Host) -> None:
+        self._host = host
+
+    @torch.no_grad()
+    def before_apply(self, stepped: torch.Tensor, grads: list[torch.Tensor] | None) -> None:
+        if self.clipnorm is not None and grads:
+            host = self._host
+            clip_per_tensor_(grads, self.clipnorm, None if host is None else host.process_group,
+                             None if host is None else host.sharded_grads)
+        if not self.weight_decay:
+            return
+        for group in self._inner.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                keep = torch.tensor(1.0 - group["lr"] * self.weight_decay, device=params[0].device)
+                torch._foreach_mul_(params, torch.where(stepped.to(params[0].device), keep, torch.ones_like(keep)))
+
+    def __repr__(self) -> str:
+        return f"KerasArguments(clipnorm={self.clipnorm!r}, weight_decay={self.weight_decay!r})"
 
 
 def _checked_grads(call: str, grads: Any, variables: Sequence[torch.Tensor],
@@ -204,12 +258,12 @@ class LossScaleOptimizer(OptimizerHolder):
             setattr(self, name, value)
         self.name = args["name"] if args["name"] is not None else "loss_scale_optimizer"
         self.ema = _KerasEMA(args["ema_momentum"]) if args["use_ema"] else None
+        extras = KerasArguments(inner_optimizer, args["clipnorm"], args["weight_decay"])
         super().__init__(_CoreOptimizer(
             inner_optimizer, policy=policy,
             clip_grad_norm=args["global_clipnorm"], clip_grad_value=args["clipvalue"],
-            transform_unscaled=None if args["clipnorm"] is None else PerTensorClip(args["clipnorm"]),
-            accumulation_steps=args["gradient_accumulation_steps"] or 1,
-            ema=self.ema, weight_decay=args["weight_decay"]))
+            accumulation_steps=args["gradient_accumulation_steps"] or 1, ema=self.ema,
+            add_ons=[extras] if args["clipnorm"] is not None or args["weight_decay"] else []))
         device = self._opt.scale.device
         self._iterations = torch.zeros((), dtype=torch.int64, device=device)
         self._applied = torch.zeros((), dtype=torch.int64, device=device)
@@ -268,7 +322,7 @@ class LossScaleOptimizer(OptimizerHolder):
         self._iterations += stepped
         self._applied += stepped
         if self.ema is not None:
-            self.ema.after_step(result.stepped, first, self._applied, self.ema_overwrite_frequency)
+            self.ema.after_apply(result.stepped, first, self._applied, self.ema_overwrite_frequency)
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
         self.apply(*_split_pairs(f"{_CALL}.apply_gradients", grads_and_vars))

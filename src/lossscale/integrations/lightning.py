@@ -12,8 +12,8 @@ name                            what it is
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
-from typing import Any, Callable
+from collections.abc import Callable, Generator
+from typing import Any
 
 import torch
 
@@ -57,7 +57,7 @@ class MixedPrecision(_LightningMixedPrecision):
     def __init__(self, precision: str = "16-mixed", device: str = "cuda", scaler: GradScaler | None = None,
                  **scaler_kwargs: Any) -> None:
         scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs)
-        super().__init__(precision, device, scaler=scaler)  # type: ignore[arg-type]
+        super().__init__(precision, device, scaler=scaler)
         self.last_result: StepResult | None = None
         self._carried: torch.Tensor | None = None
         self._grad_norm: torch.Tensor | None = None
@@ -136,7 +136,7 @@ class LossScalePrecision(Precision):
                             f"'cuda' or 'cpu'; got {type(device).__name__}.")
         self.dtype = dtype
         self.device = device
-        self.precision = _PRECISIONS[dtype]  # type: ignore[assignment]
+        self.precision = _PRECISIONS[dtype]
         self.last_result: StepResult | None = None
         self._wrappers: list[LossScaleOptimizer] = []
         self._module: pl.LightningModule | None = None
@@ -170,8 +170,7 @@ class LossScalePrecision(Precision):
     @staticmethod
     def _check_clip(w: LossScaleOptimizer, value: int | float, algorithm: Any, mapping: bool = False) -> None:
         algorithm = GradClipAlgorithmType(algorithm or "norm")
-        own = {"clip_grad_norm": w.clip_grad_norm, "clip_grad_value": w.clip_grad_value,
-               "transform_unscaled": w.transform_unscaled}
+        own = {"clip_grad_norm": w.clip_grad_norm, "clip_grad_value": w.clip_grad_value}
         wanted = "clip_grad_norm" if algorithm == GradClipAlgorithmType.NORM else "clip_grad_value"
         if own[wanted] == value:
             return

@@ -12,9 +12,12 @@ from typing import Any
 
 from lossscale.validation import validate_int_in_range, validated_state_dict, unlike_tensor
 
-__all__ = ["validated_position", "validated_window", "validated_loss_finite", "validated_seen_switch"]
+__all__ = ["PART_LABELS", "validated_position", "validated_window", "validated_loss_finite", "validated_seen_switch"]
 
 _REQUIRED = ("inner", "policy_state", "micro_step", "boundaries")
+
+#: What each optional part of a checkpoint is called in messages, by key (an add-on's ``key`` and ``label``).
+PART_LABELS = {"ema": "an EMA", "layerwise": "per-layer scales", "schedule": "a precision schedule"}
 
 
 def validated_position(call: str, state_dict: dict[str, Any], accumulation_steps: int) -> tuple[int, int]:
