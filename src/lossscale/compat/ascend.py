@@ -1,39 +1,54 @@
 """Ascend (npu_bridge) loss scaling for PyTorch: the TF1 managers, ``NPULossScaleOptimizer`` and the
 precision mode. The rule is :func:`lossscale.presets.ascend`.
 
-==========================================================  =====================================================
-Ascend / TF1 (npu_bridge)                                    lossscale
-==========================================================  =====================================================
-``ExponentialUpdateLossScaleManager(init_loss_scale,         ``presets.ascend(...)``: ``DynamicScale`` with
-incr_every_n_steps, decr_every_n_nan_or_inf=2,               ``growth_interval=incr_every_n_steps``, cumulative
-incr_ratio=2, decr_ratio=0.8)``                              ``hysteresis=decr_every_n_nan_or_inf``, floor 1,
-                                                             float32 products, no growth into inf
-``FixedLossScaleManager(loss_scale)`` (>= 1)                 ``FixedScale(loss_scale)``
-``manager.get_loss_scale()`` (a float32 variable)            the 0-d float32 scale tensor (no host read)
-``manager.update_loss_scale(finite_grads)``                  ``LossScale.update(~finite_grads)`` (no host read);
-                                                             an NPU float status (0 = finite) is accepted too
-``NPULossScaleOptimizer(opt, loss_scale_manager,             ``LossScaleOptimizer(opt, policy=manager.loss_scale)``
-is_distributed=False)``
-``compute_gradients(loss)``, ``apply_gradients(...)``        ``opt.backward(loss)``, ``opt.step()``
-``is_distributed=True``: float status all-reduced (HCCL)     found_inf reduced over the torch.distributed world
-NPU Inf/NaN mode, saturation mode (clamped to +-65504)       ``overflow_mode="inf_nan"`` (default), ``"saturation"``
-==========================================================  =====================================================
++------------------------------------------------------+---------------------------------------------------------------+
+| Ascend / TF1 (npu_bridge)                            | lossscale                                                     |
++======================================================+===============================================================+
+| ``ExponentialUpdateLossScaleManager(init_loss_scale, | ``presets.ascend(...)``: ``DynamicScale`` with                |
+| incr_every_n_steps, decr_every_n_nan_or_inf=2,       | ``growth_interval=incr_every_n_steps``, cumulative            |
+| incr_ratio=2, decr_ratio=0.8)``                      | ``hysteresis=decr_every_n_nan_or_inf``, floor 1, float32      |
+|                                                      | products, no growth into inf                                  |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``FixedLossScaleManager(loss_scale)`` (>= 1)         | ``FixedScale(loss_scale)``                                    |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``manager.get_loss_scale()`` (a float32 variable)    | the 0-d float32 scale tensor (no host read)                   |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``manager.update_loss_scale(finite_grads)``          | ``LossScale.update(~finite_grads)`` (no host read); an NPU    |
+|                                                      | float status (0 = finite) is accepted too                     |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``NPULossScaleOptimizer(opt, loss_scale_manager,     | ``LossScaleOptimizer(opt, policy=manager.loss_scale)``        |
+| is_distributed=False)``                              |                                                               |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``compute_gradients(loss)``,                         | ``opt.backward(loss)``, ``opt.step()``                        |
+| ``apply_gradients(...)``                             |                                                               |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``is_distributed=True``: float status all-reduced    | found_inf reduced over the torch.distributed world            |
+| (HCCL)                                               |                                                               |
++------------------------------------------------------+---------------------------------------------------------------+
+| NPU Inf/NaN mode, saturation mode (clamped to        | ``overflow_mode="inf_nan"`` (default), ``"saturation"``       |
+| +-65504)                                             |                                                               |
++------------------------------------------------------+---------------------------------------------------------------+
 
 The precision mode becomes a :class:`~lossscale.PrecisionSchedule`: ``config.schedule(hook)`` builds it and
 binds the hook, which the loop calls once per step.
 
-============================================================  ==========================================================
-Ascend (TF adapter)                                            lossscale
-============================================================  ==========================================================
-``ExperimentalConfig(accelerate_train_mode="fast|step|0.9")``  same; checked like PrecisionSchedule
-``TellMeStepOrLossHook(step=global_step, total_step=N)``       ``TellMeStepOrLossHook(step=0, total_step=N)``; each step
-                                                               ``hook(step=steps_completed)``
-``TellMeStepOrLossHook(loss=loss, final_loss=L)``              ``TellMeStepOrLossHook(final_loss=L)``; each step
-                                                               ``hook(loss=loss)``
-``NPURunConfig(experimental_config=cfg)`` + ``hooks=[hook]``   ``LossScaleOptimizer(..., schedule=cfg.schedule(hook))``
-                                                               and ``with schedule.autocast(device):`` around forward
-type ``fast`` / ``fast1``                                      autocast to float16 (scaled) / bfloat16 (not scaled)
-============================================================  ==========================================================
++---------------------------------------------------------------+------------------------------------------------------+
+| Ascend (TF adapter)                                           | lossscale                                            |
++===============================================================+======================================================+
+| ``ExperimentalConfig(accelerate_train_mode="fast|step|0.9")`` | same; checked like PrecisionSchedule                 |
++---------------------------------------------------------------+------------------------------------------------------+
+| ``TellMeStepOrLossHook(step=global_step, total_step=N)``      | ``TellMeStepOrLossHook(step=0, total_step=N)``; each |
+|                                                               | step ``hook(step=steps_completed)``                  |
++---------------------------------------------------------------+------------------------------------------------------+
+| ``TellMeStepOrLossHook(loss=loss, final_loss=L)``             | ``TellMeStepOrLossHook(final_loss=L)``; each step    |
+|                                                               | ``hook(loss=loss)``                                  |
++---------------------------------------------------------------+------------------------------------------------------+
+| ``NPURunConfig(experimental_config=cfg)`` + ``hooks=[hook]``  | ``LossScaleOptimizer(...,                            |
+|                                                               | schedule=cfg.schedule(hook))`` and ``with            |
+|                                                               | schedule.autocast(device):`` around forward          |
++---------------------------------------------------------------+------------------------------------------------------+
+| type ``fast`` / ``fast1``                                     | autocast to float16 (scaled) / bfloat16 (not scaled) |
++---------------------------------------------------------------+------------------------------------------------------+
 """
 
 from __future__ import annotations

@@ -1,28 +1,41 @@
 """MindSpore loss scaling for PyTorch: update cells, managers and ``TrainOneStepWithLossScaleCell``.
 The rule is :func:`lossscale.presets.mindspore`.
 
-=========================================================  =====================================================
-MindSpore                                                   lossscale
-=========================================================  =====================================================
-``nn.DynamicLossScaleUpdateCell(loss_scale_value,           ``presets.mindspore(...)``: growth on the W-th clean
-scale_factor, scale_window)``                               step, ``S * float32(1/f)``, floor 1, float32 products
-``cell(loss_scale, overflow)`` updates the Parameter in     same, on a float32 tensor of shape () or (1,); no
-place, returns ``overflow``                                 host read
-``cell.get_loss_scale()``                                   ``loss_scale_value``, as built (as MindSpore)
-``nn.FixedLossScaleUpdateCell(loss_scale_value)``           ``FixedScale``; the call returns ``overflow``
-``amp.DynamicLossScaleManager(init_loss_scale=2**24,        the same rule in float64 products, state in float32
-scale_factor=2, scale_window=2000)``
-``manager.get_loss_scale()``                                a Python float (a host read)
-``manager.update_loss_scale(overflow)``                     ``LossScale.update``; RuntimeError after 1000
-                                                            overflows in a row (``bad_step_max``)
-``manager.get_update_cell()``                               ``DynamicLossScaleUpdateCell(current scale, f, W)``
-``amp.FixedLossScaleManager(loss_scale=128.0,               ``FixedScale(loss_scale)``; ``get_update_cell()`` is
-drop_overflow_update=True)``                                None when ``drop_overflow_update`` is False
-``nn.TrainOneStepWithLossScaleCell(network, optimizer,      ``LossScaleOptimizer(optimizer, policy=<the cell's
-scale_sense)``; ``scale_sense`` a cell or a Tensor          LossScale>)``; a Tensor gives ``FixedScale``
-``train_cell(*inputs) -> (loss, overflow, loss_scale)``     one step; ``loss_scale`` is the scale it used
-``train_cell.set_sense_scale(sens)``                        sets the scale (one host read)
-=========================================================  =====================================================
++------------------------------------------------------+---------------------------------------------------------------+
+| MindSpore                                            | lossscale                                                     |
++======================================================+===============================================================+
+| ``nn.DynamicLossScaleUpdateCell(loss_scale_value,    | ``presets.mindspore(...)``: growth on the W-th clean step,    |
+| scale_factor, scale_window)``                        | ``S * float32(1/f)``, floor 1, float32 products               |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``cell(loss_scale, overflow)`` updates the Parameter | same, on a float32 tensor of shape () or (1,); no host read   |
+| in place, returns ``overflow``                       |                                                               |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``cell.get_loss_scale()``                            | ``loss_scale_value``, as built (as MindSpore)                 |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``nn.FixedLossScaleUpdateCell(loss_scale_value)``    | ``FixedScale``; the call returns ``overflow``                 |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``amp.DynamicLossScaleManager(init_loss_scale=2**24, | the same rule in float64 products, state in float32           |
+| scale_factor=2, scale_window=2000)``                 |                                                               |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``manager.get_loss_scale()``                         | a Python float (a host read)                                  |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``manager.update_loss_scale(overflow)``              | ``LossScale.update``; RuntimeError after 1000 overflows in a  |
+|                                                      | row (``bad_step_max``)                                        |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``manager.get_update_cell()``                        | ``DynamicLossScaleUpdateCell(current scale, f, W)``           |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``amp.FixedLossScaleManager(loss_scale=128.0,        | ``FixedScale(loss_scale)``; ``get_update_cell()`` is None     |
+| drop_overflow_update=True)``                         | when ``drop_overflow_update`` is False                        |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``nn.TrainOneStepWithLossScaleCell(network,          | ``LossScaleOptimizer(optimizer, policy=<the cell's            |
+| optimizer, scale_sense)``; ``scale_sense`` a cell or | LossScale>)``; a Tensor gives ``FixedScale``                  |
+| a Tensor                                             |                                                               |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``train_cell(*inputs) -> (loss, overflow,            | one step; ``loss_scale`` is the scale it used                 |
+| loss_scale)``                                        |                                                               |
++------------------------------------------------------+---------------------------------------------------------------+
+| ``train_cell.set_sense_scale(sens)``                 | sets the scale (one host read)                                |
++------------------------------------------------------+---------------------------------------------------------------+
 
 Deviations: the scale stops at float32's largest finite value, where MindSpore's cell grows into inf and its
 manager's Python float grows on; a ``scale_factor`` that is not a power of two rounds to float32 each step.

@@ -1,24 +1,33 @@
 """nnabla's ``DynamicLossScalingUpdater`` for PyTorch: a whole update with dynamic loss scaling per call.
 The rule is :func:`lossscale.presets.nnabla`.
 
-==============================================  ==================================================================
-nnabla                                          lossscale
-==============================================  ==================================================================
-``DynamicLossScalingUpdater(solver, loss,       the same on a :class:`~lossscale.LossScaleOptimizer` with
-data_feeder, scale=8.0, scaling_factor=2.0,     ``presets.nnabla(scale, scaling_factor, N)``: first growth on the
-N=2000, ...)``                                  (N+2)-th clean attempt, then every N+1
-``solver`` (an nnabla Solver)                   a torch optimizer
-``loss`` (a Variable), ``data_feeder``          zero-argument callables: the forward pass (returns the loss), the
-                                                batch loader
-``accum_grad=1``                                gradients summed over that many passes, as nnabla's backward does
-``weight_decay=None``                           ``grad += weight_decay * param`` on the unscaled gradients of applied
-                                                steps (skip_mode host or masked)
-``comm=None, grads=[]``                         a torch.distributed ProcessGroup; ``grads`` summed over it before
-                                                the overflow check
-``clear_buffer=True``                           accepted; no effect
-on overflow: halve, re-run (100 retries)        the same, with new data from ``data_feeder``
-``updater.scale`` (a Python float)              a property (a host read); assignable
-==============================================  ==================================================================
++----------------------------------------------------+-----------------------------------------------------------------+
+| nnabla                                             | lossscale                                                       |
++====================================================+=================================================================+
+| ``DynamicLossScalingUpdater(solver, loss,          | the same on a :class:`~lossscale.LossScaleOptimizer` with       |
+| data_feeder, scale=8.0, scaling_factor=2.0,        | ``presets.nnabla(scale, scaling_factor, N)``: first growth on   |
+| N=2000, ...)``                                     | the (N+2)-th clean attempt, then every N+1                      |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``solver`` (an nnabla Solver)                      | a torch optimizer                                               |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``loss`` (a Variable), ``data_feeder``             | zero-argument callables: the forward pass (returns the loss),   |
+|                                                    | the batch loader                                                |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``accum_grad=1``                                   | gradients summed over that many passes, as nnabla's backward    |
+|                                                    | does                                                            |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``weight_decay=None``                              | ``grad += weight_decay * param`` on the unscaled gradients of   |
+|                                                    | applied steps (skip_mode host or masked)                        |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``comm=None, grads=[]``                            | a torch.distributed ProcessGroup; ``grads`` summed over it      |
+|                                                    | before the overflow check                                       |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``clear_buffer=True``                              | accepted; no effect                                             |
++----------------------------------------------------+-----------------------------------------------------------------+
+| on overflow: halve, re-run (100 retries)           | the same, with new data from ``data_feeder``                    |
++----------------------------------------------------+-----------------------------------------------------------------+
+| ``updater.scale`` (a Python float)                 | a property (a host read); assignable                            |
++----------------------------------------------------+-----------------------------------------------------------------+
 
 Host reads: one per attempt, two with an optimizer without ``grad_scale``/``found_inf`` support. Deviation:
 the scale stays within ``[2**-126, float32 max]`` and is rounded to float32 each step.

@@ -1,4 +1,4 @@
-"""max |x| over many CUDA tensors in one Triton kernel with one small output (optional: needs ``triton``).
+"""``max |x|`` over many CUDA tensors in one Triton kernel with one small output (optional: needs ``triton``).
 
 torch's multi-tensor inf-norm (``torch._foreach_norm(ord=inf)``) returns one tensor per input, each its own
 allocation, so its host time grows with the number of tensors; torch has no reduction over a list of tensors with
@@ -70,9 +70,9 @@ def _amax_kernel(table, partials, CHUNK: tl.constexpr, BLOCK: tl.constexpr, KIND
 
 
 def amax(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """max |x| over ``tensors`` (CUDA tensors of one device and dtype, at least one) as a 0-d float32 on their device:
-    inf where a value is infinite, NaN where one is NaN (an empty tensor counts as 0). One kernel and one ``max``; no
-    host read.
+    """``max |x|`` over ``tensors`` (CUDA tensors of one device and dtype, at least one) as a 0-d float32 on their
+    device: inf where a value is infinite, NaN where one is NaN (an empty tensor counts as 0). One kernel and one
+    ``max``; no host read.
 
     None, with nothing launched, where the kernel does not take them: a dtype other than float32, float16 and
     bfloat16; a tensor that is not contiguous, or not a plain ``torch.Tensor`` (a subclass's memory is its own); one

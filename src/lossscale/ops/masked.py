@@ -31,7 +31,7 @@ from lossscale.ops.distributed import local_shard
 
 __all__ = ["MaskedSkip"]
 
-# Optimizers whose step is separable over parameters (exact classes, not subclasses).
+#: Optimizers whose step is separable over parameters (exact classes, not subclasses).
 SEPARABLE = tuple(getattr(torch.optim, name) for name in (
     "Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta")
     if hasattr(torch.optim, name))

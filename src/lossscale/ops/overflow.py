@@ -67,7 +67,7 @@ def group_by_device_and_dtype(tensors: Iterable[torch.Tensor]
 
 
 def largest_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """max |g| over ``grads`` (one device and dtype) as a 0-d float32; inf or NaN when a value is not finite; 0 when
+    """``max |g|`` over ``grads`` (one device and dtype) as a 0-d float32; inf or NaN when a value is not finite; 0 when
     every tensor is empty.
 
     One read pass, no host read. On a CUDA device with ``triton``: one kernel with one small output

@@ -1,0 +1,244 @@
+"""Sphinx configuration of lossscale's documentation site (`make docs`).
+
+The guide pages are the Markdown files in docs/ (MyST); the API reference in docs/api/ is generated from the
+package's docstrings by autodoc, module by module, following each module's ``__all__``. Nothing here fetches
+anything over the network: torch's and the frameworks' names render as code, without links (see
+``nitpick_ignore_regex``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+import sys
+from importlib.metadata import version as _version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))  # a checkout without `pip install -e .` builds too
+
+import lossscale  # noqa: E402
+
+# ``lossscale.presets`` is an attribute of the package (the module is lossscale.policies.presets): registered under
+# that name, autodoc finds the module's source and so the ``#:`` comments of its constants.
+sys.modules.setdefault("lossscale.presets", lossscale.presets)
+
+project = "lossscale"
+author = "the lossscale authors"
+copyright = "the lossscale authors; Apache-2.0"  # noqa: A001 - Sphinx's name
+try:
+    release = _version("lossscale")
+except Exception:  # noqa: BLE001 - not installed: the checkout's source still documents
+    release = ""
+version = release
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+    "myst_parser",
+]
+
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+root_doc = "index"
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
+
+# MyST: the Markdown pages as they read on the repository page.
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+# autodoc + napoleon: Google-style Args/Returns/Raises; members follow each module's __all__.
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+napoleon_use_ivar = True  # an "Attributes:" section is a field list, so fields autodoc documents are not doubled
+napoleon_attr_annotations = False  # its types are in the class's signature already
+autodoc_default_options = {
+    "members": True,
+    "show-inheritance": True,
+    "member-order": "bysource",
+}
+autodoc_typehints = "signature"
+autodoc_typehints_format = "short"
+autoclass_content = "both"  # the class docstring and __init__'s (where the arguments are described)
+autodoc_mock_imports = ["triton"]  # lossscale.ops.amax_kernel needs it on a CUDA machine only
+
+# -n (nitpicky): every cross-reference must resolve, except to the names below, which belong to other
+# projects. Without network access there are no intersphinx inventories, so they render as plain code.
+nitpicky = True
+nitpick_ignore_regex = [
+    (r"py:.*", r"(torch|lightning|pytorch_lightning|lightning_fabric|accelerate|transformers|triton|numpy)(\..*)?"),
+    (r"py:.*", r"(typing|collections|collections\.abc|types|enum|dataclasses|contextlib|os|pathlib|fractions)\..*"),
+    (r"py:.*", r"(Any|Callable|Iterable|Iterator|Sequence|Mapping|Literal|Optional|Union|Self|TypeVar)"),
+    (r"py:.*", r"(lossscale(\.\w+)*\.)?_\w+.*"),  # private modules and classes (bases): plain code, no page
+    # a signature with a default Python cannot parse (a dataclass field's ``<factory>``) is split on commas by
+    # Sphinx, which cuts "tuple[~torch.Tensor, ...]" into targets no name can have
+    (r"py:class", r".*\[.*"),
+    (r"py:class", r"ProcessGroup"),  # torch.distributed's, as annotations name it
+    (r"py:class", r"(int|float|bool|str|bytes|dict|list|tuple|set|object|type|None|Exception|ValueError|"
+                  r"TypeError|RuntimeError|ImportError|KeyError|NotImplementedError|UserWarning)"),
+]
+
+# furo: a clean theme, light and dark.
+html_theme = "furo"
+html_title = f"lossscale {release}".strip()
+html_static_path: list[str] = []
+html_show_sourcelink = False
+
+
+# The API pages of the modules are generated at each build from the package itself, so that a module added, moved
+# or removed changes the reference without an edit here: one page per module found under ``lossscale`` (private
+# ones, starting with "_", and the demo left out), in docs/api/compat/, docs/api/integrations/ and docs/api/modules/
+# (not tracked by git). A name that the package exports at the top (``lossscale.__all__``) or that
+# ``lossscale.presets`` holds is described once, on those pages; a module's page links to it.
+API = Path(__file__).resolve().parent / "api"
+SKIPPED = ("lossscale.demo", "lossscale.__main__")
+GROUPS = {"lossscale.compat": "compat", "lossscale.integrations": "integrations"}
+
+
+def _public_modules() -> list[str]:
+    import lossscale
+
+    names = []
+    for info in pkgutil.walk_packages(lossscale.__path__, "lossscale."):
+        if any(part.startswith("_") for part in info.name.split(".")):
+            continue
+        if info.name.startswith(SKIPPED) or importlib.import_module("lossscale").presets.__name__ == info.name:
+            continue
+        names.append(info.name)
+    return sorted(names)
+
+
+def _exported() -> dict[int, str]:
+    """id(object) -> its documented public name, for the names documented on the hand-written pages."""
+    import lossscale
+
+    out = {id(getattr(lossscale, n)): f"lossscale.{n}" for n in lossscale.__all__ if n != "presets"}
+    out.update({id(getattr(lossscale.presets, n)): f"lossscale.presets.{n}" for n in lossscale.presets.__all__})
+    return out
+
+
+def _module_page(name: str, group: str, exported: dict[int, str]) -> str:
+    try:
+        module = importlib.import_module(name)
+    except ImportError:  # an optional dependency (triton): autodoc mocks it, nothing here is exported at the top
+        module = None
+    elsewhere = []
+    for member, obj in sorted(vars(module).items() if module else ()):
+        if id(obj) in exported and getattr(obj, "__module__", None) == name:
+            elsewhere.append((member, exported[id(obj)]))
+    lines = [f"# `{name}`", "", "```{eval-rst}", f".. automodule:: {name}"]
+    if group == "modules":  # below the public surface: every documented name defined in the module
+        lines.append("   :ignore-module-all:")
+    if elsewhere:
+        lines.append("   :exclude-members: " + ", ".join(m for m, _ in elsewhere))
+    lines += ["```", ""]
+    if elsewhere:
+        links = ", ".join(f"{{py:obj}}`{public}`" for _, public in elsewhere)
+        lines += [f"Also defined here, described under their public names: {links}.", ""]
+    return "\n".join(lines)
+
+
+def _generate_api_pages() -> None:
+    exported = _exported()
+    wanted: dict[Path, str] = {}
+    for name in _public_modules():
+        group = next((g for prefix, g in GROUPS.items() if name == prefix or name.startswith(prefix + ".")), "modules")
+        wanted[API / group / f"{name}.md"] = _module_page(name, group, exported)
+    for group in (*GROUPS.values(), "modules"):
+        folder = API / group
+        folder.mkdir(exist_ok=True)
+        for old in folder.glob("*.md"):
+            if old not in wanted:
+                old.unlink()
+    for path, text in wanted.items():
+        if not path.exists() or path.read_text(encoding="utf-8") != text:  # unchanged pages keep their mtime
+            path.write_text(text, encoding="utf-8")
+
+
+_generate_api_pages()
+
+
+# napoleon reads the first line of a property's or a module constant's docstring as "type: description" (Google
+# style); this project writes them as sentences ("Whether losses are scaled now: ...", "2**-126, the smallest normal
+# float32: ..."), so a first line whose part before the colon has two words in a row gets an empty type, not a type
+# named after those words. A type ("dict[str, int]: ...") has none.
+_WORDS = re.compile(r"[\w*)] +[\w(]")
+
+
+def _sentences_not_types(app, what, name, obj, options, lines):  # noqa: ANN001 - Sphinx's event signature
+    if what in ("property", "attribute", "data") and lines and ": " in lines[0]:
+        head = lines[0].split(": ", 1)[0]
+        if "`" not in head and _WORDS.search(head):
+            lines[0] = ": " + lines[0]
+
+
+# A docstring names a sibling by its short name (:class:`LossScaleOptimizer`, :func:`advance`) where Python's scope
+# makes it plain; Sphinx looks for it only beside the object as documented (``lossscale.PrecisionSchedule`` is
+# documented at the top of the package, its helper ``advance`` in lossscale.addons.schedule). Resolve such a name
+# to the package's public name ``lossscale.<name>`` if there is one, else to the one documented object whose name
+# ends in it; none or several: the reference stays unresolved, and -n reports it.
+def _resolve_short_name(app, env, node, contnode):  # noqa: ANN001, ANN201 - Sphinx's event signature
+    if node.get("refdomain") != "py" or "." in node.get("reftarget", ""):
+        return None
+    target = node["reftarget"].lstrip("~")
+    domain = env.get_domain("py")
+    if f"lossscale.{target}" in domain.objects:
+        full = f"lossscale.{target}"
+    else:
+        found = [name for name in domain.objects if name.endswith("." + target) and name.startswith("lossscale.")]
+        if len(found) > 1:  # prefer a sibling of the object whose docstring it is (its module or class)
+            where = (node.source or "").rpartition("docstring of ")[2]
+            found = [name for name in found if where.startswith(name.rpartition(".")[0] + ".")]
+        if len(found) != 1:
+            return None
+        full = found[0]
+    node["reftarget"] = full
+    return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], full, node, contnode)
+
+
+# The root's Markdown files (README, CHANGELOG, CONTRIBUTING, benchmarks/RESULTS.md) are included into pages of
+# docs/: their links to each other and into docs/ are rewritten to the site's pages.
+_ROOT_LINKS = {
+    "](docs/": "](",
+    "](benchmarks/RESULTS.md": "](benchmarks.md",
+    "](../benchmarks/RESULTS.md": "](benchmarks.md",
+    "](CHANGELOG.md": "](changelog.md",
+    "](CONTRIBUTING.md": "](contributing.md",
+    "](README.md": "](index.md",
+}
+
+
+def _rewrite_root_links(app, relative_path, parent_docname, content):  # noqa: ANN001 - Sphinx's event signature
+    if (Path(app.srcdir) / relative_path).resolve().parent in (ROOT, ROOT / "benchmarks"):
+        text = content[0]
+        for old, new in _ROOT_LINKS.items():
+            text = text.replace(old, new)
+        content[0] = text
+
+
+# A method without a docstring of its own inherits its base's; one inherited from torch (``Function.forward``) is
+# written for torch's site, with its labels and roles, so it is left out; one from a lossscale base is kept.
+def _no_foreign_docstrings(app, what, name, obj, options, lines):  # noqa: ANN001 - Sphinx's event signature
+    if what != "method" or getattr(obj, "__doc__", None) or not lines:
+        return
+    owner_name, _, attr = name.rpartition(".")
+    module_name, _, class_name = owner_name.rpartition(".")
+    try:
+        owner = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError):
+        return
+    for base in getattr(owner, "__mro__", ())[1:]:
+        found = base.__dict__.get(attr)
+        if found is not None and getattr(found, "__doc__", None):
+            if not base.__module__.startswith("lossscale"):
+                lines.clear()
+            return
+
+
+def setup(app):  # noqa: ANN001, ANN201 - Sphinx's entry point
+    app.connect("autodoc-process-docstring", _no_foreign_docstrings, priority=50)
+    app.connect("autodoc-process-docstring", _sentences_not_types, priority=100)  # before napoleon's (500)
+    app.connect("missing-reference", _resolve_short_name)
+    app.connect("include-read", _rewrite_root_links)
