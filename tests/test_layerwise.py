@@ -1050,3 +1050,88 @@ def test_independent_overflows_are_each_attributed_to_their_own_unit():
         assert not bool(layers.update(found, torch.where(found, math.inf, 1.0), torch.tensor(2.0**8)))
         assert (layers.exponent != before).nonzero().flatten().tolist() == sorted(lowered)
         assert all(float(layers.exponent[i]) < float(before[i]) for i in lowered)
+
+
+# --- as an add-on (lossscale.addons.base): the hooks a front end calls ------------------------------------------
+
+
+def test_the_add_on_hooks_run_the_same_steps_as_driving_it_by_hand():
+    """attach, on_scale_loss, unscale, step_fields and advance over a front end's parameters (a head outside the
+    units among them): the same gradients, exponents and global found_inf as unscale_ and update by hand, bit for
+    bit; unscale's found_inf and amax are the per-unit ones' any and max, on the scale's device."""
+    from lossscale.addons.base import AddOn, Host
+
+    def same(a, b):  # bit for bit, NaN where NaN
+        return a.dtype == b.dtype and a.device == b.device and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) \
+            and torch.equal(a.isnan(), b.isnan())
+
+    def build():
+        torch.manual_seed(0)
+        body, head = deep_net(), torch.nn.Linear(WIDTH, WIDTH)
+        return body, head, LayerScales(body)
+
+    (body_a, head_a, by_hand), (body_b, head_b, add_on) = build(), build()
+    assert isinstance(add_on, AddOn) and add_on.key == "layerwise" and add_on.unscales
+    params_a, params_b = [*body_a.parameters(), *head_a.parameters()], [*body_b.parameters(), *head_b.parameters()]
+    add_on.attach(Host("Front", params=tuple(params_b)))
+    scale = torch.tensor(2.0**16)
+    for step in range(4):
+        for p in params_a + params_b:
+            p.grad = None
+        x, y = batch(step)
+        poison = math.inf if step == 2 else 1.0  # one step overflows in the head, outside the units
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_a = (head_a(body_a(x)).float() * poison - y).pow(2).mean()
+            loss_b = (head_b(body_b(x)).float() * poison - y).pow(2).mean()
+        by_hand.backward_from(loss_a * scale).backward()
+        scaled = loss_b * scale
+        add_on.on_scale_loss(loss_b, scaled)
+        scaled.backward()
+        found_u, amax_u = by_hand.unscale_(scale, params=params_a)
+        unscaled = add_on.unscale(scale, torch.zeros(()))
+        assert same(unscaled.found_inf, found_u.any())
+        assert same(unscaled.amax, amax_u.max())
+        fields = add_on.step_fields(scale)
+        assert list(fields) == ["layer_scales"]
+        assert all(torch.equal(v, w) for v, w in zip(fields["layer_scales"].values(),
+                                                     by_hand.layer_scales(scale).values()))
+        want = by_hand.update(found_u, amax_u, scale)
+        got = add_on.advance(torch.zeros((), dtype=torch.bool), scale)
+        assert torch.equal(got, want) and bool(got) == (step == 2)
+        assert torch.equal(add_on.exponent, by_hand.exponent)
+        assert all(same(p.grad, q.grad) for p, q in zip(params_a, params_b))
+    assert float(add_on.exponent.max()) >= 32
+    found = torch.ones((), dtype=torch.bool)
+    assert add_on.advance(found, scale) is found  # nothing kept since the last advance: found_inf as it is
+
+
+def test_attach_takes_the_front_ends_is_scaled_and_process_group_and_refuses_parameters_outside_every_unit():
+    from lossscale.addons.base import Host
+
+    model, other = deep_net(), deep_net(seed=1)
+    layers = LayerScales(model)
+    with pytest.raises(ValueError, match=r"^Front\(layerwise=Sequential\): none of the inner optimizer's 48 "
+                                         r"parameters belongs to a unit.*pass the model whose parameters"):
+        layers.attach(Host("Front", params=tuple(other.parameters())))
+    host = Host("Front", params=tuple(model.parameters()), is_scaled=lambda: False)
+    layers.attach(host)
+    layers.attach(host)  # again when the front end's options change
+    assert layers.is_scaled is host.is_scaled and layers.process_group is None
+    loss_of(model, 0, half=True).backward()  # not scaled: the hooks pass the gradients through
+    ref = plain_copy(model)
+    for p in ref.parameters():
+        p.grad = None
+    loss_of(ref, 0, half=True).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_validate_state_dict_raises_what_load_state_dict_would_and_changes_nothing():
+    model = deep_net()
+    layers = LayerScales(model)
+    (loss_of(model, 0, half=True) * 2.0**16).backward()
+    saved = layers.state_dict()
+    before = layers.exponent.clone()
+    assert layers.validate_state_dict(saved) is None
+    with pytest.raises(ValueError, match="order must list distinct unit indices"):
+        layers.validate_state_dict({**saved, "order": [0, 0]})
+    assert torch.equal(layers.exponent, before) and layers.state_dict() == saved
