@@ -10,11 +10,16 @@ import io
 import math
 import os
 import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+    from torch.utils.tensorboard import SummaryWriter
 
 __all__ = ["COLUMNS", "HostReadCounter", "ScalerStep", "StepLogger", "StepResult", "atomic_write", "read_scalars",
            "step_record"]
@@ -54,8 +59,9 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[str]:
         raise
 
 
-def read_scalars(values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` with every one-element tensor replaced by a Python bool/int/float, read in one sync."""
+def read_scalars(values: Mapping[str, object]) -> dict[str, Any]:
+    """``values`` with every one-element tensor replaced by a Python bool/int/float, read in one sync (a record:
+    the caller reads its values by name)."""
     tensors = [(k, v) for k, v in values.items() if isinstance(v, torch.Tensor)]
     out = dict(values)
     if tensors:
@@ -95,7 +101,7 @@ class StepResult:
     precision: str | None = None
     switched: bool = False
     underflow: torch.Tensor | None = None
-    loss: Any = dataclasses.field(default=None, metadata={"column": False})
+    loss: object = dataclasses.field(default=None, metadata={"column": False})
     layer_scales: dict[str, torch.Tensor] | None = dataclasses.field(default=None, metadata={"column": False})
 
     @property
@@ -120,19 +126,15 @@ class ScalerStep:
         stepped: 0-d bool tensor, True where the optimizer's update was applied (``~found_inf``).
         value: What ``optimizer.step()`` returned (None when it was skipped without calling it).
 
-    Both flags are formed from ``overflow`` (a count, a 0/1 flag or a bool) when read; no host read.
+    No host read.
     """
 
-    overflow: torch.Tensor
-    value: Any = None
-
-    @property
-    def found_inf(self) -> torch.Tensor:
-        return self.overflow if self.overflow.dtype == torch.bool else self.overflow > 0
+    found_inf: torch.Tensor
+    value: object = None
 
     @property
     def stepped(self) -> torch.Tensor:
-        return self.overflow == 0 if self.overflow.dtype != torch.bool else ~self.overflow
+        return ~self.found_inf
 
 
 #: The columns every row has, in order: ``step``, StepResult's other fields, ``skipped`` and the running count.
@@ -141,7 +143,7 @@ COLUMNS: tuple[str, ...] = ("step",) + tuple(
     "skipped", "skipped_steps")
 
 
-def step_record(result: StepResult, **extra: Any) -> dict[str, Any]:
+def step_record(result: StepResult, **extra: object) -> dict[str, Any]:
     """Every field of ``result`` as plain Python values, plus ``skipped`` and ``extra``, with one host read.
 
     >>> import torch
@@ -156,7 +158,7 @@ def step_record(result: StepResult, **extra: Any) -> dict[str, Any]:
     if clash:
         raise ValueError(f"step_record(..., {clash[0]}=...): {clash[0]!r} is a StepResult column; name the extra "
                          f"value differently.")
-    values: dict[str, Any] = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
+    values: dict[str, object] = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
                               if f.metadata.get("column", True)}
     values["skipped"] = result.skipped
     if isinstance(result.loss, torch.Tensor) and "loss" not in extra:  # a closure's loss, when step(closure) ran
@@ -174,8 +176,8 @@ class StepLogger:
     """Writes one row per optimizer step to a CSV file and, if asked, to TensorBoard.
 
     Rows have :data:`COLUMNS` (``skipped_steps``: the count of skipped steps so far), then the extra names of
-    the first row logged. Accumulation micro-steps are not logged. TensorBoard gets the numeric columns as ``lossscale/<column>`` (extras under their own names) at
-    ``global_step=step``.
+    the first row logged. Accumulation micro-steps are not logged. TensorBoard gets the numeric columns as
+    ``lossscale/<column>`` (extras under their own names) at ``global_step=step``.
 
     The CSV survives a killed process: a file already at ``path_csv`` stays as it was until the new log has its
     header and first row (they are written to a temporary file that then replaces it, as :func:`atomic_write`
@@ -191,13 +193,13 @@ class StepLogger:
     def __init__(self, path_csv: str | os.PathLike[str] | None = None,
                  tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
         self._path = None if path_csv is None else os.fspath(path_csv)
-        self._file: Any = None
+        self._file: IO[bytes] | None = None
         self._columns: tuple[str, ...] | None = None
         if self._path is not None:  # fail here, not at the first row, if the file cannot be written
             directory = os.path.dirname(os.path.abspath(self._path))
             if not os.access(directory, os.W_OK):
                 raise OSError(f"StepLogger(path_csv={self._path!r}): cannot write in directory {directory!r}.")
-        self._writer: Any = None
+        self._writer: SummaryWriter | None = None
         if tensorboard_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -209,7 +211,7 @@ class StepLogger:
         self.skipped_steps = 0
         self.rows = 0
 
-    def log(self, result: StepResult, **extra: Any) -> dict[str, Any] | None:
+    def log(self, result: StepResult, **extra: object) -> dict[str, Any] | None:
         """Read ``result`` (one host read) and write its row; None for an accumulation micro-step."""
         if result.accumulating:
             return None
@@ -246,12 +248,14 @@ class StepLogger:
 
     def _start_csv(self, head: str) -> None:
         """Write the header and first row under a temporary name, move it onto the path, keep it open to append."""
+        assert self._path is not None  # called only with a path
         with atomic_write(self._path) as tmp:
             with open(tmp, "w", encoding="utf-8", newline="") as f:
                 f.write(head)
         self._file = open(self._path, "ab", buffering=0)  # unbuffered: a row is one write() of a whole line
 
     def _append(self, line: str) -> None:
+        assert self._file is not None  # opened by the first row
         data = line.encode("utf-8")
         while data:  # a regular file takes it whole; the loop is for a rare short write
             data = data[self._file.write(data):]
@@ -268,11 +272,11 @@ class StepLogger:
     def __enter__(self) -> StepLogger:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _csv_line(values: Any) -> str:
+def _csv_line(values: Iterable[object]) -> str:
     buffer = io.StringIO()
     csv.writer(buffer).writerow(values)
     return buffer.getvalue()
@@ -294,7 +298,8 @@ class HostReadCounter(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: Sequence[object] = (),
+                           kwargs: Mapping[str, object] | None = None) -> object:
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))

@@ -1,9 +1,9 @@
 """LossScale: the one object that holds a policy and its current state.
 
 Every front end and facade reads and writes the scale and counters through it; every setter and loader checks
-the scale with :func:`~lossscale.validation.validated_scale` against the policy's bounds. On a CUDA device, a policy whose
-``cuda_graph`` is True (PredictiveScale: its rule is about 80 small kernels) is advanced by replaying its update from
-a CUDA graph (:class:`ReplayedUpdate`): one launch instead of one per op.
+the scale with :func:`~lossscale.validation.validated_scale` against the policy's bounds. On a CUDA device, a
+policy whose ``cuda_graph`` is True (PredictiveScale: its rule is about 80 small kernels) is advanced by replaying
+its update from a CUDA graph (:class:`ReplayedUpdate`): one launch instead of one per op.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class LossScale(Generic[StateT]):
         validate_policy("LossScale", policy)
         self._policy = policy
         self._state = policy.init(device)
-        self._replay: ReplayedUpdate[StateT] | None = None  # built at the first update on a CUDA device (policy.cuda_graph)
+        # built at the first update on a CUDA device (policy.cuda_graph)
+        self._replay: ReplayedUpdate[StateT] | None = None
 
     @staticmethod
     def shared_or_new(policy: Policy[Any] | LossScale[Any] | None, device: torch.device | str) -> LossScale[Any]:

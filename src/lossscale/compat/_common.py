@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
-from lossscale.validation import ArgumentTypeError, validate_int_in_range, validated_state_dict
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policies.base import Policy, ScaleState
 from lossscale.state import LossScale
+from lossscale.validation import ArgumentTypeError, validate_int_in_range, validated_state_dict
 
 __all__ = ["COUNTER_MAX", "LossScaleHolder", "OptimizerHolder", "validate_optional_number",
            "validated_counters", "validated_tensors"]
@@ -21,16 +21,16 @@ __all__ = ["COUNTER_MAX", "LossScaleHolder", "OptimizerHolder", "validate_option
 COUNTER_MAX = 2**62
 
 
-def validated_counters(call: str, state_dict: Any, keys: Iterable[str], counters: Iterable[str]) -> dict[str, Any]:
+def validated_counters(call: str, state_dict: object, keys: Iterable[str], counters: Iterable[str]) -> dict[str, Any]:
     """``state_dict`` if it is a dict holding ``keys`` and each of ``counters`` is an int (not a bool) in
     [0, 2**62]; else a TypeError or ValueError, before anything is loaded."""
-    validated_state_dict(call, state_dict, keys)
+    checked = validated_state_dict(call, state_dict, keys)
     for name in counters:
-        validate_int_in_range(call, f"state_dict[{name!r}]", state_dict[name], 0, COUNTER_MAX)
-    return state_dict
+        validate_int_in_range(call, f"state_dict[{name!r}]", checked[name], 0, COUNTER_MAX)
+    return checked
 
 
-def validate_optional_number(call: str, name: str, value: Any, low: float = 0.0, inclusive: bool = False) -> None:
+def validate_optional_number(call: str, name: str, value: object, low: float = 0.0, inclusive: bool = False) -> None:
     """None, or a finite number > ``low`` (>= with ``inclusive``)."""
     if value is None:
         return
@@ -42,7 +42,12 @@ def validate_optional_number(call: str, name: str, value: Any, low: float = 0.0,
         raise ValueError(f"{call}({name}={value!r}): {name} must be None or a finite number {rule}; got {value!r}.")
 
 
-def validated_tensors(call: str, name: str, value: Any, *, none_items: bool) -> list[Any]:
+@overload
+def validated_tensors(call: str, name: str, value: object, *, none_items: Literal[False]) -> list[torch.Tensor]: ...
+@overload
+def validated_tensors(call: str, name: str, value: object, *, none_items: Literal[True]) -> list[torch.Tensor | None]:
+    ...
+def validated_tensors(call: str, name: str, value: object, *, none_items: bool) -> list[Any]:
     """``value`` as a list of tensors (and None where ``none_items``), else a TypeError naming ``name``."""
     if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Iterable):
         raise TypeError(f"{call}({name}={value!r}): {name} must be a list of tensors; got {type(value).__name__}.")
@@ -58,11 +63,11 @@ def validated_tensors(call: str, name: str, value: Any, *, none_items: bool) -> 
 class LossScaleHolder:
     """A :class:`~lossscale.LossScale` of ``policy`` (``self.loss_scale``), saved as ``{"policy_state": ...}``."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy[ScaleState]) -> None:
         self.loss_scale = LossScale(policy)
 
     @property
-    def policy(self) -> Policy:
+    def policy(self) -> Policy[ScaleState]:
         """The rule (frozen)."""
         return self.loss_scale.policy
 
@@ -105,6 +110,6 @@ class OptimizerHolder:
         """Restore what :meth:`state_dict` saved."""
         self._opt.load_state_dict(state_dict)
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         raise TypeError(f"{type(self).__name__} is not pickled directly; save {self.instance_name}.state_dict() with "
                         f"torch.save.")

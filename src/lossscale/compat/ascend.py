@@ -61,11 +61,11 @@ import torch.distributed as dist
 
 from lossscale import presets
 from lossscale.addons.schedule import PrecisionSchedule, parse_mode
-from lossscale.validation import validate_optimizer, FLOAT32_MAX, validate_choice, validate_int_at_least, validate_scale
 from lossscale.compat._common import LossScaleHolder
 from lossscale.ops.overflow import OverflowMode, validate_mode
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policies.base import FixedScale
+from lossscale.validation import FLOAT32_MAX, validate_choice, validate_int_at_least, validate_optimizer, validate_scale
 
 __all__ = [
     "ExponentialUpdateLossScaleManager",
@@ -76,7 +76,7 @@ __all__ = [
 ]
 
 
-def overflow_from_finite_grads(finite_grads: Any, scale: torch.Tensor) -> torch.Tensor:
+def overflow_from_finite_grads(finite_grads: bool | torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The overflow flag of one step's ``finite_grads``: a bool, a bool tensor (True: all finite) or an NPU float
     status (0: no overflow; anything else, NaN included: overflow). One value, or one per entry of a batched scale."""
     call = f"update_loss_scale(finite_grads={finite_grads!r})"
@@ -105,7 +105,7 @@ class _LossScaleManager(LossScaleHolder):
         """The current loss scale: a 0-d float32 tensor (no host read)."""
         return self.loss_scale.scale
 
-    def update_loss_scale(self, finite_grads: Any) -> None:
+    def update_loss_scale(self, finite_grads: bool | torch.Tensor) -> None:
         """Advance the rule with one step's ``finite_grads`` (True: no overflow). No host read."""
         self.loss_scale.update(overflow_from_finite_grads(finite_grads, self.loss_scale.scale))
 
@@ -204,7 +204,7 @@ class TellMeStepOrLossHook:
         ValueError: both forms or neither given, or a bad ``step``, ``total_step`` or ``final_loss``.
     """
 
-    def __init__(self, step: int | None = None, total_step: int | None = None, loss: Any = None,
+    def __init__(self, step: int | None = None, total_step: int | None = None, loss: float | torch.Tensor | None = None,
                  final_loss: float | None = None) -> None:
         call = (f"TellMeStepOrLossHook(step={step!r}, total_step={total_step!r}, loss={loss!r}, "
                 f"final_loss={final_loss!r})")
@@ -242,7 +242,7 @@ class TellMeStepOrLossHook:
         if self.loss is not None:
             schedule.update(step=schedule.step, loss=self.loss)
 
-    def __call__(self, step: int | None = None, loss: Any = None) -> None:
+    def __call__(self, step: int | None = None, loss: float | torch.Tensor | None = None) -> None:
         if self.schedule is None:
             raise RuntimeError(f"{self!r}(...): the hook feeds no schedule yet; call "
                                f"ExperimentalConfig(accelerate_train_mode=...).schedule(hook) first.")
@@ -282,6 +282,7 @@ class ExperimentalConfig:
         if trigger == "step":
             schedule = PrecisionSchedule(mode, total_steps=hook.total_step)
         else:
-            schedule = PrecisionSchedule(mode, target_loss=float(hook.final_loss))  # type: ignore[arg-type]
+            assert hook.final_loss is not None  # the loss form's, checked when the hook was made
+            schedule = PrecisionSchedule(mode, target_loss=float(hook.final_loss))
         hook.bind(schedule)
         return schedule

@@ -46,17 +46,18 @@ manager's Python float grows on; a ``scale_factor`` that is not a power of two r
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from lossscale import presets
-from lossscale.validation import validate_optimizer, FLOAT32_MAX, validate_choice, validate_scale, validated_scale
 from lossscale.compat._common import LossScaleHolder, OptimizerHolder, validated_counters
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policies.base import FixedScale
 from lossscale.reporting import StepResult
 from lossscale.state import LossScale
+from lossscale.validation import FLOAT32_MAX, validate_choice, validate_optimizer, validate_scale, validated_scale
 
 __all__ = [
     "DynamicLossScaleUpdateCell",
@@ -70,7 +71,11 @@ __all__ = [
 BAD_STEP_MAX = 1000
 
 
-def _flag(overflow: Any, device: torch.device, call: str = "DynamicLossScaleUpdateCell") -> torch.Tensor:
+#: What an update cell returns: the ``overflow`` it was given (a bool or a one-value tensor).
+OverflowT = TypeVar("OverflowT", torch.Tensor, bool)
+
+
+def _flag(overflow: object, device: torch.device, call: str = "DynamicLossScaleUpdateCell") -> torch.Tensor:
     """One step's overflow verdict as a 0-d bool tensor: a bool or a one-value tensor (no host read)."""
     if isinstance(overflow, torch.Tensor):
         if overflow.numel() != 1:
@@ -83,7 +88,7 @@ def _flag(overflow: Any, device: torch.device, call: str = "DynamicLossScaleUpda
                     f"{type(overflow).__name__}.")
 
 
-def _check_loss_scale(call: str, loss_scale: Any) -> None:
+def _check_loss_scale(call: str, loss_scale: object) -> None:
     """The cell's ``loss_scale``: a 1-element float32 tensor (MindSpore's Parameter, updated in place)."""
     rule = f"{call}(loss_scale, overflow): loss_scale must be a 1-element tensor (MindSpore's loss_scale Parameter)"
     if not isinstance(loss_scale, torch.Tensor):
@@ -122,7 +127,7 @@ class DynamicLossScaleUpdateCell(LossScaleHolder):
         return self.loss_scale_value
 
     @torch.no_grad()
-    def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
+    def __call__(self, loss_scale: torch.Tensor, overflow: OverflowT) -> OverflowT:
         """Update ``loss_scale`` (float32, shape () or (1,)) in place from ``overflow``; return ``overflow``."""
         _check_loss_scale("DynamicLossScaleUpdateCell", loss_scale)
         if self.loss_scale.device != loss_scale.device:
@@ -148,7 +153,7 @@ class FixedLossScaleUpdateCell(LossScaleHolder):
     def get_loss_scale(self) -> float:
         return self.loss_scale_value
 
-    def __call__(self, loss_scale: torch.Tensor, overflow: Any) -> Any:
+    def __call__(self, loss_scale: torch.Tensor, overflow: OverflowT) -> OverflowT:
         _check_loss_scale("FixedLossScaleUpdateCell", loss_scale)
         return overflow
 
@@ -179,7 +184,7 @@ class DynamicLossScaleManager(LossScaleHolder):
         """The current loss scale as a Python float (reads it on the host)."""
         return float(self.loss_scale.scale)
 
-    def update_loss_scale(self, overflow: Any) -> None:
+    def update_loss_scale(self, overflow: bool | torch.Tensor) -> None:
         """Advance the rule with one step's ``overflow``, a bool (a tensor is read on the host)."""
         if isinstance(overflow, torch.Tensor):
             overflow = bool(_flag(overflow, overflow.device, "DynamicLossScaleManager.update_loss_scale"))
@@ -226,7 +231,7 @@ class FixedLossScaleManager(LossScaleHolder):
     def get_loss_scale(self) -> float:
         return float(self.loss_scale.scale)
 
-    def update_loss_scale(self, overflow: Any) -> None:
+    def update_loss_scale(self, overflow: bool | torch.Tensor) -> None:
         """Nothing: the scale is fixed."""
 
     def get_drop_overflow_update(self) -> bool:
@@ -258,14 +263,15 @@ class TrainOneStepWithLossScaleCell(OptimizerHolder):
     instance_name = "train_cell"
 
     def __init__(self, network: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
-                 scale_sense: Any, **kwargs: Any) -> None:
+                 scale_sense: DynamicLossScaleUpdateCell | FixedLossScaleUpdateCell | torch.Tensor,
+                 **kwargs: Any) -> None:
         call = "TrainOneStepWithLossScaleCell"
         if not callable(network):
             raise TypeError(f"{call}(network={network!r}): network must be a callable returning the loss.")
         validate_optimizer(call, optimizer, "optimizer")
         self.network = network
         self.optimizer = optimizer
-        self.loss_scaling_manager = None
+        self.loss_scaling_manager: DynamicLossScaleUpdateCell | FixedLossScaleUpdateCell | None = None
         if isinstance(scale_sense, (DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell)):
             self.loss_scaling_manager = scale_sense
             loss_scale = scale_sense.loss_scale
@@ -293,11 +299,11 @@ class TrainOneStepWithLossScaleCell(OptimizerHolder):
                         f"1-element tensor; got {type(sens).__name__} of shape {tuple(getattr(sens, 'shape', ()))}.")
         self._opt.loss_scale.set_scale(sens, call=f"TrainOneStepWithLossScaleCell.set_sense_scale({sens!r})")
 
-    def __call__(self, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, *inputs: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         result = self.step(*inputs)
         return self._last_loss, result.found_inf, result.scale
 
-    def step(self, *inputs: Any) -> StepResult:
+    def step(self, *inputs: object) -> StepResult:
         """Like calling the cell, returning the whole :class:`~lossscale.StepResult`."""
         self._opt.zero_grad()
         loss = self.network(*inputs)

@@ -35,16 +35,20 @@ the scale stays within ``[2**-126, float32 max]`` and is rounded to float32 each
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lossscale import presets
-from lossscale.validation import validate_choice, validate_int_at_least
 from lossscale.compat._common import OptimizerHolder, validate_optional_number, validated_tensors
 from lossscale.ops.distributed import all_reduce_grads_
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.reporting import StepResult
+from lossscale.validation import validate_choice, validate_int_at_least
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["DynamicLossScalingUpdater", "MAX_RETRIES"]
 
@@ -52,7 +56,7 @@ __all__ = ["DynamicLossScalingUpdater", "MAX_RETRIES"]
 MAX_RETRIES = 100
 
 
-def _check_comm(call: str, comm: Any, grads: list[torch.Tensor]) -> None:
+def _check_comm(call: str, comm: object, grads: list[torch.Tensor]) -> None:
     """``comm`` is None (no all-reduce) or a torch.distributed ProcessGroup with gradients to sum."""
     if comm is None:
         return
@@ -93,9 +97,9 @@ class DynamicLossScalingUpdater(OptimizerHolder):
     instance_name = "updater"
 
     def __init__(self, solver: torch.optim.Optimizer, loss: Callable[[], torch.Tensor],
-                 data_feeder: Callable[[], Any] = lambda: True, scale: float = 8.0, scaling_factor: float = 2.0,
-                 N: int = 2000, clear_buffer: bool = True, accum_grad: int = 1,  # noqa: N803
-                 weight_decay: float | None = None, comm: Any = None, grads: Sequence[torch.Tensor] | None = (),
+                 data_feeder: Callable[[], object] = lambda: True, scale: float = 8.0, scaling_factor: float = 2.0,
+                 N: int = 2000, clear_buffer: bool = True, accum_grad: int = 1,  # noqa: N803  # nnabla names it N
+                 weight_decay: float | None = None, comm: ProcessGroup | None = None, grads: Sequence[torch.Tensor] | None = (),
                  **kwargs: Any) -> None:
         call = "DynamicLossScalingUpdater"
         for name, value, role in (("loss", loss, "running the forward pass and returning the loss"),
@@ -155,8 +159,10 @@ class DynamicLossScalingUpdater(OptimizerHolder):
                 hook.remove()
 
     @torch.no_grad()
-    def _add_weight_decay(self, solver: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _add_weight_decay(self, solver: torch.optim.Optimizer, args: tuple[object, ...],
+                          kwargs: dict[str, object]) -> None:
         """``grad += weight_decay * param`` on the unscaled gradients: a step pre-hook during ``update()``."""
+        assert self.weight_decay is not None  # registered only with a weight decay
         params = [p for g in solver.param_groups for p in g["params"] if p.grad is not None]
         if params:
             torch._foreach_add_([p.grad for p in params], params, alpha=self.weight_decay)

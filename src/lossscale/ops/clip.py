@@ -7,13 +7,17 @@ squared norms of shards are summed over the ranks (one all-reduce); replicated g
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from lossscale.ops import distributed as _dist
 from lossscale.ops.gather import gathered
 from lossscale.ops.overflow import group_by_device_and_dtype
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["squared_norms", "global_norm_squared", "grouped_norm_squared", "global_clip_coefficient",
            "clip_per_tensor_", "PerTensorClip"]
@@ -35,7 +39,8 @@ def _local_squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return gathered(torch._foreach_norm(list(tensors))).float().square()
 
 
-def grouped_norm_squared(groups: dict[Any, list[torch.Tensor]], device: torch.device | str) -> torch.Tensor:
+def grouped_norm_squared(groups: Mapping[tuple[torch.device, torch.dtype], list[torch.Tensor]],
+                         device: torch.device | str) -> torch.Tensor:
     """Squared L2 norm of plain (local, dense) gradients already grouped by device and dtype, as 0-d
     float32 on ``device``. One read of every gradient; no all-reduce, no host read."""
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -45,7 +50,7 @@ def grouped_norm_squared(groups: dict[Any, list[torch.Tensor]], device: torch.de
     return total
 
 
-def _sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """Squared L2 norm of the local parts of ``grads`` (a sparse gradient's values), as 0-d float32."""
     return grouped_norm_squared(group_by_device_and_dtype(_dist.local_shard(g) for g in grads), device)
 
@@ -54,7 +59,8 @@ def _split(grads: Sequence[torch.Tensor], sharded: bool | None) -> tuple[list[to
     """(shards, replicated): by ``sharded`` when given, else by each gradient's DTensor placement."""
     if sharded is not None:
         return (list(grads), []) if sharded else ([], list(grads))
-    shards, replicated = [], []
+    shards: list[torch.Tensor] = []
+    replicated: list[torch.Tensor] = []
     for g in grads:
         (shards if _dist.is_shard(g) else replicated).append(g)
     return shards, replicated
@@ -62,7 +68,7 @@ def _split(grads: Sequence[torch.Tensor], sharded: bool | None) -> tuple[list[to
 
 def global_norm_squared(
     grads: Sequence[torch.Tensor],
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     sharded: bool | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
@@ -88,7 +94,8 @@ def global_clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor
 
 
 def clip_per_tensor_(
-    grads: Sequence[torch.Tensor], max_norm: float, process_group: Any = None, sharded: bool | None = None
+    grads: Sequence[torch.Tensor], max_norm: float, process_group: ProcessGroup | None = None,
+    sharded: bool | None = None,
 ) -> None:
     """Keras's ``clipnorm``: each gradient ``g * max_norm / max(||g||, max_norm)``, ``||g||`` over the
     whole tensor (a shard's squared norm is summed over ranks; ``sharded`` as in
@@ -132,7 +139,7 @@ class PerTensorClip:
     def __init__(self, max_norm: float) -> None:
         self.max_norm = max_norm
 
-    def __call__(self, grads: Sequence[torch.Tensor], *, process_group: Any = None,
+    def __call__(self, grads: Sequence[torch.Tensor], *, process_group: ProcessGroup | None = None,
                  sharded: bool | None = None) -> None:
         clip_per_tensor_(grads, self.max_norm, process_group, sharded)
 

@@ -9,11 +9,16 @@ from __future__ import annotations
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Iterable
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "active",
@@ -30,14 +35,14 @@ __all__ = [
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def active(process_group: Any = None) -> bool:
+def active(process_group: ProcessGroup | None = None) -> bool:
     """Whether a reduction is needed: torch.distributed is initialized and the group has > 1 rank."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
     return dist.get_world_size(process_group) > 1
 
 
-def reduce_found_inf(found_inf: torch.Tensor, process_group: Any = None, *, is_flag: bool = False) -> torch.Tensor:
+def reduce_found_inf(found_inf: torch.Tensor, process_group: ProcessGroup | None = None, *, is_flag: bool = False) -> torch.Tensor:
     """Turn ``found_inf`` (0-d float32, a count of overflows) into the group's 0/1 flag, in place; no host read.
 
     Rule: ``found_inf = max over ranks of min(found_inf, 1)`` (no clamp with ``is_flag``: already 0 or 1).
@@ -51,14 +56,14 @@ def reduce_found_inf(found_inf: torch.Tensor, process_group: Any = None, *, is_f
     return found_inf
 
 
-def all_reduce_sum_(tensor: torch.Tensor, process_group: Any = None) -> torch.Tensor:
+def all_reduce_sum_(tensor: torch.Tensor, process_group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``tensor`` over the group in place (identity outside torch.distributed)."""
     if active(process_group):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=process_group)
     return tensor
 
 
-def _dtensor_type() -> type | None:
+def _dtensor_type() -> type[DTensor] | None:
     # a DTensor exists only once torch.distributed.tensor is imported: never import it here
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
@@ -87,7 +92,7 @@ def is_shard(t: torch.Tensor) -> bool:
     return any(isinstance(p, Shard) for p in t.placements)
 
 
-def all_reduce_grads_(grads: Iterable[torch.Tensor | None], process_group: Any = None, *,
+def all_reduce_grads_(grads: Iterable[torch.Tensor | None], process_group: ProcessGroup | None = None, *,
                       average: bool = False) -> list[torch.Tensor]:
     """Sum the dense, plain gradients over the group in place (``average=True`` divides by the group size);
     ``None`` entries skipped; returns the rest. Identity outside torch.distributed. Call it before the overflow check.

@@ -16,7 +16,7 @@ has a gradient: zeros where a backward gave it none, as after ``zero_grad(set_to
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

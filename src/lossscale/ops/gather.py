@@ -12,7 +12,7 @@ for a caller that wants only that (one op fewer than ``gathered(values).max()``)
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

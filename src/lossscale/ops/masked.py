@@ -21,8 +21,9 @@ with a ValueError: restoring it would read found_inf on the host, a synchronisat
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.optim import optimizer as _optim_module
@@ -149,11 +150,9 @@ def _restore(bad: torch.Tensor, flags: dict[torch.device, torch.Tensor], saved: 
     ``flags``: ``bad`` on each device, copied there once per step (device to device; :func:`_targets_of` has
     refused host memory beside an accelerator's flag)."""
     for s, t in zip(saved, targets):
-        flag = bad
-        if t.device != bad.device:
-            flag = flags.get(t.device)
-            if flag is None:
-                flag = flags[t.device] = bad.to(t.device, non_blocking=True)
+        flag = bad if t.device == bad.device else flags.get(t.device)
+        if flag is None:
+            flag = flags[t.device] = bad.to(t.device, non_blocking=True)
         torch.where(flag, s, t, out=t)
 
 

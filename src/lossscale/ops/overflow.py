@@ -15,13 +15,14 @@ import importlib.util
 import math
 import os
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from types import ModuleType
-from typing import Iterable, Literal, Sequence
+from typing import Literal
 
 import torch
 
-from lossscale.validation import ArgumentTypeError, validate_choice
 from lossscale.ops.gather import largest
+from lossscale.validation import ArgumentTypeError, validate_choice
 
 __all__ = [
     "OverflowMode",

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
 
-from lossscale.validation import (FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, validate_choice, validate_factor_above_one,
-                              validate_fraction, validate_int_in_range, validate_scale_bounds, to_float32)
 from lossscale.policies.base import SATURATE, FloorError, Policy, ScaleState, as_flag, validate_found_inf
+from lossscale.validation import (
+    FLOAT32_MAX,
+    SMALLEST_NORMAL_FLOAT32,
+    to_float32,
+    validate_choice,
+    validate_factor_above_one,
+    validate_fraction,
+    validate_int_in_range,
+    validate_scale_bounds,
+)
 
 __all__ = ["DynamicScale", "validate_dynamic_args"]
 

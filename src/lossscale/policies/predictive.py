@@ -8,9 +8,14 @@ from typing import ClassVar
 
 import torch
 
-from lossscale.validation import (FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, validate_choice, validate_int_at_least,
-                              validate_scale_bounds)
 from lossscale.policies.base import Policy, as_flag, move_state
+from lossscale.validation import (
+    FLOAT32_MAX,
+    SMALLEST_NORMAL_FLOAT32,
+    validate_choice,
+    validate_int_at_least,
+    validate_scale_bounds,
+)
 
 __all__ = ["PredictiveScale", "PredictiveState"]
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lossscale.validation import validate_choice, validate_factor_above_one, validate_int_at_least
 from lossscale.policies.dynamic import DynamicScale, validate_dynamic_args
+from lossscale.validation import validate_choice, validate_factor_above_one, validate_int_at_least
 
 __all__ = [
     "torch_amp",
@@ -152,8 +152,8 @@ def mindspore(init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_w
                     arithmetic="float32")
 
 
-def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000, *,
-           call: str = "presets.nnabla") -> DynamicScale:  # noqa: N803
+def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000, *,  # noqa: N803  # nnabla names it N
+           call: str = "presets.nnabla") -> DynamicScale:
     """nnabla ``DynamicLossScalingUpdater``, one forward/backward attempt per ``update``.
 
     Rule (Python floats; ``counter`` starts at 0)::
