@@ -55,9 +55,9 @@ def test_a_step_result_is_frozen_and_reads_as_plain_values_at_once():
                            "underflow": None}
 
 
-def test_scaler_step_flags_are_bool_tensors_formed_from_the_count_of_overflows():
-    for overflow, found in [(0.0, False), (1.0, True), (2.0, True), (False, False), (True, True)]:
-        decision = ScalerStep(overflow=torch.tensor(overflow))
+def test_scaler_step_flags_are_bool_tensors_and_stepped_is_their_negation():
+    for found in (False, True):
+        decision = ScalerStep(found_inf=torch.tensor(found))
         assert decision.found_inf.dtype == torch.bool and decision.stepped.dtype == torch.bool
         assert bool(decision.found_inf) is found and bool(decision.stepped) is not found
 

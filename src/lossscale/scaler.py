@@ -18,7 +18,9 @@ from torch.amp.grad_scaler import OptState
 from lossscale import stages
 from lossscale.validation import ArgumentTypeError, validate_optimizer, StateDictError, validate_choice, validate_process_group
 from lossscale.ops import distributed as _dist
-from lossscale.ops.overflow import OverflowMode, validate_mode, check_with_amax_, saturation_threshold, unscale_and_check_
+from lossscale.addons.arguments import add_ons_from
+from lossscale.addons.base import AddOn, Host, StepOutcome
+from lossscale.ops.overflow import OverflowMode, saturation_threshold, validate_mode
 from lossscale.policies.base import Policy, validate_policy
 from lossscale.policies.dynamic import DynamicScale, validate_dynamic_args
 from lossscale.reporting import ScalerStep
@@ -68,7 +70,7 @@ class GradScaler:
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  policy: Policy | None = None, overflow_mode: OverflowMode = "inf_nan",
                  saturation_dtype: torch.dtype = torch.float16, process_group: Any = None,
-                 skip_mode: Literal["auto", "host"] = "auto") -> None:
+                 skip_mode: Literal["auto", "host"] = "auto", diagnose: Any = None) -> None:
         policy = _policy_from_args(policy, dict(init_scale=init_scale, growth_factor=growth_factor,
                                                 backoff_factor=backoff_factor, growth_interval=growth_interval))
         validate_mode("GradScaler", overflow_mode)
@@ -86,6 +88,9 @@ class GradScaler:
         self._placed = False  # whether the state has moved to the device of the first scaled output
         self._replicas: dict[torch.device, torch.Tensor] = {}
         self._loss_finite: torch.Tensor | None = None  # every scaled output finite (policies that observe it)
+        self._updates = 0  # update() calls that advanced the policy
+        self._add_ons: list[AddOn] = add_ons_from("GradScaler", (), self._loss_scale.device, diagnose=diagnose)
+        self._attach_add_ons()
         self._reset_records()
 
     # --- state -------------------------------------------------------------------------------
@@ -108,6 +113,13 @@ class GradScaler:
         if not self._placed:
             self._loss_scale.to(device)
             self._placed = True
+            self._attach_add_ons()
+
+    def _attach_add_ons(self) -> None:
+        """Tell the add-ons where the scale lives (again once it moved to the first scaled output's device)."""
+        host = Host(call="GradScaler", device=self._loss_scale.device, process_group=self.process_group)
+        for add_on in self._add_ons:
+            add_on.attach(host)
 
     def _require_state(self, call: str) -> LossScale:
         if not self._placed:
@@ -137,7 +149,10 @@ class GradScaler:
                 if self._loss_scale.policy.observes_loss_finite:  # whether the losses themselves were finite
                     finite = torch.isfinite(value.detach()).all().to(self._loss_scale.device)
                     self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-                return value * self._scale_on(value.device)
+                scaled = stages.scale_loss(value, self._scale_on(value.device), call="GradScaler.scale(outputs)")
+                for add_on in self._add_ons:
+                    add_on.on_scale_loss(value, scaled)
+                return scaled
             if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
                 mapped = map(apply, value)
                 return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
@@ -177,7 +192,8 @@ class GradScaler:
         return {device: stages.agree_(total, self.process_group)}
 
     def _found_inf_sum(self, records: Iterable[dict], call: str) -> torch.Tensor:
-        """Every recorded found_inf summed on the scale's device: a count (one device: the record's own tensor)."""
+        """Every recorded found_inf summed on the scale's device: a count (one device: the record's own tensor,
+        a 0/1 flag); :meth:`_found_inf` makes it the core's one form."""
         device = self._loss_scale.device
         values = [t.to(device, non_blocking=True) for r in records for t in r["found_inf_per_device"].values()]
         if not values:
@@ -186,11 +202,20 @@ class GradScaler:
                                           f"scaled loss, then step(optimizer), before update().")
         return sum(values[1:], values[0])  # values[0] itself for one device
 
+    def _found_inf(self, records: Iterable[dict], call: str) -> torch.Tensor:
+        """The recorded found_inf as the core's one form: a 0-d float32 0/1 flag on the scale's device."""
+        total = self._found_inf_sum(records, call)
+        return total if len(self._found_inf_values(records)) == 1 else total.clamp(max=1.0)
+
+    @staticmethod
+    def _found_inf_values(records: Iterable[dict]) -> list[torch.Tensor]:
+        return [t for r in records for t in r["found_inf_per_device"].values()]
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
         """Unscale (unless done), then apply ``optimizer.step(*args, **kwargs)`` only if nothing overflowed.
         Host reads: none for a fused optimizer (``skip_mode="auto"``), else one (found_inf)."""
         if not self._enabled:
-            return ScalerStep(overflow=torch.zeros((), dtype=torch.bool), value=optimizer.step(*args, **kwargs))
+            return ScalerStep(found_inf=torch.zeros((), dtype=torch.bool), value=optimizer.step(*args, **kwargs))
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled: "
                                "GradScaler.step(optimizer, closure=...) cannot scale the closure's loss.")
@@ -200,15 +225,15 @@ class GradScaler:
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("step() was already called for this optimizer since the last update(); call "
                                "update() after step() before stepping again.")
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and self.skip_mode == "auto":
+        if stages.takes_fused_scaling(optimizer) and self.skip_mode == "auto":
             return self._fused_step(optimizer, record, *args, **kwargs)
         if record["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        overflow = self._found_inf_sum([record], "GradScaler.step(optimizer)")  # a count: > 0 overflowed
-        applies = stages.applies_on_host(overflow, "GradScaler.step(optimizer)")  # one host read
+        found_inf = self._found_inf([record], "GradScaler.step(optimizer)").bool()
+        applies = stages.applies_on_host(found_inf, "GradScaler.step(optimizer)")  # one host read
         value = optimizer.step(*args, **kwargs) if applies else None
         record["stage"] = OptState.STEPPED
-        return ScalerStep(overflow=overflow, value=value)
+        return ScalerStep(found_inf=found_inf, value=value)
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, record: dict, *args: Any, **kwargs: Any) -> ScalerStep:
         """The optimizer unscales and skips in its kernel: a check first unless unscale_() ran."""
@@ -217,20 +242,19 @@ class GradScaler:
             value = optimizer.step(*args, **dict(kwargs, grad_scaler=self))  # it unscales and skips itself
             record["stage"] = OptState.STEPPED
             found = list(record["found_inf_per_device"].values())
-            overflow = (sum(f.to(self._loss_scale.device) for f in found) > 0) if found else torch.zeros(
+            found_inf = (sum(f.to(self._loss_scale.device) for f in found) > 0) if found else torch.zeros(
                 (), dtype=torch.bool, device=self._loss_scale.device)
-            return ScalerStep(overflow=overflow, value=value)
+            return ScalerStep(found_inf=found_inf, value=value)
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)  # guards the scale the kernel divides by, too
             # a copy: the optimizer never holds the LossScale's tensor
             grad_scale = self._loss_scale.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = None  # unscale_() already divided the gradients
-        count = self._found_inf_sum([record], "GradScaler.step(optimizer)")
-        found_inf = count.clamp(max=1.0)  # a 0/1 flag of the kernel's own
+        found_inf = self._found_inf_sum([record], "GradScaler.step(optimizer)").clamp(max=1.0)  # the kernel's own
         value = stages.fused_step_(optimizer, grad_scale, found_inf, *args, **kwargs)
         record["stage"] = OptState.STEPPED
-        return ScalerStep(overflow=found_inf, value=value)  # the kernel reads found_inf, never writes it
+        return ScalerStep(found_inf=found_inf.bool(), value=value)  # the kernel reads found_inf, never writes it
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Advance the policy with this iteration's overflow, or set ``new_scale`` (checked; one host read for a
@@ -250,14 +274,23 @@ class GradScaler:
         self._reset_records()
 
     def _advance(self, loss_scale: LossScale, seen: list[dict]) -> None:
-        """The policy's update from the records unscaled or stepped this iteration (+ amax, loss finiteness)."""
-        found_inf = self._found_inf_sum(seen, "GradScaler.update()")  # a count, as policies take it
+        """The policy's update from the records unscaled or stepped this iteration (+ amax, loss finiteness);
+        then the add-ons see the outcome."""
+        found_inf = self._found_inf(seen, "GradScaler.update()")
         amax = None
         if loss_scale.policy.observes_amax:
             maxima = [a.to(loss_scale.device) for a in self._amax_seen]
             amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=loss_scale.device)
             stages.agree_amax_(amax, self.process_group)
+        scale = loss_scale.scale.clone() if self._add_ons else loss_scale.scale
         loss_scale.update(found_inf, amax, self._loss_finite)
+        self._updates += 1
+        if self._add_ons:
+            flag = found_inf.bool()
+            outcome = StepOutcome(stepped=~flag, found_inf=flag, scale=scale, next_scale=loss_scale.scale,
+                                  step=self._updates - 1)
+            for add_on in self._add_ons:
+                add_on.after_step(outcome)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a host read); 1.0 when disabled."""
@@ -416,13 +449,15 @@ class GradScaler:
         groups = stages.grouped_gradients(optimizer, "GradScaler.unscale_(optimizer)", allow_fp16=allow_fp16,
                                           required=False)
         found: dict[torch.device, torch.Tensor] = {}
-        for (device, _), group in groups.items():
+        for (device, dtype), group in groups.items():
             if device not in found:
                 found[device] = found_inf.to(device, copy=True)
             if self._loss_scale.policy.observes_amax:
-                self._amax_seen.append(check_with_amax_(group, found[device], self.overflow_mode, self._threshold))
-            inv = inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
-            unscale_and_check_(group, found[device], inv, self.overflow_mode, self._threshold)
+                amax = stages.measure_(stages.Groups({(device, dtype): group}), found[device], self.overflow_mode,
+                                       self._threshold, amax=True)
+                assert amax is not None
+                self._amax_seen.append(amax)
+            stages.unscale_(group, found[device], inv_scale, self.overflow_mode, self._threshold)
         return found
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
@@ -436,8 +471,8 @@ class GradScaler:
                 found[device] = stages.guarded_found(self._loss_scale.scale, device)
             elif device not in found:
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
-            amax = stages.measure_({(device, dtype): group}, found[device], self.overflow_mode, self._threshold,
-                                   amax=self._loss_scale.policy.observes_amax)
+            amax = stages.measure_(stages.Groups({(device, dtype): group}), found[device], self.overflow_mode,
+                                   self._threshold, amax=self._loss_scale.policy.observes_amax)
             if amax is not None:
                 self._amax_seen.append(amax)
         record["found_inf_per_device"] = self._agreed(found)
@@ -454,8 +489,8 @@ class GradScaler:
         ``"param_groups[i][j]"``). One read of the gradients and one host read."""
         names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         record = self._per_optimizer_states.get(id(optimizer))
-        unscaled = record is not None and record["stage"] is not OptState.READY and not getattr(
-            optimizer, "_step_supports_amp_scaling", False)
+        unscaled = record is not None and record["stage"] is not OptState.READY and not stages.takes_fused_scaling(
+            optimizer)
         divided = self.get_scale() if (unscaled and self._enabled) else 1.0
         return stages.overflowing_names(optimizer, names, self.overflow_mode, self._threshold, divided)
 

@@ -52,7 +52,7 @@ def _build(front: str) -> Setup:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             decision = scaler.step(inner)
             scaler.update()
-            return {"found_inf": decision.overflow > 0}
+            return {"found_inf": decision.found_inf}
         return Setup(model, inner, x, step, lambda: float(scaler.get_scale_tensor()))
 
     if front.startswith("LossScaleOptimizer fused"):
