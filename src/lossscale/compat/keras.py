@@ -132,10 +132,11 @@ class _KerasEMA(EMA):
                     overwrite_frequency: int | None) -> None:
         """The rules above; ``applied`` counts applied steps, this one included."""
         copy = (stepped & first).to(self.shadow[0].dtype)
-        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], copy)
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], copy)  # type: ignore[call-overload]  # a 0-d tensor weight: torch takes it, its stubs list numbers only
         if overwrite_frequency:
             due = stepped & (applied % overwrite_frequency == 0)
-            torch._foreach_lerp_([p.detach() for p in self.params], self.shadow, due.to(self.shadow[0].dtype))
+            torch._foreach_lerp_(  # type: ignore[call-overload]  # a 0-d tensor weight, as above
+                [p.detach() for p in self.params], self.shadow, due.to(self.shadow[0].dtype))
 
 
 class KerasArguments(AddOn):
@@ -175,7 +176,7 @@ class KerasArguments(AddOn):
         return f"KerasArguments(clipnorm={self.clipnorm!r}, weight_decay={self.weight_decay!r})"
 
 
-def _checked_grads(call: str, grads: Any, variables: Sequence[torch.Tensor],
+def _checked_grads(call: str, grads: object, variables: Sequence[torch.Tensor],
                    known: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """``grads`` as a list, one per variable (None allowed), shapes matching, not all None; every variable
     a parameter of the inner optimizer. Else a TypeError or ValueError."""
@@ -212,7 +213,8 @@ def _write_grads(grads: Sequence[torch.Tensor | None], variables: Sequence[torch
             v.grad.add_(g)
 
 
-def _split_pairs(call: str, grads_and_vars: Iterable[Any]) -> tuple[list[Any], list[Any]]:
+def _split_pairs(call: str, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]
+                 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
     """``(grads, vars)`` from Keras's ``(gradient, variable)`` pairs; a TypeError for anything else."""
     pairs = list(grads_and_vars)
     if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
@@ -245,6 +247,18 @@ class LossScaleOptimizer(OptimizerHolder):
         >>> (w.detach().tolist(), float(opt.dynamic_scale), int(opt.iterations))
         ([-1.0, -1.0], 4.0, 1)
     """
+
+    # Keras's base-optimizer arguments (BASE_KWARGS), set by __init__
+    weight_decay: float | None
+    clipnorm: float | None
+    clipvalue: float | None
+    global_clipnorm: float | None
+    use_ema: bool
+    ema_momentum: float
+    ema_overwrite_frequency: int | None
+    loss_scale_factor: float | None
+    gradient_accumulation_steps: int | None
+    name: str
 
     def __init__(self, inner_optimizer: torch.optim.Optimizer, initial_scale: float = 32768,
                  dynamic_growth_steps: int = 2000, **base_kwargs: Any) -> None:
@@ -293,7 +307,7 @@ class LossScaleOptimizer(OptimizerHolder):
     def variables(self) -> list[torch.Tensor]:
         return [p for g in self.inner_optimizer.param_groups for p in g["params"]]
 
-    def scale_loss(self, loss: Any) -> torch.Tensor:
+    def scale_loss(self, loss: torch.Tensor | float) -> torch.Tensor:
         """``loss * dynamic_scale`` (times ``loss_scale_factor`` when set); a real number becomes a float32
         tensor. No host read."""
         if not isinstance(loss, torch.Tensor):
