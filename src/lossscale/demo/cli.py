@@ -14,9 +14,10 @@ import platform
 import queue
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
-from typing import Any, Callable, NoReturn
+from typing import NoReturn
 
 import torch
 
@@ -28,7 +29,17 @@ except ImportError as err:
     raise SystemExit(f"lossscale demo: error: {err.name} is not installed; the demo needs matplotlib and tqdm: "
                      f"pip install 'lossscale[demo]'") from None
 
-from lossscale.demo.train import DEFAULT, QUICK, QUICK_RUNS, RUNS, Config, load_corpus, start_worker, train_in_worker
+from lossscale.demo.train import (
+    DEFAULT,
+    QUICK,
+    QUICK_RUNS,
+    RUNS,
+    Config,
+    RunResult,
+    load_corpus,
+    start_worker,
+    train_in_worker,
+)
 from lossscale.reporting import atomic_write
 
 DEFINITIONS = {
@@ -65,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lossscale demo", description=__doc__.split("\n\n")[0],
                 epilog="Quote 'fast|step|0.9' in a shell. Details and measurements: docs/demo.md.")
     p.add_argument("--quick", action="store_true",
-                   help=f"{QUICK.steps} updates instead of {DEFAULT.steps}, and the runs {','.join(QUICK_RUNS)}")
+                   help=f"{QUICK.steps} updates of {QUICK.sequences} sequences per micro-batch instead of {DEFAULT.steps} "
+                        f"of {DEFAULT.sequences}, and the runs {','.join(QUICK_RUNS)}")
     p.add_argument("--runs", type=_run_names, help=f"comma-separated runs (default: {','.join(RUNS)})")
     p.add_argument("--steps", type=_at_least(1), help="updates each run applies (skipped steps come on top)")
     p.add_argument("--seed", type=_at_least(0), help="seeds the model, the choice of files and the batches")
@@ -138,7 +150,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def train_all(names: list[str], cfg: Config, device: str, out: str, jobs: int) -> list[dict[str, Any]]:
+def train_all(names: list[str], cfg: Config, device: str, out: str, jobs: int) -> list[RunResult]:
     """Every run's results in the order of ``names``, trained ``jobs`` at a time in spawned worker processes."""
     bars = {n: tqdm(total=cfg.steps, desc=f"{n:>15}", unit="update", position=i) for i, n in enumerate(names)}
     context = multiprocessing.get_context("spawn")
@@ -164,7 +176,7 @@ def train_all(names: list[str], cfg: Config, device: str, out: str, jobs: int) -
             bar.close()
 
 
-def format_table(runs: list[dict[str, Any]]) -> str:
+def format_table(runs: list[RunResult]) -> str:
     """The comparison printed at the end: the headline numbers of results.json."""
     reference = next((r["heldout_loss"] for r in runs if r["name"] == "fp32"), None)
     rows = [("run", "held-out loss", "vs fp32", "skipped", "final scale", "underflow mean/peak", "seconds")]
@@ -178,7 +190,7 @@ def format_table(runs: list[dict[str, Any]]) -> str:
                      for row in rows)
 
 
-def verdict(runs: list[dict[str, Any]]) -> str:
+def verdict(runs: list[RunResult]) -> str:
     """The float16 runs against fp32 in a few words (empty without fp32)."""
     reference = next((r["heldout_loss"] for r in runs if r["name"] == "fp32"), None)
     parts = []

@@ -17,15 +17,28 @@ import os
 import random
 import sysconfig
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lossscale import DynamicScale, FixedScale, LossScaleOptimizer, PrecisionSchedule, PredictiveScale, StepLogger
+from lossscale import (
+    DynamicScale,
+    FixedScale,
+    LossScaleOptimizer,
+    Policy,
+    PrecisionSchedule,
+    PredictiveScale,
+    StepLogger,
+)
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
 
 VOCAB = 128  # ASCII codes 0-126 as they are; 127 for every other character
 
@@ -66,7 +79,9 @@ class Config:
 
 
 DEFAULT = Config()
-QUICK = Config(steps=40, eval_every=10, measure_every=5)
+#: A quarter of the default's sequences per micro-batch and a quarter of its updates: a float16 run costs a sixteenth
+#: of the default's compute, which matters where float16 matmuls have no hardware support (an AVX2-only CPU).
+QUICK = Config(steps=40, sequences=16, eval_every=10, measure_every=5)
 
 
 @dataclass(frozen=True)
@@ -74,10 +89,10 @@ class Run:
     """How a run trains: its autocast dtype (None: float32) or precision schedule, and its loss-scale policy."""
 
     dtype: torch.dtype | None
-    policy: Callable[[Config], Any]
+    policy: Callable[[Config], Policy[Any]]
     schedule: str | None = None
 
-    def autocast(self, device: str, schedule: PrecisionSchedule | None) -> Any:
+    def autocast(self, device: str, schedule: PrecisionSchedule | None) -> AbstractContextManager[object]:
         """The forward pass's precision context at this step."""
         if schedule is not None:
             return schedule.autocast(device)
@@ -200,8 +215,41 @@ def flushed_share(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[f
     return sum(flushed) / max(1, sum(live)), {n: f / lv for n, f, lv in zip(names, flushed, live) if f}
 
 
+class Curves(TypedDict):
+    """A run's curves in results.json: ``[step, value]`` pairs, or one value per step."""
+
+    heldout_loss: list[list[float]]
+    underflow: list[list[float]]
+    train_loss: list[float]
+    scale: list[float]
+    skipped: list[int]
+    underflow_meter: list[float | None]
+    lr: list[float]
+
+
+class RunResult(TypedDict):
+    """One run's entry of results.json."""
+
+    name: str
+    heldout_loss: float
+    skipped_steps: int
+    final_scale: float
+    underflow: float
+    underflow_peak: float
+    seconds: float
+    updates: int
+    schedule: str | None
+    switch_step: int | None
+    underflow_peak_by_parameter: dict[str, float]
+    curves: Curves
+
+
+#: A worker's progress message: (run name, updates applied, loss, scale, skipped steps).
+Progress = tuple[str, int, float, float, int]
+
+
 def train_run(name: str, cfg: Config, corpus: Corpus | None = None, device: str = "cpu", csv_path: str | None = None,
-              on_step: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+              on_step: Callable[[int, dict[str, Any]], None] | None = None) -> RunResult:
     """Train run ``name`` of :data:`RUNS` from scratch; returns its numbers and curves (an entry of results.json).
 
     Every step is logged by :class:`lossscale.StepLogger` (to ``csv_path`` if given, with the step's mean
@@ -249,6 +297,7 @@ def train_run(name: str, cfg: Config, corpus: Corpus | None = None, device: str 
                     began += time.perf_counter() - measuring
                 result = opt.step()
             row = log.log(result, loss=loss_sum / cfg.accumulation, lr=lr)
+            assert row is not None  # a boundary's step, never an accumulation micro-step
             seconds += time.perf_counter() - began
             rows.append(row)
             applied, step = applied + (not row["skipped"]), step + 1
@@ -270,19 +319,21 @@ def train_run(name: str, cfg: Config, corpus: Corpus | None = None, device: str 
     }
 
 
-_progress: Any = None  # a worker's end of the progress queue
+_progress: Queue[Progress] | None = None  # a worker's end of the progress queue
 
 
-def start_worker(progress: Any) -> None:
+def start_worker(progress: Queue[Progress]) -> None:
     """A worker process's initializer: one torch thread, and the queue its progress goes to."""
     global _progress
     _progress = progress
     torch.set_num_threads(1)
 
 
-def train_in_worker(name: str, cfg: Config, device: str, csv_path: str) -> dict[str, Any]:
+def train_in_worker(name: str, cfg: Config, device: str, csv_path: str) -> RunResult:
     """:func:`train_run` in a worker; after each step, ``(name, updates applied, loss, scale, skipped steps)``
     goes to the parent."""
+    progress = _progress
+    assert progress is not None  # start_worker ran first: the pool's initializer
     return train_run(name, cfg, None, device, csv_path,
-                     lambda applied, row: _progress.put((name, applied, row["loss"], row["next_scale"],
-                                                         row["skipped_steps"])))
+                     lambda applied, row: progress.put((name, applied, row["loss"], row["next_scale"],
+                                                        row["skipped_steps"])))
