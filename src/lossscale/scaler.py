@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import abc, defaultdict
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -68,7 +68,7 @@ class GradScaler:
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
-                 policy: Policy | None = None, overflow_mode: OverflowMode = "inf_nan",
+                 policy: Policy[Any] | None = None, overflow_mode: OverflowMode = "inf_nan",
                  saturation_dtype: torch.dtype = torch.float16, process_group: Any = None,
                  skip_mode: Literal["auto", "host"] = "auto", diagnose: Any = None) -> None:
         policy = _policy_from_args(policy, dict(init_scale=init_scale, growth_factor=growth_factor,
@@ -96,12 +96,12 @@ class GradScaler:
     # --- state -------------------------------------------------------------------------------
 
     @property
-    def loss_scale(self) -> LossScale:
+    def loss_scale(self) -> LossScale[Any]:
         """The object that holds the policy and its state (scale, counters)."""
         return self._loss_scale
 
     @property
-    def policy(self) -> Policy:
+    def policy(self) -> Policy[Any]:
         """The frozen rule."""
         return self._loss_scale.policy
 
@@ -121,7 +121,7 @@ class GradScaler:
         for add_on in self._add_ons:
             add_on.attach(host)
 
-    def _require_state(self, call: str) -> LossScale:
+    def _require_state(self, call: str) -> LossScale[Any]:
         if not self._placed:
             raise RuntimeError(f"{call} was called before scale(): call scaler.scale(loss).backward() earlier in "
                                f"the iteration so the scaler knows the scale and its device.")
@@ -191,7 +191,7 @@ class GradScaler:
             total += t.to(device, non_blocking=True)
         return {device: stages.agree_(total, self.process_group)}
 
-    def _found_inf_sum(self, records: Iterable[dict], call: str) -> torch.Tensor:
+    def _found_inf_sum(self, records: Iterable[dict[str, Any]], call: str) -> torch.Tensor:
         """Every recorded found_inf summed on the scale's device: a count (one device: the record's own tensor,
         a 0/1 flag); :meth:`_found_inf` makes it the core's one form."""
         device = self._loss_scale.device
@@ -202,13 +202,13 @@ class GradScaler:
                                           f"scaled loss, then step(optimizer), before update().")
         return sum(values[1:], values[0])  # values[0] itself for one device
 
-    def _found_inf(self, records: Iterable[dict], call: str) -> torch.Tensor:
+    def _found_inf(self, records: Iterable[dict[str, Any]], call: str) -> torch.Tensor:
         """The recorded found_inf as the core's one form: a 0-d float32 0/1 flag on the scale's device."""
         total = self._found_inf_sum(records, call)
         return total if len(self._found_inf_values(records)) == 1 else total.clamp(max=1.0)
 
     @staticmethod
-    def _found_inf_values(records: Iterable[dict]) -> list[torch.Tensor]:
+    def _found_inf_values(records: Iterable[dict[str, Any]]) -> list[torch.Tensor]:
         return [t for r in records for t in r["found_inf_per_device"].values()]
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
@@ -235,7 +235,7 @@ class GradScaler:
         record["stage"] = OptState.STEPPED
         return ScalerStep(found_inf=found_inf, value=value)
 
-    def _fused_step(self, optimizer: torch.optim.Optimizer, record: dict, *args: Any, **kwargs: Any) -> ScalerStep:
+    def _fused_step(self, optimizer: torch.optim.Optimizer, record: dict[str, Any], *args: Any, **kwargs: Any) -> ScalerStep:
         """The optimizer unscales and skips in its kernel: a check first unless unscale_() ran."""
         if stages.takes_grad_scaler(optimizer):
             stages.warn_grad_scaler_deprecated()
@@ -273,7 +273,7 @@ class GradScaler:
         self._loss_finite = None
         self._reset_records()
 
-    def _advance(self, loss_scale: LossScale, seen: list[dict]) -> None:
+    def _advance(self, loss_scale: LossScale[Any], seen: list[dict[str, Any]]) -> None:
         """The policy's update from the records unscaled or stepped this iteration (+ amax, loss finiteness);
         then the add-ons see the outcome."""
         found_inf = self._found_inf(seen, "GradScaler.update()")
@@ -341,12 +341,12 @@ class GradScaler:
         if not self._enabled:
             return {}
         values = self._loss_scale.state_dict()
-        out: dict[str, Any] = {"scale": float(values["scale"])}
+        out: dict[str, Any] = {"scale": float(cast(float, values["scale"]))}
         if isinstance(self.policy, DynamicScale):
             out.update(growth_factor=self.policy.growth_factor, backoff_factor=self.policy.backoff_factor,
                        growth_interval=self.policy.growth_interval)
         if "growth_tracker" in values:
-            out["_growth_tracker"] = int(values["growth_tracker"])
+            out["_growth_tracker"] = int(cast(int, values["growth_tracker"]))
         out["policy_state"] = values
         return out
 
@@ -504,7 +504,7 @@ class GradScaler:
         return state  # restored by default (the instance's __dict__ updated with it)
 
 
-def _policy_from_args(policy: Policy | None, torch_args: dict[str, Any]) -> Policy:
+def _policy_from_args(policy: Policy[Any] | None, torch_args: dict[str, Any]) -> Policy[Any]:
     """torch's four arguments as a DynamicScale, or ``policy`` (then those arguments must be left alone)."""
     if policy is None:
         validate_dynamic_args("GradScaler", torch_args)

@@ -58,7 +58,7 @@ __all__ = [
     "overflowing_names",
 ]
 
-class Groups(dict):
+class Groups(dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]):
     """(device, dtype) -> the gradients to check and unscale in place; ``plain``: every one is its parameter's
     own dense ``torch.Tensor`` gradient (no DTensor shard, no sparse values)."""
 
@@ -87,6 +87,7 @@ def _writable(param: torch.Tensor) -> torch.Tensor:
     """What of ``param.grad`` is checked and unscaled in place: a DTensor's local shard, a sparse gradient's
     values (float16 ones coalesced first, written back to ``param.grad``, as torch does)."""
     grad = param.grad
+    assert grad is not None  # only parameters with a gradient are grouped
     if type(grad) is torch.Tensor and grad.layout is torch.strided:  # dense, not a DTensor: itself
         return grad
     if grad.is_sparse:
@@ -253,13 +254,14 @@ def fused_step_(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | Non
                 *args: Any, **kwargs: Any) -> Any:
     """Run a fused optimizer's step with ``grad_scale``/``found_inf`` set: the kernel divides the gradients
     by ``grad_scale`` and skips where ``found_inf == 1``. No pass of ours, no host read."""
-    optimizer.grad_scale = grad_scale
-    optimizer.found_inf = found_inf
+    fused: Any = optimizer  # torch's fused optimizers read these two attributes, which Optimizer does not declare
+    fused.grad_scale = grad_scale
+    fused.found_inf = found_inf
     try:
         return optimizer.step(*args, **kwargs)
     finally:
-        del optimizer.grad_scale
-        del optimizer.found_inf
+        del fused.grad_scale
+        del fused.found_inf
 
 
 def applies_on_host(overflow: torch.Tensor, call: str = "step()") -> bool:

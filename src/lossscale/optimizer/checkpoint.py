@@ -44,9 +44,9 @@ def validated_window(call: str, state_dict: dict[str, Any], params: list[Any], m
                              f"accumulated_grads={'...' if grads is not None else None}, window={window!r}.")
         return [None] * len(params), None
     if not isinstance(grads, (list, tuple)) or len(grads) != len(params):
-        got = f"{len(grads)} entries" if isinstance(grads, (list, tuple)) else repr(type(grads).__name__)
+        size = f"{len(grads)} entries" if isinstance(grads, (list, tuple)) else repr(type(grads).__name__)
         raise ValueError(f"{call}: micro_step={micro} (mid-window) needs accumulated_grads, one entry (None or a "
-                         f"tensor) per parameter of the inner optimizer ({len(params)}); got {got}.")
+                         f"tensor) per parameter of the inner optimizer ({len(params)}); got {size}.")
     for i, (p, grad) in enumerate(zip(params, grads)):
         got = None if grad is None else unlike_tensor(grad, p)
         if got is not None:

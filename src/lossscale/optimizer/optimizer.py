@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from types import FrameType
 import warnings
 import weakref
 from collections import OrderedDict
@@ -18,6 +19,7 @@ from lossscale.addons.base import AddOn, Host, StepOutcome
 from lossscale.ops.clip import global_clip_coefficient, global_norm_squared
 from lossscale.ops.flat import FlatGrads
 from lossscale.ops.masked import MaskedSkip
+from lossscale.ops.overflow import OverflowMode
 from lossscale.ops.underflow import underflow_share
 from lossscale.optimizer import checkpoint
 from lossscale.optimizer.options import StepOptions
@@ -34,8 +36,10 @@ def _outside_caller() -> int:
     """The ``stacklevel`` that points a warning raised by the caller at the first frame outside lossscale and
     torch (the user's line, however many of our calls and torch's wrappers are between)."""
     level, frame = 2, sys._getframe(2)  # 1 is the caller itself
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("lossscale", "torch"):
-        level, frame = level + 1, frame.f_back
+    frame_or_none: FrameType | None = frame
+    while frame_or_none is not None and frame_or_none.f_globals.get("__name__", "").partition(".")[0] in (
+            "lossscale", "torch"):
+        level, frame_or_none = level + 1, frame_or_none.f_back
     return level
 
 
@@ -165,7 +169,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             Dense ``torch.Tensor`` parameters only (not FSDP2's DTensors).
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, *, policy: Policy | LossScale | None = None,
+    def __init__(self, inner: torch.optim.Optimizer, *, policy: Policy[Any] | LossScale[Any] | None = None,
                  module: torch.nn.Module | None = None, ema: AddOn | None = None, schedule: AddOn | None = None,
                  layerwise: Any = None, diagnose: Any = None, add_ons: list[AddOn] | tuple[AddOn, ...] = (),
                  **options: Any) -> None:
@@ -183,12 +187,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.inner = inner
         self._options = StepOptions(**options)
         # What torch.optim.Optimizer.__init__ sets up, minus the parameter groups (they are the inner one's).
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._patch_step_function()  # torch's: step() runs the step hooks
         self.module = module
         params = self._params()
@@ -209,7 +213,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     # --- the inner optimizer's groups, state and defaults ---------------------------------------
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]  # a property over the inner one's
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
 
     @param_groups.setter
@@ -217,7 +221,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.inner.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]  # a property over the inner one's
+    def state(self) -> Any:
         return self.inner.state
 
     @state.setter
@@ -225,7 +229,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.inner.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # a property over the inner one's
+    def defaults(self) -> dict[str, Any]:
         return self.inner.defaults
 
     @defaults.setter
@@ -295,12 +299,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return self._plans.scaled.skip_mode
 
     @property
-    def policy(self) -> Policy:
+    def policy(self) -> Policy[Any]:
         """The frozen rule."""
         return self._loss_scale.policy
 
     @property
-    def loss_scale(self) -> LossScale:
+    def loss_scale(self) -> LossScale[Any]:
         """The object that holds the policy and its state (share it to share the scale)."""
         return self._loss_scale
 
@@ -387,7 +391,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             else:
                 self.inner.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> StepResult:  # type: ignore[override]  # returns its decision
+    def step(self, closure: Callable[[], Any] | None = None) -> StepResult:  # type: ignore[override]  # torch's returns the closure's loss
         """Count a micro-batch; at an accumulation boundary run the boundary step and return its decision.
         ``closure`` runs first, with grad enabled (it calls ``opt.backward(loss)``); it returns ``StepResult.loss``."""
         loss = None
@@ -528,8 +532,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._run.unscaled_by = self._loss_scale.scale if plan.scaled and plan.unscaler == "ours" else None
         if plan.our_pass is None:
             return
+        assert inv is not None  # the plan computes 1/scale wherever our pass runs
         factor = None if plan.our_pass == "check" else (inv if clip is None else inv * clip)
-        check = None if plan.our_pass == "multiply" else "inf_nan"
+        check: OverflowMode | None = None if plan.our_pass == "multiply" else "inf_nan"
         for grads in groups.values():
             stages.unscale_(grads, found, factor, check)
 
@@ -651,7 +656,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return stages.overflowing_names(self.inner, names, self._options.overflow_mode, self._options.threshold,
                                         divided)
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]  # torch's returns a typed dict of its own
+    def state_dict(self) -> dict[str, Any]:
         """Everything a run needs to resume, in one dict (keys: :mod:`lossscale.optimizer.checkpoint`), between
         the state-dict hooks. Host reads: the policy state."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
@@ -679,7 +684,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 state_dict = changed
         return state_dict
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]  # torch's takes its typed dict
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`, between the load hooks; the whole dict is checked before anything changes. An
         optional part (EMA, schedule, per-layer scales) that only one side has is named in a UserWarning."""
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
