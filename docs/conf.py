@@ -26,17 +26,16 @@ sys.modules.setdefault("lossscale.presets", lossscale.presets)
 
 project = "lossscale"
 author = "the lossscale authors"
-copyright = "the lossscale authors; Apache-2.0"  # noqa: A001 - Sphinx's name
+copyright = "the lossscale authors; Apache-2.0"
 try:
     release = _version("lossscale")
-except Exception:  # noqa: BLE001 - not installed: the checkout's source still documents
+except Exception:
     release = ""
 version = release
 
 extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
-    "sphinx.ext.viewcode",
     "myst_parser",
 ]
 
@@ -76,8 +75,11 @@ nitpick_ignore_regex = [
     # Sphinx, which cuts "tuple[~torch.Tensor, ...]" into targets no name can have
     (r"py:class", r".*\[.*"),
     (r"py:class", r"ProcessGroup"),  # torch.distributed's, as annotations name it
-    (r"py:class", r"(int|float|bool|str|bytes|dict|list|tuple|set|object|type|None|Exception|ValueError|"
-                  r"TypeError|RuntimeError|ImportError|KeyError|NotImplementedError|UserWarning)"),
+    (
+        r"py:class",
+        r"(int|float|bool|str|bytes|dict|list|tuple|set|object|type|None|Exception|ValueError|"
+        r"TypeError|RuntimeError|ImportError|KeyError|NotImplementedError|UserWarning)",
+    ),
 ]
 
 # furo: a clean theme, light and dark.
@@ -167,7 +169,7 @@ _generate_api_pages()
 _WORDS = re.compile(r"[\w*)] +[\w(]")
 
 
-def _sentences_not_types(app, what, name, obj, options, lines):  # noqa: ANN001 - Sphinx's event signature
+def _sentences_not_types(app, what, name, obj, options, lines):
     if what in ("property", "attribute", "data") and lines and ": " in lines[0]:
         head = lines[0].split(": ", 1)[0]
         if "`" not in head and _WORDS.search(head):
@@ -179,7 +181,7 @@ def _sentences_not_types(app, what, name, obj, options, lines):  # noqa: ANN001 
 # documented at the top of the package, its helper ``advance`` in lossscale.addons.schedule). Resolve such a name
 # to the package's public name ``lossscale.<name>`` if there is one, else to the one documented object whose name
 # ends in it; none or several: the reference stays unresolved, and -n reports it.
-def _resolve_short_name(app, env, node, contnode):  # noqa: ANN001, ANN201 - Sphinx's event signature
+def _resolve_short_name(app, env, node, contnode):
     if node.get("refdomain") != "py" or "." in node.get("reftarget", ""):
         return None
     target = node["reftarget"].lstrip("~")
@@ -210,7 +212,7 @@ _ROOT_LINKS = {
 }
 
 
-def _rewrite_root_links(app, relative_path, parent_docname, content):  # noqa: ANN001 - Sphinx's event signature
+def _rewrite_root_links(app, relative_path, parent_docname, content):
     if (Path(app.srcdir) / relative_path).resolve().parent in (ROOT, ROOT / "benchmarks"):
         text = content[0]
         for old, new in _ROOT_LINKS.items():
@@ -220,7 +222,7 @@ def _rewrite_root_links(app, relative_path, parent_docname, content):  # noqa: A
 
 # A method without a docstring of its own inherits its base's; one inherited from torch (``Function.forward``) is
 # written for torch's site, with its labels and roles, so it is left out; one from a lossscale base is kept.
-def _no_foreign_docstrings(app, what, name, obj, options, lines):  # noqa: ANN001 - Sphinx's event signature
+def _no_foreign_docstrings(app, what, name, obj, options, lines):
     if what != "method" or getattr(obj, "__doc__", None) or not lines:
         return
     owner_name, _, attr = name.rpartition(".")
@@ -237,7 +239,7 @@ def _no_foreign_docstrings(app, what, name, obj, options, lines):  # noqa: ANN00
             return
 
 
-def setup(app):  # noqa: ANN001, ANN201 - Sphinx's entry point
+def setup(app):
     app.connect("autodoc-process-docstring", _no_foreign_docstrings, priority=50)
     app.connect("autodoc-process-docstring", _sentences_not_types, priority=100)  # before napoleon's (500)
     app.connect("missing-reference", _resolve_short_name)
