@@ -477,3 +477,239 @@ def test_report_prints_and_plots(tmp_path):
     pytest.importorskip("matplotlib", reason="report.plot needs matplotlib (the demo extra)")
     report.plot(tmp_path / "magnitudes.png")
     assert (tmp_path / "magnitudes.png").stat().st_size > 1000
+
+
+# the add-on: a hand-written front end calls its hooks ---------------------------------------------------------
+
+
+class TinyFrontEnd:
+    """What a front end does around its add-ons, in their order: scale the loss (``on_scale_loss``), backward,
+    check and unscale without a host read, a masked SGD step, the policy's update, ``after_step``."""
+
+    def __init__(self, model: nn.Module, policy, addon: OverflowDiagnosis, lr: float = 1e-3) -> None:
+        from lossscale.addons.base import Host
+
+        self.model, self.policy, self.addon, self.lr = model, policy, addon, lr
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.state = policy.init()
+        self.steps = 0
+        addon.attach(Host("TinyFrontEnd", tuple(self.params)))
+
+    def step(self, x: torch.Tensor, reads: list[int] | None = None) -> torch.Tensor:
+        """One training step; where ``reads`` is given, the host reads inside the add-on's hooks are appended."""
+        with autocast():
+            loss = self.model(x).float().pow(2).mean()
+        scale = self.state.scale
+        scaled = loss * scale
+        with HostReadCounter() as counter:
+            self.addon.on_scale_loss(loss, scaled)
+        if reads is not None:
+            reads.append(counter.count)
+        scaled.backward()
+        grads = [p.grad for p in self.params]
+        found = torch.zeros(1)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale.reciprocal().reshape(1))
+        found_inf = found.reshape(()) > 0
+        with torch.no_grad():
+            for p, g in zip(self.params, grads):
+                p.sub_(torch.where(found_inf, torch.zeros_like(g), g * self.lr))
+                p.grad = None
+        self.state = self.policy.update(self.state, found_inf.float())
+        outcome = StepOutcome(~found_inf, found_inf, scale, self.state.scale, self.steps)
+        self.steps += 1
+        with HostReadCounter() as counter:
+            self.addon.after_step(outcome)
+        if reads is not None:
+            reads.append(counter.count)
+        return found_inf
+
+
+def healthy_batches(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 8, generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", [presets.megatron(), presets.torch_amp(growth_interval=10),
+                                    presets.deepspeed(scale_window=10)], ids=["megatron", "torch", "deepspeed"])
+def test_healthy_runs_never_fire_and_make_no_host_read(policy):
+    model = make_net()
+    addon = OverflowDiagnosis(model)
+    front = TinyFrontEnd(model, policy, addon)
+    overflows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x in healthy_batches(150):
+            reads: list[int] = []
+            overflows.append(bool(front.step(x, reads)))
+            assert not addon.tracing
+            assert reads == [0, 0]
+    assert addon.last_report is None and hook_count(model) == 0
+    assert sum(overflows) >= 3  # the search down from the initial scale, and overflows after growth, happened
+    if isinstance(policy, DynamicScale) and policy.init_scale == 2.0**32:
+        assert overflows[:12] == [True] * 12  # Megatron's search from 2**32 outlasts no patience: it has no clean step
+
+
+def test_a_persistent_fault_fires_within_the_bound_once_per_cause():
+    model = make_net()
+    addon = OverflowDiagnosis(model, patience=8)
+    front = TinyFrontEnd(model, presets.torch_amp(init_scale=2.0**10, growth_interval=50), addon)
+    batches = healthy_batches(120)
+    for x in batches[:20]:
+        front.step(x)
+    with torch.no_grad():
+        model.blocks[1].ff.wi_1.weight.mul_(1e5)  # every later forward overflows there
+    caught = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fired_at = None
+        for i, x in enumerate(batches[20:80]):
+            front.step(x)
+            if caught and fired_at is None:
+                fired_at = i
+    assert fired_at is not None and fired_at <= 8 + 1  # patience overflows, then the traced step
+    assert len(caught) == 1 and issubclass(caught[0].category, OverflowWarning)
+    report = caught[0].message.report
+    assert isinstance(report, OverflowReport)
+    assert addon.last_report.log_fields() == report.log_fields()  # traced again as the fault went on: same cause
+    assert (report.kind, report.module) == ("forward", "blocks.1.ff.wi_1")
+    assert addon.log_fields == {"overflow_kind": "forward", "overflow_module": "blocks.1.ff.wi_1"}
+    assert "blocks.1.ff.wi_1" in str(caught[0].message) and "keep_float32" in str(caught[0].message)
+    assert hook_count(model) == 0 or addon.tracing
+    # a second, distinct cause is reported once more: the weights fixed, the data now holds an inf
+    with torch.no_grad():
+        model.blocks[1].ff.wi_1.weight.mul_(1e-5)
+    bad = [x.clone().index_fill_(0, torch.tensor([0]), float("inf")) for x in batches[80:110]]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in bad:
+            front.step(x)
+    assert [(w.message.report.kind, w.message.report.module) for w in caught] == [("input", "")]
+    addon.remove()
+    assert hook_count(model) == 0
+
+
+def test_the_traced_step_is_the_users_next_step_and_hooks_go_away():
+    model = make_net()
+    plant_gate_overflow(model)
+    addon = OverflowDiagnosis(model, patience=2, initial_limit=2)
+    front = TinyFrontEnd(model, presets.torch_amp(init_scale=2.0**10), addon)
+    calls = []
+    model.blocks[1].ff.register_forward_hook(lambda *a: calls.append(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        front.step(batch(n=16))
+        assert not addon.tracing
+        front.step(batch(n=16))
+        assert addon.tracing  # fired at this after_step: the hooks are on for the next step
+        assert len(calls) == 2
+        front.step(batch(n=16))
+        assert not addon.tracing and len(calls) == 3  # traced, nothing re-run
+    assert len(caught) == 1 and caught[0].message.report.module == "blocks.1.ff"
+    assert hook_count(model) == 1  # only the test's own hook
+
+
+def test_the_warning_names_the_rank_under_torch_distributed(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = make_net()
+        plant_gate_overflow(model)
+        addon = OverflowDiagnosis(model, patience=1, initial_limit=1)
+        front = TinyFrontEnd(model, presets.torch_amp(init_scale=1.0), addon)
+        with pytest.warns(OverflowWarning, match=r"^rank 0: ") as caught:
+            for _ in range(3):
+                front.step(batch(n=16))
+        assert caught[0].message.report.rank == 0 and str(caught[0].message.report).startswith("[rank 0]")
+    finally:
+        dist.destroy_process_group()
+
+
+# the trigger over the recorded golden trajectories -----------------------------------------------------------
+
+#: Recorded sequences that ARE persistent faults: every step overflows from the start (all_overflow, the MindSpore
+#: manager's 1100 in a row, nnabla's retry budget), or the scale itself reached inf and every later step overflowed
+#: by itself (paddle's natural overflows: the real framework records them as overflows).
+PERSISTENT = ("all_overflow", "many_overflows", "retry_limit")
+
+
+def golden_cases():
+    for peer in golden_data.peers():
+        doc = golden_data.load(peer)
+        for key in ("cases", "manager_cases"):
+            for case in doc.get(key, []):
+                yield f"{peer}/{case['name']}", case
+
+
+def replay(cases, patience: int = 16, initial_limit: int = 128) -> dict[str, int | None]:
+    """Every case through advance_trigger at once (element-wise): the first step at which each fired, or None."""
+    names = [name for name, _ in cases]
+    length = max(len(c["overflow"]) for _, c in cases)
+    over = torch.zeros(len(cases), length, dtype=torch.bool)
+    scale = torch.ones(len(cases), length, dtype=torch.float64)
+    alive = torch.zeros(len(cases), length, dtype=torch.bool)
+    for i, (_, c) in enumerate(cases):
+        n = len(c["overflow"])
+        over[i, :n] = torch.tensor([bool(v) for v in c["overflow"]])
+        scale[i, :n] = torch.tensor([float(v) for v in c["scale_after"][:n]], dtype=torch.float64)
+        alive[i, :n] = True
+    state = TriggerState.init()
+    state = TriggerState(*(t.expand(len(cases)).clone() for t in state))
+    first: dict[str, int | None] = dict.fromkeys(names)
+    for step in range(length):
+        before = state.fired.clone()
+        state = advance_trigger(state, over[:, step] & alive[:, step], scale[:, step], patience=patience,
+                                initial_limit=initial_limit)
+        state = state._replace(fired=state.fired & (alive[:, step] | before))
+        for i in torch.nonzero(state.fired & ~before).flatten().tolist():
+            first[names[i]] = step
+    return first
+
+
+def test_the_trigger_never_fires_on_the_golden_trajectories_except_persistent_faults():
+    cases = list(golden_cases())
+    first = replay(cases)
+    natural = {name for name, c in cases if c.get("natural_overflow")}
+    fired = {name for name, step in first.items() if step is not None}
+    expected = {name for name, _ in cases if any(p in name for p in PERSISTENT)}
+    assert fired - natural == expected
+    for name, c in cases:
+        if name in expected:
+            ov = c["overflow"]
+            start = next(i for i, v in enumerate(ov) if v)
+            assert first[name] - start < 128, name  # the bound from the start: initial_limit
+
+
+def test_the_trigger_bound():
+    """A fault overflowing every step fires at the patience-th overflow after a clean step; from the first step, as
+    soon as the scale is down to 1 (torch's 2**16: the 16th; Megatron's 2**32 with hysteresis 2: the 33rd), or at
+    initial_limit where the scale stays above 1."""
+    def first_fire(policy, clean: int, steps: int = 300):
+        state, trig = policy.init(), TriggerState.init()
+        for i in range(steps):
+            found = torch.tensor(1.0 if i >= clean else 0.0)
+            state = policy.update(state, found)
+            trig = advance_trigger(trig, found, state.scale, patience=16, initial_limit=128)
+            if trig.fired:
+                return i - clean + 1
+        return None
+
+    assert first_fire(presets.torch_amp(), clean=5) == 16
+    assert first_fire(presets.torch_amp(), clean=0) == 16
+    assert first_fire(presets.megatron(), clean=0) == 33
+    assert first_fire(presets.megatron(min_scale=3.0), clean=0) == 128
+    assert first_fire(presets.megatron(), clean=1) == 16
+
+
+def test_healthy_steps_through_the_addon_on_golden_sequences_make_no_host_read():
+    """The add-on itself (not just the rule) on recorded sequences: no trace, no warning, no host read."""
+    cases = dict(golden_cases())
+    for name in ("megatron/random_p0.5-default", "deepspeed/bursts-w1_h1_noncons", "keras/periodic-default"):
+        case = cases[name]
+        addon = OverflowDiagnosis(nn.Linear(2, 2))
+        with HostReadCounter() as reads:
+            for i, (ov, s) in enumerate(zip(case["overflow"], case["scale_after"])):
+                s = torch.tensor(min(float(s), 3e38))
+                addon.after_step(StepOutcome(torch.tensor(not ov), torch.tensor(bool(ov)), s, s, i))
+                assert not addon.tracing, (name, i)
+        assert reads.count == 0, name
