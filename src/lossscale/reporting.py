@@ -21,8 +21,16 @@ if TYPE_CHECKING:
     from torch._ops import OpOverload
     from torch.utils.tensorboard import SummaryWriter
 
-__all__ = ["COLUMNS", "HostReadCounter", "ScalerStep", "StepLogger", "StepResult", "atomic_write", "read_scalars",
-           "step_record"]
+__all__ = [
+    "COLUMNS",
+    "HostReadCounter",
+    "ScalerStep",
+    "StepLogger",
+    "StepResult",
+    "atomic_write",
+    "read_scalars",
+    "step_record",
+]
 
 
 @contextlib.contextmanager
@@ -138,9 +146,11 @@ class ScalerStep:
 
 
 #: The columns every row has, in order: ``step``, StepResult's other fields, ``skipped`` and the running count.
-COLUMNS: tuple[str, ...] = ("step",) + tuple(
-    f.name for f in dataclasses.fields(StepResult) if f.name != "step" and f.metadata.get("column", True)) + (
-    "skipped", "skipped_steps")
+COLUMNS: tuple[str, ...] = (
+    ("step",)
+    + tuple(f.name for f in dataclasses.fields(StepResult) if f.name != "step" and f.metadata.get("column", True))
+    + ("skipped", "skipped_steps")
+)
 
 
 def step_record(result: StepResult, **extra: object) -> dict[str, Any]:
@@ -156,10 +166,12 @@ def step_record(result: StepResult, **extra: object) -> dict[str, Any]:
     """
     clash = [k for k in extra if k in COLUMNS]
     if clash:
-        raise ValueError(f"step_record(..., {clash[0]}=...): {clash[0]!r} is a StepResult column; name the extra "
-                         f"value differently.")
-    values: dict[str, object] = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
-                              if f.metadata.get("column", True)}
+        raise ValueError(
+            f"step_record(..., {clash[0]}=...): {clash[0]!r} is a StepResult column; name the extra value differently."
+        )
+    values: dict[str, object] = {
+        f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.metadata.get("column", True)
+    }
     values["skipped"] = result.skipped
     if isinstance(result.loss, torch.Tensor) and "loss" not in extra:  # a closure's loss, when step(closure) ran
         values["loss"] = result.loss.detach()
@@ -167,8 +179,10 @@ def step_record(result: StepResult, **extra: object) -> dict[str, Any]:
     tensors = [(k, v) for k, v in values.items() if isinstance(v, torch.Tensor)]
     for k, v in tensors:
         if v.numel() != 1:
-            raise ValueError(f"step_record(..., {k}=tensor of shape {tuple(v.shape)}): values must be numbers or "
-                             f"one-element tensors.")
+            raise ValueError(
+                f"step_record(..., {k}=tensor of shape {tuple(v.shape)}): values must be numbers or "
+                f"one-element tensors."
+            )
     return read_scalars(values)
 
 
@@ -190,8 +204,9 @@ class StepLogger:
             Needs the ``tensorboard`` package.
     """
 
-    def __init__(self, path_csv: str | os.PathLike[str] | None = None,
-                 tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, path_csv: str | os.PathLike[str] | None = None, tensorboard_dir: str | os.PathLike[str] | None = None
+    ) -> None:
         self._path = None if path_csv is None else os.fspath(path_csv)
         self._file: IO[bytes] | None = None
         self._columns: tuple[str, ...] | None = None
@@ -204,9 +219,11 @@ class StepLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as err:
-                raise ImportError(f"StepLogger(tensorboard_dir={os.fspath(tensorboard_dir)!r}): TensorBoard logging "
-                                  f"needs the tensorboard package ({err}); pip install tensorboard, or leave "
-                                  f"tensorboard_dir out.") from None
+                raise ImportError(
+                    f"StepLogger(tensorboard_dir={os.fspath(tensorboard_dir)!r}): TensorBoard logging "
+                    f"needs the tensorboard package ({err}); pip install tensorboard, or leave "
+                    f"tensorboard_dir out."
+                ) from None
             self._writer = SummaryWriter(os.fspath(tensorboard_dir))
         self.skipped_steps = 0
         self.rows = 0
@@ -227,9 +244,11 @@ class StepLogger:
             self._columns = COLUMNS + tuple(k for k in row if k not in COLUMNS)
         unknown = [k for k in row if k not in self._columns]
         if unknown:
-            raise ValueError(f"StepLogger.log(..., {unknown[0]}=...): the CSV's columns were fixed by the first row "
-                             f"({', '.join(self._columns[len(COLUMNS):]) or 'no extras'}); log the same extra "
-                             f"names every step.")
+            raise ValueError(
+                f"StepLogger.log(..., {unknown[0]}=...): the CSV's columns were fixed by the first row "
+                f"({', '.join(self._columns[len(COLUMNS) :]) or 'no extras'}); log the same extra "
+                f"names every step."
+            )
         if self._path is not None:
             line = _csv_line(["" if row.get(c) is None else row[c] for c in self._columns])
             if first:
@@ -258,7 +277,7 @@ class StepLogger:
         assert self._file is not None  # opened by the first row
         data = line.encode("utf-8")
         while data:  # a regular file takes it whole; the loop is for a rare short write
-            data = data[self._file.write(data):]
+            data = data[self._file.write(data) :]
 
     def close(self) -> None:
         """Close the CSV file and the TensorBoard writer."""
@@ -298,8 +317,13 @@ class HostReadCounter(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: Sequence[object] = (),
-                           kwargs: Mapping[str, object] | None = None) -> object:
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))

@@ -89,13 +89,15 @@ class LossScale(Generic[StateT]):
     def set_policy(self, policy: Policy[StateT]) -> None:
         """Change the rule (torch's ``set_growth_factor``, ...); the state carries on if it fits the new bounds."""
         validate_policy("LossScale.set_policy", policy)
-        validated_scale(f"LossScale.set_policy({policy!r})", self.scale, policy.min_scale, policy.max_scale,
-                      "the current scale")
+        validated_scale(
+            f"LossScale.set_policy({policy!r})", self.scale, policy.min_scale, policy.max_scale, "the current scale"
+        )
         self._policy = policy
         self._replay = None  # captured from the old rule
 
-    def set_scale(self, value: float | torch.Tensor, call: str = "LossScale.set_scale(value)",
-                  name: str = "the scale") -> None:
+    def set_scale(
+        self, value: float | torch.Tensor, call: str = "LossScale.set_scale(value)", name: str = "the scale"
+    ) -> None:
         """Set the scale; the counters carry on. Host reads: one for a tensor on an accelerator, else none."""
         scale = validated_scale(call, value, self._policy.min_scale, self._policy.max_scale, name)
         self._state = dataclasses.replace(self._state, scale=torch.full_like(self._state.scale, scale))
@@ -105,8 +107,9 @@ class LossScale(Generic[StateT]):
         Not checked, no host read (:func:`lossscale.stages.guarded_found` turns a corrupted scale into an overflow)."""
         self._state = dataclasses.replace(self._state, scale=scale.detach().reshape(()).to(self._state.scale))
 
-    def update(self, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
-               loss_finite: torch.Tensor | None = None) -> None:
+    def update(
+        self, found_inf: torch.Tensor, amax: torch.Tensor | None = None, loss_finite: torch.Tensor | None = None
+    ) -> None:
         """Advance the rule by one step, then the policy's floor rule (may raise FloorError).
         Host reads: none, unless the policy raises at its floor (``at_floor="raise"``: one).
 
@@ -126,10 +129,12 @@ class LossScale(Generic[StateT]):
             self._policy.enforce_floor(new)
             return
         if self._policy.floor_reads_host:
-            raise RuntimeError(f"LossScale.update under CUDA graph capture: the floor rule of {self._policy!r} "
-                               f"reads the state on the host, which a graph cannot capture. Use a policy that "
-                               f"keeps skipping at its floor (DynamicScale's at_floor='skip', the default) for a "
-                               f"captured step.")
+            raise RuntimeError(
+                f"LossScale.update under CUDA graph capture: the floor rule of {self._policy!r} "
+                f"reads the state on the host, which a graph cannot capture. Use a policy that "
+                f"keeps skipping at its floor (DynamicScale's at_floor='skip', the default) for a "
+                f"captured step."
+            )
         _write_into(old, _policy_update(self._policy, old, found_inf, amax, loss_finite))
         self._policy.enforce_floor(old)
 
@@ -157,12 +162,23 @@ class LossScale(Generic[StateT]):
 class _UpdateWithLossFinite(Protocol[StateT]):
     """``update`` of a policy whose ``observes_loss_finite`` is True (the :class:`~lossscale.Policy` contract)."""
 
-    def __call__(self, state: StateT, found_inf: torch.Tensor, amax: torch.Tensor | None = None, *,
-                 loss_finite: torch.Tensor | None = None) -> StateT: ...
+    def __call__(
+        self,
+        state: StateT,
+        found_inf: torch.Tensor,
+        amax: torch.Tensor | None = None,
+        *,
+        loss_finite: torch.Tensor | None = None,
+    ) -> StateT: ...
 
 
-def _policy_update(policy: Policy[StateT], state: StateT, found_inf: torch.Tensor, amax: torch.Tensor | None,
-                   loss_finite: torch.Tensor | None) -> StateT:
+def _policy_update(
+    policy: Policy[StateT],
+    state: StateT,
+    found_inf: torch.Tensor,
+    amax: torch.Tensor | None,
+    loss_finite: torch.Tensor | None,
+) -> StateT:
     """``policy.update`` with ``loss_finite`` passed only to a policy that observes it."""
     if policy.observes_loss_finite:
         # observes_loss_finite is the policy's promise that its update takes loss_finite=
@@ -217,8 +233,13 @@ class ReplayedUpdate(Generic[StateT]):
         self._body: Callable[[], None] | None = None  # the update into the output buffers: what the graph holds
         self._same_layout = False  # the outputs laid out as the inputs
 
-    def __call__(self, state: StateT, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
-                 loss_finite: torch.Tensor | None = None) -> StateT:
+    def __call__(
+        self,
+        state: StateT,
+        found_inf: torch.Tensor,
+        amax: torch.Tensor | None = None,
+        loss_finite: torch.Tensor | None = None,
+    ) -> StateT:
         given = (found_inf, amax, loss_finite)
         key: _Key
         if self._last is not None and self._last[0] is state and self._same_layout and self._key is not None:
@@ -230,8 +251,11 @@ class ReplayedUpdate(Generic[StateT]):
                 self._build(state, key)
         else:
             fields = [getattr(state, f.name) for f in dataclasses.fields(state)]
-            key = (state.scale.device, tuple((t.dtype, t.shape) for t in fields),
-                   tuple(None if t is None else (t.dtype, t.shape) for t in given))
+            key = (
+                state.scale.device,
+                tuple((t.dtype, t.shape) for t in fields),
+                tuple(None if t is None else (t.dtype, t.shape) for t in given),
+            )
             if key != self._key:
                 self._build(state, key)
             torch._foreach_copy_(self._state_inputs, fields)
@@ -255,8 +279,9 @@ class ReplayedUpdate(Generic[StateT]):
         self._in_buffers = layout.buffers(device)
         in_record = type(state)(**layout.fields(self._in_buffers))
         self._state_inputs = [getattr(in_record, f.name) for f in dataclasses.fields(in_record)]
-        found_inf, amax, loss_finite = (None if spec is None else torch.zeros(spec[1], dtype=spec[0], device=device)
-                                        for spec in key[2])
+        found_inf, amax, loss_finite = (
+            None if spec is None else torch.zeros(spec[1], dtype=spec[0], device=device) for spec in key[2]
+        )
         assert found_inf is not None  # always given
         self._inputs = [t for t in (found_inf, amax, loss_finite) if t is not None]
         self._graph, self._last = None, None
@@ -310,8 +335,10 @@ class _Layout:
 
     def buffers(self, device: torch.device) -> list[torch.Tensor]:
         """One new, uninitialised buffer per dtype."""
-        return [torch.empty(sum(math.prod(shape) for _, shape in members), dtype=dtype, device=device)
-                for dtype, members in self.groups]
+        return [
+            torch.empty(sum(math.prod(shape) for _, shape in members), dtype=dtype, device=device)
+            for dtype, members in self.groups
+        ]
 
     def fields(self, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each field as a view of its dtype's buffer (0-d fields by one ``unbind``)."""
@@ -321,8 +348,10 @@ class _Layout:
             if all(len(shape) == 0 for _, shape in members):
                 parts = buffer.unbind()
             else:
-                parts = [p.view(shape) for p, (_, shape) in
-                         zip(buffer.split([math.prod(shape) for _, shape in members]), members)]
+                parts = [
+                    p.view(shape)
+                    for p, (_, shape) in zip(buffer.split([math.prod(shape) for _, shape in members]), members)
+                ]
             out.update(zip((name for name, _ in members), parts))
         return out
 

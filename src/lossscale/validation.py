@@ -40,8 +40,10 @@ def validate_optimizer(call: str, value: object, name: str = "optimizer") -> Non
     """An :class:`ArgumentTypeError` naming ``call`` and ``name`` unless ``value`` is a torch optimizer: an object with
     ``param_groups`` and a ``step()``, as torch's own scaler accepts."""
     if not hasattr(value, "param_groups") or not callable(getattr(value, "step", None)):
-        raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be a torch.optim.Optimizer (param_groups "
-                                f"and step()); got {type(value).__name__}.")
+        raise ArgumentTypeError(
+            f"{call}({name}={value!r}): {name} must be a torch.optim.Optimizer (param_groups "
+            f"and step()); got {type(value).__name__}."
+        )
 
 
 def validate_real(call: str, name: str, value: object, rule: str) -> None:
@@ -51,8 +53,9 @@ def validate_real(call: str, name: str, value: object, rule: str) -> None:
 def _real(call: str, name: str, value: object, rule: str) -> int | float:
     """``value`` if it is an int or float (not a bool), else an :class:`ArgumentTypeError`."""
     if not _is_real(value):
-        raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be {rule}; got {value!r} "
-                                f"({type(value).__name__}).")
+        raise ArgumentTypeError(
+            f"{call}({name}={value!r}): {name} must be {rule}; got {value!r} ({type(value).__name__})."
+        )
     return value
 
 
@@ -86,8 +89,9 @@ def validate_int_at_least(call: str, name: str, value: object, low: int) -> None
 def _int_at_least(call: str, name: str, value: object, low: int) -> int:
     """``value`` if it is an int (not a bool) >= ``low``, else the error :func:`validate_int_at_least` raises."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be an integer >= {low}; got "
-                                f"{value!r} ({type(value).__name__}).")
+        raise ArgumentTypeError(
+            f"{call}({name}={value!r}): {name} must be an integer >= {low}; got {value!r} ({type(value).__name__})."
+        )
     if value < low:
         raise ValueError(f"{call}({name}={value!r}): {name} must be an integer >= {low}; got {value!r}.")
     return value
@@ -125,9 +129,11 @@ def validate_process_group(call: str, group: object) -> None:
         return
     kind = getattr(torch.distributed, "ProcessGroup", None)
     if kind is None or not isinstance(group, kind):
-        raise ArgumentTypeError(f"{call}(process_group={group!r}): process_group must be None (the world) or a "
-                                f"torch.distributed.ProcessGroup (e.g. torch.distributed.new_group(...)); got "
-                                f"{type(group).__name__}.")
+        raise ArgumentTypeError(
+            f"{call}(process_group={group!r}): process_group must be None (the world) or a "
+            f"torch.distributed.ProcessGroup (e.g. torch.distributed.new_group(...)); got "
+            f"{type(group).__name__}."
+        )
 
 
 def validate_positive_or_none(call: str, name: str, value: object) -> None:
@@ -152,13 +158,18 @@ def unlike_tensor(value: object, like: torch.Tensor, *, finite: bool = False) ->
 def validated_state_dict(call: str, state_dict: object, keys: Iterable[str], hint: str = "") -> dict[str, Any]:
     """``state_dict`` if it is a dict holding ``keys``, else a TypeError or :class:`StateDictError` (+ ``hint``)."""
     if not isinstance(state_dict, dict):
-        raise TypeError(f"{call}(state_dict={state_dict!r}): state_dict must be the dict that state_dict() "
-                        f"returned; got {type(state_dict).__name__}.")
+        raise TypeError(
+            f"{call}(state_dict={state_dict!r}): state_dict must be the dict that state_dict() "
+            f"returned; got {type(state_dict).__name__}."
+        )
     missing = [k for k in keys if k not in state_dict]
     if missing:
-        raise StateDictError(f"{call}(state_dict with keys {sorted(state_dict)}): missing {missing}; pass the dict "
-                             f"that state_dict() returned.{hint}")
+        raise StateDictError(
+            f"{call}(state_dict with keys {sorted(state_dict)}): missing {missing}; pass the dict "
+            f"that state_dict() returned.{hint}"
+        )
     return state_dict
+
 
 #: 2**-126, the smallest normal float32: the lowest scale whose inverse is finite.
 SMALLEST_NORMAL_FLOAT32 = 2.0**-126
@@ -178,22 +189,28 @@ def _as_number(call: str, name: str, value: object) -> float:
     """The Python number a float, int or one-element tensor holds (one sync for a tensor off the CPU)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.requires_grad or value.is_complex() or value.dtype == torch.bool:
-            raise ArgumentTypeError(f"{call}: {name} must be a float or a 1-element tensor (real, without grad); got a "
-                                    f"{value.dtype} tensor of shape {tuple(value.shape)}"
-                                    f"{' that requires grad' if value.requires_grad else ''}.")
+            raise ArgumentTypeError(
+                f"{call}: {name} must be a float or a 1-element tensor (real, without grad); got a "
+                f"{value.dtype} tensor of shape {tuple(value.shape)}"
+                f"{' that requires grad' if value.requires_grad else ''}."
+            )
         flat = value.detach().reshape(())
         if flat.device.type == "meta":
-            raise ValueError(f"{call}: {name} is a tensor on the meta device, which holds no value; pass a float or "
-                             f"a tensor on a real device; got {value!r}.")
+            raise ValueError(
+                f"{call}: {name} is a tensor on the meta device, which holds no value; pass a float or "
+                f"a tensor on a real device; got {value!r}."
+            )
         return float(flat.to("cpu", torch.float64).numpy())  # off the CPU: one device sync
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentTypeError(f"{call}: {name} must be a float or a 1-element tensor; got {type(value).__name__} "
-                                f"{value!r}.")
+        raise ArgumentTypeError(
+            f"{call}: {name} must be a float or a 1-element tensor; got {type(value).__name__} {value!r}."
+        )
     return float(value) if _finite(value) else (math.inf if value > 0 else -math.inf)
 
 
-def validated_scale(call: str, value: object, low: float = SMALLEST_NORMAL_FLOAT32, high: float = FLOAT32_MAX,
-                  name: str = "the scale") -> float:
+def validated_scale(
+    call: str, value: object, low: float = SMALLEST_NORMAL_FLOAT32, high: float = FLOAT32_MAX, name: str = "the scale"
+) -> float:
     """``value`` as a float32-exact Python float, or an error that names ``call``, the rule and the value.
 
     Rule: ``value`` is a finite number > 0 whose float32 rounding is a normal number (>= 2**-126) in
@@ -213,13 +230,20 @@ def validated_scale(call: str, value: object, low: float = SMALLEST_NORMAL_FLOAT
     if not (math.isfinite(rounded) and low <= rounded <= high):
         exact = value if isinstance(value, int) else number  # an int compared exactly, not through float64
         shown = f"{value!r}" if rounded == exact else f"{value!r}, which is {rounded!r} in float32"
-        raise ValueError(f"{call}: {name} must be a finite number > 0 whose float32 value is a normal number in "
-                         f"[{low!r}, {high!r}] (its inverse multiplies every gradient); got {shown}.")
+        raise ValueError(
+            f"{call}: {name} must be a finite number > 0 whose float32 value is a normal number in "
+            f"[{low!r}, {high!r}] (its inverse multiplies every gradient); got {shown}."
+        )
     return rounded
 
 
-def validate_scale_bounds(call: str, min_scale: object, max_scale: object, init_scale: object,
-                          names: tuple[str, str, str] = ("min_scale", "max_scale", "init_scale")) -> None:
+def validate_scale_bounds(
+    call: str,
+    min_scale: object,
+    max_scale: object,
+    init_scale: object,
+    names: tuple[str, str, str] = ("min_scale", "max_scale", "init_scale"),
+) -> None:
     """``min_scale <= init_scale <= max_scale``, each a finite number in [2**-126, float32 max]."""
     lo, hi, init = names
     low = _scale_in(call, lo, min_scale, SMALLEST_NORMAL_FLOAT32, FLOAT32_MAX)

@@ -37,9 +37,11 @@ Trigger = Literal["step", "loss"]
 
 LOW_DTYPES: dict[str, torch.dtype] = {"fast": torch.float16, "fast1": torch.bfloat16}
 RATIOS: dict[str, tuple[str, str, str]] = {"step": ("0.2", "0.9", "0.9"), "loss": ("1.01", "1.5", "1.05")}
-ALLOWED = ("mode is 'type|trigger|ratio' with type 'fast' (float16) or 'fast1' (bfloat16), trigger 'step' "
-           "(ratio in [0.2, 0.9], default 0.9; needs total_steps) or 'loss' (ratio in [1.01, 1.5], default 1.05; "
-           "needs target_loss), e.g. 'fast|step|0.9' or 'fast1|loss|1.05'")
+ALLOWED = (
+    "mode is 'type|trigger|ratio' with type 'fast' (float16) or 'fast1' (bfloat16), trigger 'step' "
+    "(ratio in [0.2, 0.9], default 0.9; needs total_steps) or 'loss' (ratio in [1.01, 1.5], default 1.05; "
+    "needs target_loss), e.g. 'fast|step|0.9' or 'fast1|loss|1.05'"
+)
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
@@ -96,10 +98,10 @@ class ScheduleState:
 def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss: float | None) -> ScheduleState:
     """The whole rule, a pure function::
 
-        step = step if given else state.step + 1        (a loss alone reports one more completed step)
-        if not switched and (trigger == 'step' and step >= ceil(total_steps * ratio)
-                             or trigger == 'loss' and loss is finite and loss <= target_loss * ratio):
-            switch_step = step                          (never cleared again; NaN, inf and -inf never switch)
+    step = step if given else state.step + 1        (a loss alone reports one more completed step)
+    if not switched and (trigger == 'step' and step >= ceil(total_steps * ratio)
+                         or trigger == 'loss' and loss is finite and loss <= target_loss * ratio):
+        switch_step = step                          (never cleared again; NaN, inf and -inf never switch)
     """
     position = state.step + 1 if step is None else step
     if state.switch_step is not None:
@@ -107,8 +109,12 @@ def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss
     if config.trigger == "step":
         switch = config.switch_at_step is not None and position >= config.switch_at_step
     else:
-        switch = (loss is not None and config.switch_below_loss is not None and math.isfinite(loss)
-                  and loss <= config.switch_below_loss)
+        switch = (
+            loss is not None
+            and config.switch_below_loss is not None
+            and math.isfinite(loss)
+            and loss <= config.switch_below_loss
+        )
     return ScheduleState(position, position if switch else None)
 
 
@@ -139,30 +145,47 @@ class PrecisionSchedule(AddOn):
         switch_at_step = switch_below_loss = None
         if trigger == "step":
             if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)):
-                raise ArgumentTypeError(f"{call}: total_steps must be an integer >= 1; got "
-                                        f"{total_steps!r} ({type(total_steps).__name__}).")
+                raise ArgumentTypeError(
+                    f"{call}: total_steps must be an integer >= 1; got {total_steps!r} ({type(total_steps).__name__})."
+                )
             if total_steps is None or total_steps < 1:
-                raise ValueError(f"{call}: the 'step' trigger keeps low precision while step < total_steps * ratio, "
-                                 f"so total_steps must be an integer >= 1; got {total_steps!r}.")
+                raise ValueError(
+                    f"{call}: the 'step' trigger keeps low precision while step < total_steps * ratio, "
+                    f"so total_steps must be an integer >= 1; got {total_steps!r}."
+                )
             if target_loss is not None:
-                raise ValueError(f"{call}: target_loss is only used by the 'loss' trigger; this mode switches on "
-                                 f"the step. Leave target_loss out, or use a 'loss' mode such as 'fast|loss|1.05'.")
+                raise ValueError(
+                    f"{call}: target_loss is only used by the 'loss' trigger; this mode switches on "
+                    f"the step. Leave target_loss out, or use a 'loss' mode such as 'fast|loss|1.05'."
+                )
             switch_at_step = math.ceil(total_steps * ratio)
         else:
-            if target_loss is not None and (isinstance(target_loss, bool)
-                                            or not isinstance(target_loss, (int, float))):
-                raise ArgumentTypeError(f"{call}: target_loss must be a finite number > 0; got "
-                                        f"{target_loss!r} ({type(target_loss).__name__}).")
+            if target_loss is not None and (isinstance(target_loss, bool) or not isinstance(target_loss, (int, float))):
+                raise ArgumentTypeError(
+                    f"{call}: target_loss must be a finite number > 0; got "
+                    f"{target_loss!r} ({type(target_loss).__name__})."
+                )
             if target_loss is None or not math.isfinite(target_loss) or target_loss <= 0:
-                raise ValueError(f"{call}: the 'loss' trigger keeps low precision until a loss <= target_loss * "
-                                 f"ratio, so target_loss must be a finite number > 0; got {target_loss!r}.")
+                raise ValueError(
+                    f"{call}: the 'loss' trigger keeps low precision until a loss <= target_loss * "
+                    f"ratio, so target_loss must be a finite number > 0; got {target_loss!r}."
+                )
             if total_steps is not None:
-                raise ValueError(f"{call}: total_steps is only used by the 'step' trigger; this mode switches on "
-                                 f"the loss. Leave total_steps out, or use a 'step' mode such as 'fast|step|0.9'.")
+                raise ValueError(
+                    f"{call}: total_steps is only used by the 'step' trigger; this mode switches on "
+                    f"the loss. Leave total_steps out, or use a 'step' mode such as 'fast|step|0.9'."
+                )
             switch_below_loss = float(ratio * Fraction(target_loss))
-        self.config = ScheduleConfig(mode, low_dtype, trigger, float(ratio), total_steps,
-                                     None if target_loss is None else float(target_loss),
-                                     switch_at_step, switch_below_loss)
+        self.config = ScheduleConfig(
+            mode,
+            low_dtype,
+            trigger,
+            float(ratio),
+            total_steps,
+            None if target_loss is None else float(target_loss),
+            switch_at_step,
+            switch_below_loss,
+        )
         self._state = ScheduleState()
         self._told = False  # update() or load_state_dict() was called: the loop feeds the schedule
         self._unfed_steps = 0
@@ -199,8 +222,11 @@ class PrecisionSchedule(AddOn):
 
     def __repr__(self) -> str:
         args = [repr(self.config.mode)]
-        args += [f"{k}={getattr(self.config, k)!r}" for k in ("total_steps", "target_loss")
-                 if getattr(self.config, k) is not None]
+        args += [
+            f"{k}={getattr(self.config, k)!r}"
+            for k in ("total_steps", "target_loss")
+            if getattr(self.config, k) is not None
+        ]
         return f"PrecisionSchedule({', '.join(args)})"
 
     # --- the training-loop calls -------------------------------------------------------------------
@@ -208,6 +234,7 @@ class PrecisionSchedule(AddOn):
     def update(self, step: int | None = None, loss: float | torch.Tensor | None = None) -> None:
         """Report progress: ``step`` = the next step to run (= steps completed), ``loss`` = the loss of the step
         just run (alone: one more completed step). Reads a tensor ``loss`` on the host."""
+
         def call() -> str:  # built only for an error: repr of a tensor would read it
             shown = f"tensor(shape={tuple(loss.shape)})" if isinstance(loss, torch.Tensor) else repr(loss)
             return f"{self!r}.update(step={step!r}, loss={shown})"
@@ -225,13 +252,13 @@ class PrecisionSchedule(AddOn):
                 raise ValueError(f"{call()}: step must be an integer >= 0; got {step!r}.")
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
-                raise ValueError(f"{call()}: loss must be a number or a one-element tensor; got shape "
-                                 f"{tuple(loss.shape)}.")
+                raise ValueError(
+                    f"{call()}: loss must be a number or a one-element tensor; got shape {tuple(loss.shape)}."
+                )
             loss = float(loss.detach())
         elif loss is not None:
             if isinstance(loss, bool) or not isinstance(loss, (int, float)):
-                raise TypeError(f"{call()}: loss must be a number or a one-element tensor; got "
-                                f"{type(loss).__name__}.")
+                raise TypeError(f"{call()}: loss must be a number or a one-element tensor; got {type(loss).__name__}.")
             loss = float(loss)
         self._state = advance(self.config, self._state, step, loss)
         self._told = True
@@ -265,7 +292,9 @@ class PrecisionSchedule(AddOn):
                 f"{self!r}: {self._unfed_steps} optimizer steps ran and schedule.update() was never called, so "
                 f"the schedule cannot leave {self.config.low_dtype} (it stays there for the whole run). Call "
                 f"schedule.update(step=step) at the start of each step, or schedule.update(loss=loss) after it.",
-                UserWarning, stacklevel=3)
+                UserWarning,
+                stacklevel=3,
+            )
 
     def autocast(self, device_type: str) -> AbstractContextManager[Any]:
         """``torch.autocast(device_type, dtype=self.dtype)`` before the switch; a context that does nothing after."""
@@ -287,11 +316,15 @@ class PrecisionSchedule(AddOn):
     def validate_state_dict(self, state_dict: object) -> ScheduleState:
         """The state :meth:`load_state_dict` would install, or the error it would raise; changes nothing."""
         if not isinstance(state_dict, dict):
-            raise TypeError(f"{self!r}.load_state_dict(state_dict={state_dict!r}): state_dict must be a dict "
-                            f"from PrecisionSchedule.state_dict(); got {type(state_dict).__name__}.")
+            raise TypeError(
+                f"{self!r}.load_state_dict(state_dict={state_dict!r}): state_dict must be a dict "
+                f"from PrecisionSchedule.state_dict(); got {type(state_dict).__name__}."
+            )
         if state_dict.get("mode") != self.config.mode:
-            raise ValueError(f"{self!r}.load_state_dict(...): the checkpoint was saved by a schedule with mode "
-                             f"{state_dict.get('mode')!r}; build the schedule with that mode to resume it.")
+            raise ValueError(
+                f"{self!r}.load_state_dict(...): the checkpoint was saved by a schedule with mode "
+                f"{state_dict.get('mode')!r}; build the schedule with that mode to resume it."
+            )
         return _checked_state(f"{self!r}.load_state_dict", state_dict)
 
 
@@ -300,15 +333,19 @@ def _checked_state(call: str, state_dict: dict[str, Any]) -> ScheduleState:
     values: dict[str, int | None] = {}
     for f in dataclasses.fields(ScheduleState):
         if f.name not in state_dict:
-            raise ValueError(f"{call}(state_dict={state_dict!r}): the state dict has no {f.name!r}; expected the "
-                             f"keys mode, step, switch_step of PrecisionSchedule.state_dict().")
+            raise ValueError(
+                f"{call}(state_dict={state_dict!r}): the state dict has no {f.name!r}; expected the "
+                f"keys mode, step, switch_step of PrecisionSchedule.state_dict()."
+            )
         value = state_dict[f.name]
         if value is None and f.name == "switch_step":
             values[f.name] = None
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{call}({f.name}={value!r}): {f.name} must be an integer >= 0"
-                            f"{' or None' if f.name == 'switch_step' else ''}; got {type(value).__name__}.")
+            raise TypeError(
+                f"{call}({f.name}={value!r}): {f.name} must be an integer >= 0"
+                f"{' or None' if f.name == 'switch_step' else ''}; got {type(value).__name__}."
+            )
         if value < 0:
             raise ValueError(f"{call}({f.name}={value!r}): {f.name} must be an integer >= 0; got {value!r}.")
         values[f.name] = value
@@ -326,4 +363,5 @@ def validate_attachable(schedule: object, params: Iterable[torch.Tensor], call: 
                 f"The schedule autocasts full-precision parameters to {schedule.config.low_dtype} for the first "
                 f"share of the run and then trains in their original precision, so the parameters must stay in "
                 f"float32 (as Ascend's accelerate_train_mode requires). Keep the model in float32 "
-                f"(model.float()) and let schedule.autocast(...) lower the compute.")
+                f"(model.float()) and let schedule.autocast(...) lower the compute."
+            )

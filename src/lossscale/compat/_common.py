@@ -14,8 +14,14 @@ from lossscale.policies.base import Policy, ScaleState
 from lossscale.state import LossScale
 from lossscale.validation import ArgumentTypeError, validate_int_in_range, validated_state_dict
 
-__all__ = ["COUNTER_MAX", "LossScaleHolder", "OptimizerHolder", "validate_optional_number",
-           "validated_counters", "validated_tensors"]
+__all__ = [
+    "COUNTER_MAX",
+    "LossScaleHolder",
+    "OptimizerHolder",
+    "validate_optional_number",
+    "validated_counters",
+    "validated_tensors",
+]
 
 #: The largest saved step counter a facade loads (exact in int64).
 COUNTER_MAX = 2**62
@@ -36,8 +42,9 @@ def validate_optional_number(call: str, name: str, value: object, low: float = 0
         return
     rule = f">= {low:g}" if inclusive else f"> {low:g}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentTypeError(f"{call}({name}={value!r}): {name} must be None or a finite number {rule}; got "
-                                f"{type(value).__name__}.")
+        raise ArgumentTypeError(
+            f"{call}({name}={value!r}): {name} must be None or a finite number {rule}; got {type(value).__name__}."
+        )
     if not math.isfinite(value) or value < low or (value == low and not inclusive):
         raise ValueError(f"{call}({name}={value!r}): {name} must be None or a finite number {rule}; got {value!r}.")
 
@@ -45,8 +52,9 @@ def validate_optional_number(call: str, name: str, value: object, low: float = 0
 @overload
 def validated_tensors(call: str, name: str, value: object, *, none_items: Literal[False]) -> list[torch.Tensor]: ...
 @overload
-def validated_tensors(call: str, name: str, value: object, *, none_items: Literal[True]) -> list[torch.Tensor | None]:
-    ...
+def validated_tensors(
+    call: str, name: str, value: object, *, none_items: Literal[True]
+) -> list[torch.Tensor | None]: ...
 def validated_tensors(call: str, name: str, value: object, *, none_items: bool) -> list[Any]:
     """``value`` as a list of tensors (and None where ``none_items``), else a TypeError naming ``name``."""
     if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Iterable):
@@ -55,8 +63,10 @@ def validated_tensors(call: str, name: str, value: object, *, none_items: bool) 
     for i, item in enumerate(out):
         if not isinstance(item, torch.Tensor) and not (none_items and item is None):
             shown = repr(value) if len(repr(value)) <= 80 else "..."
-            raise TypeError(f"{call}({name}={shown}): {name}[{i}] must be a tensor{' or None' if none_items else ''}"
-                            f"; got {item!r} ({type(item).__name__}).")
+            raise TypeError(
+                f"{call}({name}={shown}): {name}[{i}] must be a tensor{' or None' if none_items else ''}"
+                f"; got {item!r} ({type(item).__name__})."
+            )
     return out
 
 
@@ -111,5 +121,6 @@ class OptimizerHolder:
         self._opt.load_state_dict(state_dict)
 
     def __getstate__(self) -> dict[str, object]:
-        raise TypeError(f"{type(self).__name__} is not pickled directly; save {self.instance_name}.state_dict() with "
-                        f"torch.save.")
+        raise TypeError(
+            f"{type(self).__name__} is not pickled directly; save {self.instance_name}.state_dict() with torch.save."
+        )

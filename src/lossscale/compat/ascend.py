@@ -83,18 +83,23 @@ def overflow_from_finite_grads(finite_grads: bool | torch.Tensor, scale: torch.T
     device = scale.device
     if isinstance(finite_grads, bool):
         return torch.tensor(not finite_grads, device=device)
-    if not isinstance(finite_grads, torch.Tensor) or not (finite_grads.dtype == torch.bool
-                                                          or finite_grads.is_floating_point()):
+    if not isinstance(finite_grads, torch.Tensor) or not (
+        finite_grads.dtype == torch.bool or finite_grads.is_floating_point()
+    ):
         kind = type(finite_grads).__name__ if not isinstance(finite_grads, torch.Tensor) else finite_grads.dtype
-        raise TypeError(f"{call}: finite_grads must be a bool, a bool tensor (True when every gradient is finite) "
-                        f"or a floating NPU float status tensor (0 when nothing overflowed); got {kind}.")
+        raise TypeError(
+            f"{call}: finite_grads must be a bool, a bool tensor (True when every gradient is finite) "
+            f"or a floating NPU float status tensor (0 when nothing overflowed); got {kind}."
+        )
     if finite_grads.numel() == 1:
         flag = finite_grads.reshape(scale.shape if scale.numel() == 1 else ()).to(device)
     elif finite_grads.shape == scale.shape:
         flag = finite_grads.to(device)
     else:
-        raise ValueError(f"{call}: finite_grads must hold one value (one step's verdict for all gradients); got "
-                         f"shape {tuple(finite_grads.shape)}. Reduce it first, e.g. finite_grads.all().")
+        raise ValueError(
+            f"{call}: finite_grads must hold one value (one step's verdict for all gradients); got "
+            f"shape {tuple(finite_grads.shape)}. Reduce it first, e.g. finite_grads.all()."
+        )
     return ~flag if flag.dtype == torch.bool else flag != 0
 
 
@@ -124,10 +129,24 @@ class ExponentialUpdateLossScaleManager(_LossScaleManager):
         819.2000122070312
     """
 
-    def __init__(self, init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_inf: int = 2,
-                 incr_ratio: float = 2, decr_ratio: float = 0.8) -> None:
-        super().__init__(presets.ascend(init_loss_scale, incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio,
-                                        decr_ratio, call="ExponentialUpdateLossScaleManager"))
+    def __init__(
+        self,
+        init_loss_scale: float,
+        incr_every_n_steps: int,
+        decr_every_n_nan_or_inf: int = 2,
+        incr_ratio: float = 2,
+        decr_ratio: float = 0.8,
+    ) -> None:
+        super().__init__(
+            presets.ascend(
+                init_loss_scale,
+                incr_every_n_steps,
+                decr_every_n_nan_or_inf,
+                incr_ratio,
+                decr_ratio,
+                call="ExponentialUpdateLossScaleManager",
+            )
+        )
 
 
 class FixedLossScaleManager(_LossScaleManager):
@@ -167,20 +186,30 @@ class NPULossScaleOptimizer(LossScaleOptimizer):
         (True, 0.8)
     """
 
-    def __init__(self, opt: torch.optim.Optimizer, loss_scale_manager: _LossScaleManager,
-                 is_distributed: bool = False, overflow_mode: OverflowMode = "inf_nan", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        loss_scale_manager: _LossScaleManager,
+        is_distributed: bool = False,
+        overflow_mode: OverflowMode = "inf_nan",
+        **kwargs: Any,
+    ) -> None:
         call = "NPULossScaleOptimizer"
         validate_optimizer(call, opt, "opt")
         if not isinstance(loss_scale_manager, _LossScaleManager):
-            raise TypeError(f"{call}(loss_scale_manager={loss_scale_manager!r}): loss_scale_manager must be an "
-                            f"ExponentialUpdateLossScaleManager or a FixedLossScaleManager from "
-                            f"lossscale.compat.ascend; got {type(loss_scale_manager).__name__}.")
+            raise TypeError(
+                f"{call}(loss_scale_manager={loss_scale_manager!r}): loss_scale_manager must be an "
+                f"ExponentialUpdateLossScaleManager or a FixedLossScaleManager from "
+                f"lossscale.compat.ascend; got {type(loss_scale_manager).__name__}."
+            )
         validate_choice(call, "is_distributed", is_distributed, (True, False))
         validate_mode(call, overflow_mode)
         if is_distributed and not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(f"{call}(is_distributed=True): overflow is agreed over a torch.distributed process "
-                             f"group, and none is initialized; call torch.distributed.init_process_group(...) "
-                             f"first, or pass is_distributed=False.")
+            raise ValueError(
+                f"{call}(is_distributed=True): overflow is agreed over a torch.distributed process "
+                f"group, and none is initialized; call torch.distributed.init_process_group(...) "
+                f"first, or pass is_distributed=False."
+            )
         self.loss_scale_manager = loss_scale_manager
         self.is_distributed = is_distributed
         super().__init__(opt, policy=loss_scale_manager.loss_scale, overflow_mode=overflow_mode, **kwargs)
@@ -204,12 +233,20 @@ class TellMeStepOrLossHook:
         ValueError: both forms or neither given, or a bad ``step``, ``total_step`` or ``final_loss``.
     """
 
-    def __init__(self, step: int | None = None, total_step: int | None = None, loss: float | torch.Tensor | None = None,
-                 final_loss: float | None = None) -> None:
-        call = (f"TellMeStepOrLossHook(step={step!r}, total_step={total_step!r}, loss={loss!r}, "
-                f"final_loss={final_loss!r})")
-        rule = ("give step= and total_step= (for a 'step' trigger) or loss= and final_loss= (for a 'loss' "
-                "trigger), not both")
+    def __init__(
+        self,
+        step: int | None = None,
+        total_step: int | None = None,
+        loss: float | torch.Tensor | None = None,
+        final_loss: float | None = None,
+    ) -> None:
+        call = (
+            f"TellMeStepOrLossHook(step={step!r}, total_step={total_step!r}, loss={loss!r}, final_loss={final_loss!r})"
+        )
+        rule = (
+            "give step= and total_step= (for a 'step' trigger) or loss= and final_loss= (for a 'loss' "
+            "trigger), not both"
+        )
         step_form = step is not None or total_step is not None
         loss_form = loss is not None or final_loss is not None
         if step_form == loss_form:
@@ -218,10 +255,15 @@ class TellMeStepOrLossHook:
             validate_int_at_least("TellMeStepOrLossHook", "total_step", total_step, 1)
             step = 0 if step is None else step
             validate_int_at_least("TellMeStepOrLossHook", "step", step, 0)
-        elif (isinstance(final_loss, bool) or not isinstance(final_loss, (int, float))
-              or not 0 < final_loss < float("inf")):
-            raise ValueError(f"{call}: final_loss must be a finite number > 0 (the schedule switches back at "
-                             f"a loss <= final_loss * ratio); got {final_loss!r}.")
+        elif (
+            isinstance(final_loss, bool)
+            or not isinstance(final_loss, (int, float))
+            or not 0 < final_loss < float("inf")
+        ):
+            raise ValueError(
+                f"{call}: final_loss must be a finite number > 0 (the schedule switches back at "
+                f"a loss <= final_loss * ratio); got {final_loss!r}."
+            )
         self.trigger = "step" if step_form else "loss"
         self.step, self.total_step, self.loss, self.final_loss = step, total_step, loss, final_loss
         self.schedule: PrecisionSchedule | None = None
@@ -234,8 +276,9 @@ class TellMeStepOrLossHook:
     def bind(self, schedule: PrecisionSchedule) -> None:
         """Feed ``schedule`` from now on, starting with ``step`` and ``loss``; a RuntimeError if already bound."""
         if self.schedule is not None:
-            raise RuntimeError(f"{self!r}.bind(...): this hook already feeds {self.schedule!r}; make one hook per "
-                               f"schedule.")
+            raise RuntimeError(
+                f"{self!r}.bind(...): this hook already feeds {self.schedule!r}; make one hook per schedule."
+            )
         self.schedule = schedule
         if self.trigger == "step" and self.step:
             schedule.update(step=self.step)
@@ -244,8 +287,10 @@ class TellMeStepOrLossHook:
 
     def __call__(self, step: int | None = None, loss: float | torch.Tensor | None = None) -> None:
         if self.schedule is None:
-            raise RuntimeError(f"{self!r}(...): the hook feeds no schedule yet; call "
-                               f"ExperimentalConfig(accelerate_train_mode=...).schedule(hook) first.")
+            raise RuntimeError(
+                f"{self!r}(...): the hook feeds no schedule yet; call "
+                f"ExperimentalConfig(accelerate_train_mode=...).schedule(hook) first."
+            )
         self.schedule.update(step=step, loss=loss)
 
 
@@ -257,8 +302,9 @@ class ExperimentalConfig:
 
     def __post_init__(self) -> None:
         if self.accelerate_train_mode is not None:
-            parse_mode(f"ExperimentalConfig(accelerate_train_mode={self.accelerate_train_mode!r})",
-                       self.accelerate_train_mode)
+            parse_mode(
+                f"ExperimentalConfig(accelerate_train_mode={self.accelerate_train_mode!r})", self.accelerate_train_mode
+            )
 
     def schedule(self, hook: TellMeStepOrLossHook) -> PrecisionSchedule:
         """The :class:`~lossscale.PrecisionSchedule` for this mode, with ``hook`` bound to feed it.
@@ -272,13 +318,17 @@ class ExperimentalConfig:
             raise TypeError(f"{call}: hook must be a TellMeStepOrLossHook.")
         mode = self.accelerate_train_mode
         if mode is None:
-            raise ValueError(f"{call}: accelerate_train_mode is None (off), so there is no schedule; set a mode "
-                             f"such as 'fast|step|0.9', or leave LossScaleOptimizer(schedule=...) unset.")
+            raise ValueError(
+                f"{call}: accelerate_train_mode is None (off), so there is no schedule; set a mode "
+                f"such as 'fast|step|0.9', or leave LossScaleOptimizer(schedule=...) unset."
+            )
         trigger = parse_mode(call, mode)[1]
         if trigger != hook.trigger:
             form = "step=..., total_step=..." if trigger == "step" else "loss=..., final_loss=..."
-            raise ValueError(f"{call}: the {trigger!r} trigger is fed by TellMeStepOrLossHook({form}); got a hook "
-                             f"of the {hook.trigger!r} form.")
+            raise ValueError(
+                f"{call}: the {trigger!r} trigger is fed by TellMeStepOrLossHook({form}); got a hook "
+                f"of the {hook.trigger!r} form."
+            )
         if trigger == "step":
             schedule = PrecisionSchedule(mode, total_steps=hook.total_step)
         else:

@@ -86,16 +86,20 @@ def _checked_base_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``BASE_KWARGS`` updated with ``kwargs``, each checked; None (R's NULL) means Keras's default."""
     unknown = sorted(set(kwargs) - set(BASE_KWARGS))
     if unknown:
-        raise TypeError(f"{_CALL}({', '.join(f'{k}={kwargs[k]!r}' for k in unknown)}): unexpected keyword argument(s) "
-                        f"{', '.join(unknown)}; the base optimizer arguments are {', '.join(BASE_KWARGS)}.")
+        raise TypeError(
+            f"{_CALL}({', '.join(f'{k}={kwargs[k]!r}' for k in unknown)}): unexpected keyword argument(s) "
+            f"{', '.join(unknown)}; the base optimizer arguments are {', '.join(BASE_KWARGS)}."
+        )
     args = {**BASE_KWARGS, **kwargs}
     for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
         validate_optional_number(_CALL, name, args[name])
     validate_optional_number(_CALL, "weight_decay", args["weight_decay"], inclusive=True)
     clips = [n for n in ("clipnorm", "clipvalue", "global_clipnorm") if args[n] is not None]
     if len(clips) > 1:
-        raise ValueError(f"{_CALL}({', '.join(f'{n}={args[n]!r}' for n in clips)}): only one of clipnorm, clipvalue "
-                         f"and global_clipnorm can be set; got {len(clips)}.")
+        raise ValueError(
+            f"{_CALL}({', '.join(f'{n}={args[n]!r}' for n in clips)}): only one of clipnorm, clipvalue "
+            f"and global_clipnorm can be set; got {len(clips)}."
+        )
     for name in ("use_ema", "ema_momentum"):
         if args[name] is None:
             args[name] = BASE_KWARGS[name]
@@ -107,8 +111,9 @@ def _checked_base_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     if not 0.0 <= m <= 1.0:
         raise ValueError(f"{rule}; got {m!r}.")
     if args["name"] is not None and not isinstance(args["name"], str):
-        raise TypeError(f"{_CALL}(name={args['name']!r}): name must be a str or None; got "
-                        f"{type(args['name']).__name__}.")
+        raise TypeError(
+            f"{_CALL}(name={args['name']!r}): name must be a str or None; got {type(args['name']).__name__}."
+        )
     if args["ema_overwrite_frequency"] is not None:
         validate_int_at_least(_CALL, "ema_overwrite_frequency", args["ema_overwrite_frequency"], 1)
     if args["gradient_accumulation_steps"] is not None:
@@ -119,8 +124,8 @@ def _checked_base_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 class _KerasEMA(EMA):
     """Keras's moving average of the weights: momentum in [0, 1], and after the core's update (no host read)::
 
-        if stepped and this is the first applied step: average = weights
-        if stepped and applied % overwrite_frequency == 0: weights = average
+    if stepped and this is the first applied step: average = weights
+    if stepped and applied % overwrite_frequency == 0: weights = average
     """
 
     def __init__(self, momentum: float) -> None:
@@ -128,15 +133,17 @@ class _KerasEMA(EMA):
         self.momentum = float(momentum)
 
     @torch.no_grad()
-    def after_apply(self, stepped: torch.Tensor, first: torch.Tensor, applied: torch.Tensor,
-                    overwrite_frequency: int | None) -> None:
+    def after_apply(
+        self, stepped: torch.Tensor, first: torch.Tensor, applied: torch.Tensor, overwrite_frequency: int | None
+    ) -> None:
         """The rules above; ``applied`` counts applied steps, this one included."""
         copy = (stepped & first).to(self.shadow[0].dtype)
         torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], copy)  # type: ignore[call-overload]  # a 0-d tensor weight: torch takes it, its stubs list numbers only
         if overwrite_frequency:
             due = stepped & (applied % overwrite_frequency == 0)
             torch._foreach_lerp_(  # type: ignore[call-overload]  # a 0-d tensor weight, as above
-                [p.detach() for p in self.params], self.shadow, due.to(self.shadow[0].dtype))
+                [p.detach() for p in self.params], self.shadow, due.to(self.shadow[0].dtype)
+            )
 
 
 class KerasArguments(AddOn):
@@ -162,8 +169,12 @@ class KerasArguments(AddOn):
     def before_apply(self, stepped: torch.Tensor, grads: list[torch.Tensor] | None) -> None:
         if self.clipnorm is not None and grads:
             host = self._host
-            clip_per_tensor_(grads, self.clipnorm, None if host is None else host.process_group,
-                             None if host is None else host.sharded_grads)
+            clip_per_tensor_(
+                grads,
+                self.clipnorm,
+                None if host is None else host.process_group,
+                None if host is None else host.sharded_grads,
+            )
         if not self.weight_decay:
             return
         for group in self._inner.param_groups:
@@ -176,26 +187,35 @@ class KerasArguments(AddOn):
         return f"KerasArguments(clipnorm={self.clipnorm!r}, weight_decay={self.weight_decay!r})"
 
 
-def _checked_grads(call: str, grads: object, variables: Sequence[torch.Tensor],
-                   known: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+def _checked_grads(
+    call: str, grads: object, variables: Sequence[torch.Tensor], known: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
     """``grads`` as a list, one per variable (None allowed), shapes matching, not all None; every variable
     a parameter of the inner optimizer. Else a TypeError or ValueError."""
     grads = validated_tensors(call, "grads", grads, none_items=True)
     if len(grads) != len(variables):
-        raise ValueError(f"{call}(grads, trainable_variables): got {len(grads)} gradients for {len(variables)} "
-                         f"variables; pass one gradient (or None) per variable.")
+        raise ValueError(
+            f"{call}(grads, trainable_variables): got {len(grads)} gradients for {len(variables)} "
+            f"variables; pass one gradient (or None) per variable."
+        )
     ids = {id(p) for p in known}
     stray = [i for i, v in enumerate(variables) if id(v) not in ids]
     if stray:
-        raise ValueError(f"{call}(grads, trainable_variables): variable {stray[0]} is not a parameter of the inner "
-                         f"optimizer; pass the parameters it was built with.")
+        raise ValueError(
+            f"{call}(grads, trainable_variables): variable {stray[0]} is not a parameter of the inner "
+            f"optimizer; pass the parameters it was built with."
+        )
     for i, (v, g) in enumerate(zip(variables, grads)):
         if g is not None and g.shape != v.shape:
-            raise ValueError(f"{call}(grads, trainable_variables): grads[{i}] has shape {tuple(g.shape)}, its "
-                             f"variable {tuple(v.shape)}; pass one gradient per variable, in order.")
+            raise ValueError(
+                f"{call}(grads, trainable_variables): grads[{i}] has shape {tuple(g.shape)}, its "
+                f"variable {tuple(v.shape)}; pass one gradient per variable, in order."
+            )
     if all(g is None for g in grads):
-        raise ValueError(f"{call}(grads=[None] * {len(grads)}): No gradients provided for any variable (as Keras "
-                         f"says); nothing would be applied and the scale would count a clean step.")
+        raise ValueError(
+            f"{call}(grads=[None] * {len(grads)}): No gradients provided for any variable (as Keras "
+            f"says); nothing would be applied and the scale would count a clean step."
+        )
     return grads
 
 
@@ -213,13 +233,16 @@ def _write_grads(grads: Sequence[torch.Tensor | None], variables: Sequence[torch
             v.grad.add_(g)
 
 
-def _split_pairs(call: str, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]
-                 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+def _split_pairs(
+    call: str, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
     """``(grads, vars)`` from Keras's ``(gradient, variable)`` pairs; a TypeError for anything else."""
     pairs = list(grads_and_vars)
     if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
-        raise TypeError(f"{call}(grads_and_vars=...): grads_and_vars must hold (gradient, variable) pairs; got "
-                        f"{[type(p).__name__ for p in pairs][:4]}.")
+        raise TypeError(
+            f"{call}(grads_and_vars=...): grads_and_vars must hold (gradient, variable) pairs; got "
+            f"{[type(p).__name__ for p in pairs][:4]}."
+        )
     return [g for g, _ in pairs], [v for _, v in pairs]
 
 
@@ -260,8 +283,13 @@ class LossScaleOptimizer(OptimizerHolder):
     gradient_accumulation_steps: int | None
     name: str
 
-    def __init__(self, inner_optimizer: torch.optim.Optimizer, initial_scale: float = 32768,
-                 dynamic_growth_steps: int = 2000, **base_kwargs: Any) -> None:
+    def __init__(
+        self,
+        inner_optimizer: torch.optim.Optimizer,
+        initial_scale: float = 32768,
+        dynamic_growth_steps: int = 2000,
+        **base_kwargs: Any,
+    ) -> None:
         validate_optimizer(_CALL, inner_optimizer, "inner_optimizer")
         args = _checked_base_kwargs(base_kwargs)
         policy = presets.keras(initial_scale, dynamic_growth_steps, call=_CALL)
@@ -273,11 +301,17 @@ class LossScaleOptimizer(OptimizerHolder):
         self.name = args["name"] if args["name"] is not None else "loss_scale_optimizer"
         self.ema = _KerasEMA(args["ema_momentum"]) if args["use_ema"] else None
         extras = KerasArguments(inner_optimizer, args["clipnorm"], args["weight_decay"])
-        super().__init__(_CoreOptimizer(
-            inner_optimizer, policy=policy,
-            clip_grad_norm=args["global_clipnorm"], clip_grad_value=args["clipvalue"],
-            accumulation_steps=args["gradient_accumulation_steps"] or 1, ema=self.ema,
-            add_ons=[extras] if args["clipnorm"] is not None or args["weight_decay"] else []))
+        super().__init__(
+            _CoreOptimizer(
+                inner_optimizer,
+                policy=policy,
+                clip_grad_norm=args["global_clipnorm"],
+                clip_grad_value=args["clipvalue"],
+                accumulation_steps=args["gradient_accumulation_steps"] or 1,
+                ema=self.ema,
+                add_ons=[extras] if args["clipnorm"] is not None or args["weight_decay"] else [],
+            )
+        )
         device = self._opt.scale.device
         self._iterations = torch.zeros((), dtype=torch.int64, device=device)
         self._applied = torch.zeros((), dtype=torch.int64, device=device)
@@ -312,15 +346,18 @@ class LossScaleOptimizer(OptimizerHolder):
         tensor. No host read."""
         if not isinstance(loss, torch.Tensor):
             if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
-                raise TypeError(f"{_CALL}.scale_loss(loss={loss!r}): loss must be a tensor or a real number; got "
-                                f"{type(loss).__name__}.")
+                raise TypeError(
+                    f"{_CALL}.scale_loss(loss={loss!r}): loss must be a tensor or a real number; got "
+                    f"{type(loss).__name__}."
+                )
             loss = torch.tensor(float(loss), device=self._opt.scale.device)
         factor = self._opt.scale if self.loss_scale_factor is None else self._opt.scale * self.loss_scale_factor
         return loss * factor.to(loss.device)
 
     @torch.no_grad()
-    def apply(self, grads: Sequence[torch.Tensor | None],
-              trainable_variables: Sequence[torch.Tensor] | None = None) -> None:
+    def apply(
+        self, grads: Sequence[torch.Tensor | None], trainable_variables: Sequence[torch.Tensor] | None = None
+    ) -> None:
         """Write scaled ``grads`` to ``trainable_variables`` (default: the inner optimizer's) and step the core."""
         variables = self.variables if trainable_variables is None else list(trainable_variables)
         grads = _checked_grads(f"{_CALL}.apply", grads, variables, self.variables)
@@ -348,16 +385,18 @@ class LossScaleOptimizer(OptimizerHolder):
 
     def state_dict(self) -> dict[str, Any]:
         """The core optimizer's state plus ``iterations`` and ``applied`` (reads them on the host)."""
-        return {"core": self._opt.state_dict(), "iterations": int(self._iterations),
-                "applied": int(self._applied)}
+        return {"core": self._opt.state_dict(), "iterations": int(self._iterations), "applied": int(self._applied)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        validated_counters(f"{_CALL}.load_state_dict", state_dict, ("core", "iterations", "applied"),
-                         ("iterations", "applied"))
+        validated_counters(
+            f"{_CALL}.load_state_dict", state_dict, ("core", "iterations", "applied"), ("iterations", "applied")
+        )
         self._opt.load_state_dict(state_dict["core"])
         self._iterations.fill_(state_dict["iterations"])
         self._applied.fill_(state_dict["applied"])
 
     def __repr__(self) -> str:
-        return (f"LossScaleOptimizer({self.inner_optimizer!r}, initial_scale={self.initial_scale!r}, "
-                f"dynamic_growth_steps={self.dynamic_growth_steps!r})")
+        return (
+            f"LossScaleOptimizer({self.inner_optimizer!r}, initial_scale={self.initial_scale!r}, "
+            f"dynamic_growth_steps={self.dynamic_growth_steps!r})"
+        )

@@ -79,13 +79,16 @@ def _flag(overflow: object, device: torch.device, call: str = "DynamicLossScaleU
     """One step's overflow verdict as a 0-d bool tensor: a bool or a one-value tensor (no host read)."""
     if isinstance(overflow, torch.Tensor):
         if overflow.numel() != 1:
-            raise ValueError(f"{call}(overflow={overflow!r}): overflow must hold one value (one step's verdict); "
-                             f"got shape {tuple(overflow.shape)}.")
+            raise ValueError(
+                f"{call}(overflow={overflow!r}): overflow must hold one value (one step's verdict); "
+                f"got shape {tuple(overflow.shape)}."
+            )
         return overflow.to(device=device, dtype=torch.bool).reshape(())
     if isinstance(overflow, bool):
         return torch.tensor(overflow, device=device)
-    raise TypeError(f"{call}(overflow={overflow!r}): overflow must be a bool or a bool tensor; got "
-                    f"{type(overflow).__name__}.")
+    raise TypeError(
+        f"{call}(overflow={overflow!r}): overflow must be a bool or a bool tensor; got {type(overflow).__name__}."
+    )
 
 
 def _check_loss_scale(call: str, loss_scale: object) -> None:
@@ -96,9 +99,11 @@ def _check_loss_scale(call: str, loss_scale: object) -> None:
     if loss_scale.numel() != 1:
         raise ValueError(f"{rule}; got shape {tuple(loss_scale.shape)}.")
     if loss_scale.dtype != torch.float32:
-        raise TypeError(f"{call}(loss_scale, overflow): loss_scale must be a float32 tensor (MindSpore's "
-                        f"loss_scale Parameter is float32, and it is updated in place); got {loss_scale.dtype}. "
-                        f"Create it as torch.tensor(2.0**24) or convert it with .float().")
+        raise TypeError(
+            f"{call}(loss_scale, overflow): loss_scale must be a float32 tensor (MindSpore's "
+            f"loss_scale Parameter is float32, and it is updated in place); got {loss_scale.dtype}. "
+            f"Create it as torch.tensor(2.0**24) or convert it with .float()."
+        )
 
 
 class DynamicLossScaleUpdateCell(LossScaleHolder):
@@ -138,8 +143,10 @@ class DynamicLossScaleUpdateCell(LossScaleHolder):
         return overflow
 
     def __repr__(self) -> str:
-        return (f"DynamicLossScaleUpdateCell(loss_scale_value={self.loss_scale_value!r}, "
-                f"scale_factor={self.scale_factor!r}, scale_window={self.scale_window!r})")
+        return (
+            f"DynamicLossScaleUpdateCell(loss_scale_value={self.loss_scale_value!r}, "
+            f"scale_factor={self.scale_factor!r}, scale_window={self.scale_window!r})"
+        )
 
 
 class FixedLossScaleUpdateCell(LossScaleHolder):
@@ -189,8 +196,10 @@ class DynamicLossScaleManager(LossScaleHolder):
         if isinstance(overflow, torch.Tensor):
             overflow = bool(_flag(overflow, overflow.device, "DynamicLossScaleManager.update_loss_scale"))
         if not isinstance(overflow, bool):
-            raise TypeError(f"DynamicLossScaleManager.update_loss_scale(overflow={overflow!r}): overflow must be "
-                            f"a bool; got {type(overflow).__name__}.")
+            raise TypeError(
+                f"DynamicLossScaleManager.update_loss_scale(overflow={overflow!r}): overflow must be "
+                f"a bool; got {type(overflow).__name__}."
+            )
         self.loss_scale.update(torch.tensor(overflow, device=self.loss_scale.device))
         self.bad_steps = self.bad_steps + 1 if overflow else 0
         if self.bad_steps > BAD_STEP_MAX:
@@ -199,7 +208,8 @@ class DynamicLossScaleManager(LossScaleHolder):
             raise RuntimeError(
                 f"DynamicLossScaleManager.update_loss_scale(overflow=True): {self.bad_steps} overflows in a row "
                 f"exceed MindSpore's limit of {BAD_STEP_MAX} (the scale is {self.get_loss_scale()!r}). The "
-                f"gradients overflow at any scale: look for inf or NaN in the data, the loss or the model.")
+                f"gradients overflow at any scale: look for inf or NaN in the data, the loss or the model."
+            )
 
     def get_drop_overflow_update(self) -> bool:
         return True
@@ -213,8 +223,9 @@ class DynamicLossScaleManager(LossScaleHolder):
         return {**super().state_dict(), "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        validated_counters("DynamicLossScaleManager.load_state_dict", state_dict, ("policy_state", "bad_steps"),
-                         ("bad_steps",))
+        validated_counters(
+            "DynamicLossScaleManager.load_state_dict", state_dict, ("policy_state", "bad_steps"), ("bad_steps",)
+        )
         super().load_state_dict(state_dict)
         self.bad_steps = state_dict["bad_steps"]
 
@@ -262,9 +273,13 @@ class TrainOneStepWithLossScaleCell(OptimizerHolder):
 
     instance_name = "train_cell"
 
-    def __init__(self, network: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
-                 scale_sense: DynamicLossScaleUpdateCell | FixedLossScaleUpdateCell | torch.Tensor,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        network: Callable[..., torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        scale_sense: DynamicLossScaleUpdateCell | FixedLossScaleUpdateCell | torch.Tensor,
+        **kwargs: Any,
+    ) -> None:
         call = "TrainOneStepWithLossScaleCell"
         if not callable(network):
             raise TypeError(f"{call}(network={network!r}): network must be a callable returning the loss.")
@@ -277,13 +292,17 @@ class TrainOneStepWithLossScaleCell(OptimizerHolder):
             loss_scale = scale_sense.loss_scale
         elif isinstance(scale_sense, torch.Tensor):
             if tuple(scale_sense.shape) not in ((), (1,)):
-                raise ValueError(f"{call}(scale_sense=tensor of shape {tuple(scale_sense.shape)}): the shape of "
-                                 f"scale_sense must be (1,) or (); got {tuple(scale_sense.shape)}.")
+                raise ValueError(
+                    f"{call}(scale_sense=tensor of shape {tuple(scale_sense.shape)}): the shape of "
+                    f"scale_sense must be (1,) or (); got {tuple(scale_sense.shape)}."
+                )
             loss_scale = LossScale(FixedScale(validated_scale(f"{call}(scale_sense={scale_sense!r})", scale_sense)))
         else:
-            raise TypeError(f"{call}(scale_sense={scale_sense!r}): scale_sense must be an update cell "
-                            f"(DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell) or a tensor; got "
-                            f"{type(scale_sense).__name__}.")
+            raise TypeError(
+                f"{call}(scale_sense={scale_sense!r}): scale_sense must be an update cell "
+                f"(DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell) or a tensor; got "
+                f"{type(scale_sense).__name__}."
+            )
         super().__init__(LossScaleOptimizer(optimizer, policy=loss_scale, **kwargs))
 
     @property
@@ -295,8 +314,10 @@ class TrainOneStepWithLossScaleCell(OptimizerHolder):
         """Set the loss scale to ``sens``, a 1-element tensor (one host read); the counters carry on."""
         if not isinstance(sens, torch.Tensor) or sens.numel() != 1:
             error = ValueError if isinstance(sens, torch.Tensor) else TypeError
-            raise error(f"TrainOneStepWithLossScaleCell.set_sense_scale(sens={sens!r}): sens must be a "
-                        f"1-element tensor; got {type(sens).__name__} of shape {tuple(getattr(sens, 'shape', ()))}.")
+            raise error(
+                f"TrainOneStepWithLossScaleCell.set_sense_scale(sens={sens!r}): sens must be a "
+                f"1-element tensor; got {type(sens).__name__} of shape {tuple(getattr(sens, 'shape', ()))}."
+            )
         self._opt.loss_scale.set_scale(sens, call=f"TrainOneStepWithLossScaleCell.set_sense_scale({sens!r})")
 
     def __call__(self, *inputs: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

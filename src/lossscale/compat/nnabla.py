@@ -61,12 +61,16 @@ def _check_comm(call: str, comm: object, grads: list[torch.Tensor]) -> None:
     if comm is None:
         return
     if not isinstance(comm, torch.distributed.ProcessGroup):
-        raise TypeError(f"{call}(comm={comm!r}): comm must be None or a torch.distributed.ProcessGroup (e.g. "
-                        f"torch.distributed.group.WORLD after torch.distributed.init_process_group('nccl')); "
-                        f"got {type(comm).__name__}.")
+        raise TypeError(
+            f"{call}(comm={comm!r}): comm must be None or a torch.distributed.ProcessGroup (e.g. "
+            f"torch.distributed.group.WORLD after torch.distributed.init_process_group('nccl')); "
+            f"got {type(comm).__name__}."
+        )
     if not grads:
-        raise ValueError(f"{call}(comm={comm!r}, grads=[]): comm sums the gradients listed in grads, and none "
-                         f"are listed, so nothing would be all-reduced; pass grads=[p for p in model.parameters()].")
+        raise ValueError(
+            f"{call}(comm={comm!r}, grads=[]): comm sums the gradients listed in grads, and none "
+            f"are listed, so nothing would be all-reduced; pass grads=[p for p in model.parameters()]."
+        )
 
 
 class DynamicLossScalingUpdater(OptimizerHolder):
@@ -96,14 +100,26 @@ class DynamicLossScalingUpdater(OptimizerHolder):
 
     instance_name = "updater"
 
-    def __init__(self, solver: torch.optim.Optimizer, loss: Callable[[], torch.Tensor],
-                 data_feeder: Callable[[], object] = lambda: True, scale: float = 8.0, scaling_factor: float = 2.0,
-                 N: int = 2000, clear_buffer: bool = True, accum_grad: int = 1,  # noqa: N803  # nnabla names it N
-                 weight_decay: float | None = None, comm: ProcessGroup | None = None, grads: Sequence[torch.Tensor] | None = (),
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        solver: torch.optim.Optimizer,
+        loss: Callable[[], torch.Tensor],
+        data_feeder: Callable[[], object] = lambda: True,
+        scale: float = 8.0,
+        scaling_factor: float = 2.0,
+        N: int = 2000,  # noqa: N803  # nnabla names it N
+        clear_buffer: bool = True,
+        accum_grad: int = 1,
+        weight_decay: float | None = None,
+        comm: ProcessGroup | None = None,
+        grads: Sequence[torch.Tensor] | None = (),
+        **kwargs: Any,
+    ) -> None:
         call = "DynamicLossScalingUpdater"
-        for name, value, role in (("loss", loss, "running the forward pass and returning the loss"),
-                                  ("data_feeder", data_feeder, "loading the next batch")):
+        for name, value, role in (
+            ("loss", loss, "running the forward pass and returning the loss"),
+            ("data_feeder", data_feeder, "loading the next batch"),
+        ):
             if not callable(value):
                 raise TypeError(f"{call}({name}={value!r}): {name} must be a zero-argument callable ({role}).")
         validate_int_at_least(call, "accum_grad", accum_grad, 1)
@@ -112,9 +128,11 @@ class DynamicLossScalingUpdater(OptimizerHolder):
         grads = [] if grads is None else validated_tensors(call, "grads", grads, none_items=False)
         _check_comm(call, comm, grads)
         if weight_decay and kwargs.get("skip_mode", "auto") not in ("auto", "host", "masked"):
-            raise ValueError(f"{call}(weight_decay={weight_decay!r}, skip_mode={kwargs['skip_mode']!r}): weight decay "
-                             f"is added to the unscaled gradients, which skip_mode='fused' never writes; use "
-                             f"skip_mode='host' (the default here) or 'masked'.")
+            raise ValueError(
+                f"{call}(weight_decay={weight_decay!r}, skip_mode={kwargs['skip_mode']!r}): weight decay "
+                f"is added to the unscaled gradients, which skip_mode='fused' never writes; use "
+                f"skip_mode='host' (the default here) or 'masked'."
+            )
         if weight_decay:
             kwargs.setdefault("skip_mode", "host")
         policy = presets.nnabla(scale, scaling_factor, N, call=call)
@@ -159,8 +177,9 @@ class DynamicLossScalingUpdater(OptimizerHolder):
                 hook.remove()
 
     @torch.no_grad()
-    def _add_weight_decay(self, solver: torch.optim.Optimizer, args: tuple[object, ...],
-                          kwargs: dict[str, object]) -> None:
+    def _add_weight_decay(
+        self, solver: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> None:
         """``grad += weight_decay * param`` on the unscaled gradients: a step pre-hook during ``update()``."""
         assert self.weight_decay is not None  # registered only with a weight decay
         params = [p for g in solver.param_groups for p in g["params"] if p.grad is not None]

@@ -83,8 +83,12 @@ def amax(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         RuntimeError: the first launch for a dtype failed (Triton could not compile or load the kernel here: no C
             compiler, an unsupported GPU); the message names ``LOSSSCALE_TRITON=0``, and the cause is chained."""
     first = tensors[0]
-    if (first.dtype not in _KINDS or torch.cuda.is_current_stream_capturing()
-            or set(map(type, tensors)) != _PLAIN or not all(map(_CONTIGUOUS, tensors))):
+    if (
+        first.dtype not in _KINDS
+        or torch.cuda.is_current_stream_capturing()
+        or set(map(type, tensors)) != _PLAIN
+        or not all(map(_CONTIGUOUS, tensors))
+    ):
         return None
     sizes = list(map(_SIZE, tensors))
     chunks = max(1, -(-max(sizes) // CHUNK))
@@ -97,14 +101,17 @@ def amax(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     try:
         with torch.cuda.device(device):
             # no multiply-add to fuse: said explicitly, as triton 3.9 warns where the option is left to its default
-            _amax_kernel[(len(sizes), chunks)](table, partials, CHUNK=CHUNK, BLOCK=BLOCK, KIND=_KINDS[first.dtype],
-                                               enable_fp_fusion=False)
+            _amax_kernel[(len(sizes), chunks)](
+                table, partials, CHUNK=CHUNK, BLOCK=BLOCK, KIND=_KINDS[first.dtype], enable_fp_fusion=False
+            )
     except Exception as err:
         if first.dtype in _LAUNCHED:
             raise
-        raise RuntimeError(f"lossscale.ops.amax_kernel: the Triton kernel for {first.dtype} failed at its first "
-                           f"launch on {device} ({type(err).__name__}: {err}). Set the environment variable "
-                           f"LOSSSCALE_TRITON=0 to read the largest gradient magnitude with torch's multi-tensor "
-                           f"inf-norm instead.") from err
+        raise RuntimeError(
+            f"lossscale.ops.amax_kernel: the Triton kernel for {first.dtype} failed at its first "
+            f"launch on {device} ({type(err).__name__}: {err}). Set the environment variable "
+            f"LOSSSCALE_TRITON=0 to read the largest gradient magnitude with torch's multi-tensor "
+            f"inf-norm instead."
+        ) from err
     _LAUNCHED.add(first.dtype)
     return partials.max()

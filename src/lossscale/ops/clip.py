@@ -19,8 +19,14 @@ from lossscale.ops.overflow import group_by_device_and_dtype
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["squared_norms", "global_norm_squared", "grouped_norm_squared", "global_clip_coefficient",
-           "clip_per_tensor_", "PerTensorClip"]
+__all__ = [
+    "squared_norms",
+    "global_norm_squared",
+    "grouped_norm_squared",
+    "global_clip_coefficient",
+    "clip_per_tensor_",
+    "PerTensorClip",
+]
 
 # torch.nn.utils.clip_grad_norm_'s guard against division by zero.
 EPS = 1e-6
@@ -39,8 +45,9 @@ def _local_squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return gathered(torch._foreach_norm(list(tensors))).float().square()
 
 
-def grouped_norm_squared(groups: Mapping[tuple[torch.device, torch.dtype], list[torch.Tensor]],
-                         device: torch.device | str) -> torch.Tensor:
+def grouped_norm_squared(
+    groups: Mapping[tuple[torch.device, torch.dtype], list[torch.Tensor]], device: torch.device | str
+) -> torch.Tensor:
     """Squared L2 norm of plain (local, dense) gradients already grouped by device and dtype, as 0-d
     float32 on ``device``. One read of every gradient; no all-reduce, no host read."""
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -94,7 +101,9 @@ def global_clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor
 
 
 def clip_per_tensor_(
-    grads: Sequence[torch.Tensor], max_norm: float, process_group: ProcessGroup | None = None,
+    grads: Sequence[torch.Tensor],
+    max_norm: float,
+    process_group: ProcessGroup | None = None,
     sharded: bool | None = None,
 ) -> None:
     """Keras's ``clipnorm``: each gradient ``g * max_norm / max(||g||, max_norm)``, ``||g||`` over the
@@ -107,7 +116,7 @@ def clip_per_tensor_(
     squares = _per_tensor_squares(ordered)
     if shards or sharded:
         shard_squares = _dist.all_reduce_sum_(squares[: len(shards)].clone(), process_group)
-        squares = torch.cat([shard_squares, squares[len(shards):]])
+        squares = torch.cat([shard_squares, squares[len(shards) :]])
     coefs = max_norm / squares.sqrt().clamp(min=max_norm)
     torch._foreach_mul_(ordered, [c.to(t.device, non_blocking=True) for c, t in zip(coefs.unbind(), ordered)])
 
@@ -139,8 +148,9 @@ class PerTensorClip:
     def __init__(self, max_norm: float) -> None:
         self.max_norm = max_norm
 
-    def __call__(self, grads: Sequence[torch.Tensor], *, process_group: ProcessGroup | None = None,
-                 sharded: bool | None = None) -> None:
+    def __call__(
+        self, grads: Sequence[torch.Tensor], *, process_group: ProcessGroup | None = None, sharded: bool | None = None
+    ) -> None:
         clip_per_tensor_(grads, self.max_norm, process_group, sharded)
 
     def __repr__(self) -> str:

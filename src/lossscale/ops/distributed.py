@@ -42,7 +42,9 @@ def active(process_group: ProcessGroup | None = None) -> bool:
     return dist.get_world_size(process_group) > 1
 
 
-def reduce_found_inf(found_inf: torch.Tensor, process_group: ProcessGroup | None = None, *, is_flag: bool = False) -> torch.Tensor:
+def reduce_found_inf(
+    found_inf: torch.Tensor, process_group: ProcessGroup | None = None, *, is_flag: bool = False
+) -> torch.Tensor:
     """Turn ``found_inf`` (0-d float32, a count of overflows) into the group's 0/1 flag, in place; no host read.
 
     Rule: ``found_inf = max over ranks of min(found_inf, 1)`` (no clamp with ``is_flag``: already 0 or 1).
@@ -92,8 +94,9 @@ def is_shard(t: torch.Tensor) -> bool:
     return any(isinstance(p, Shard) for p in t.placements)
 
 
-def all_reduce_grads_(grads: Iterable[torch.Tensor | None], process_group: ProcessGroup | None = None, *,
-                      average: bool = False) -> list[torch.Tensor]:
+def all_reduce_grads_(
+    grads: Iterable[torch.Tensor | None], process_group: ProcessGroup | None = None, *, average: bool = False
+) -> list[torch.Tensor]:
     """Sum the dense, plain gradients over the group in place (``average=True`` divides by the group size);
     ``None`` entries skipped; returns the rest. Identity outside torch.distributed. Call it before the overflow check.
     Cost: per (device, dtype), one flattening copy, one all-reduce and one copy back; no host read."""
@@ -101,9 +104,11 @@ def all_reduce_grads_(grads: Iterable[torch.Tensor | None], process_group: Proce
     for g in present:
         if g.is_sparse or local_shard(g) is not g:
             kind = "sparse" if g.is_sparse else "DTensor"
-            raise TypeError(f"all_reduce_grads_(grads=[..., {kind} of shape {tuple(g.shape)}, ...]): the gradients "
-                            f"must be dense plain tensors; got a {kind}. Reduce sparse gradients yourself; "
-                            f"DTensor gradients (FSDP2) are already reduced.")
+            raise TypeError(
+                f"all_reduce_grads_(grads=[..., {kind} of shape {tuple(g.shape)}, ...]): the gradients "
+                f"must be dense plain tensors; got a {kind}. Reduce sparse gradients yourself; "
+                f"DTensor gradients (FSDP2) are already reduced."
+            )
     if not present or not active(process_group):
         return present
     world = dist.get_world_size(process_group)
@@ -135,12 +140,16 @@ def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> tuple[int,
         return 0, 1
     missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
     if missing:
-        raise RuntimeError(f"init_from_env(backend={backend!r}): torchrun sets {', '.join(_TORCHRUN_VARS)}; "
-                           f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing. Launch with "
-                           f"`torchrun --nproc_per_node=N script.py`, or unset RANK and WORLD_SIZE to run alone.")
+        raise RuntimeError(
+            f"init_from_env(backend={backend!r}): torchrun sets {', '.join(_TORCHRUN_VARS)}; "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing. Launch with "
+            f"`torchrun --nproc_per_node=N script.py`, or unset RANK and WORLD_SIZE to run alone."
+        )
     if not dist.is_available():
-        raise RuntimeError(f"init_from_env(backend={backend!r}): RANK is set but this torch build has no "
-                           f"torch.distributed; install a build with it, or unset RANK and WORLD_SIZE.")
+        raise RuntimeError(
+            f"init_from_env(backend={backend!r}): RANK is set but this torch build has no "
+            f"torch.distributed; install a build with it, or unset RANK and WORLD_SIZE."
+        )
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 

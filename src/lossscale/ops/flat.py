@@ -53,8 +53,10 @@ class FlatGrads:
             problem = _unflattenable(p)
             if problem is not None:
                 where = names[i] if names is not None else f"parameter {i}"
-                raise ValueError(f"{call}(flat_grads=True): {where} {problem}; flat gradients need dense "
-                                 f"torch.Tensor parameters. Pass flat_grads=False for this optimizer.")
+                raise ValueError(
+                    f"{call}(flat_grads=True): {where} {problem}; flat gradients need dense "
+                    f"torch.Tensor parameters. Pass flat_grads=False for this optimizer."
+                )
         self.views: list[torch.Tensor | None] = []
         self.buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self.attach()
@@ -66,7 +68,8 @@ class FlatGrads:
         taking_part = [p.requires_grad or p.grad is not None for p in self.params]
         old = [p.grad for p in self.params]
         if len(self.views) != len(self.params) or any(
-                part != (view is not None) for part, view in zip(taking_part, self.views)):
+            part != (view is not None) for part, view in zip(taking_part, self.views)
+        ):
             self._allocate(taking_part)
         copied = 0
         released = all(grad is None for grad, view in zip(old, self.views) if view is not None)
@@ -81,9 +84,11 @@ class FlatGrads:
                         view.zero_()
                 else:
                     if grad.is_sparse or type(grad) is not torch.Tensor:
-                        raise ValueError(f"flat_grads=True: a parameter of shape {tuple(p.shape)} got a "
-                                         f"{'sparse' if grad.is_sparse else type(grad).__name__} gradient, which "
-                                         f"cannot live in a dense buffer. Pass flat_grads=False for this optimizer.")
+                        raise ValueError(
+                            f"flat_grads=True: a parameter of shape {tuple(p.shape)} got a "
+                            f"{'sparse' if grad.is_sparse else type(grad).__name__} gradient, which "
+                            f"cannot live in a dense buffer. Pass flat_grads=False for this optimizer."
+                        )
                     view.copy_(grad)
                     copied += 1
                 p.grad = view
@@ -99,8 +104,12 @@ class FlatGrads:
             if part:
                 sizes[key] = offsets[-1] + p.numel()
         self.buffers = {key: torch.zeros(n, device=key[0], dtype=key[1]) for key, n in sizes.items()}
-        self.views = [self.buffers[(p.device, p.dtype)].narrow(0, off, p.numel()).as_strided(p.shape, p.stride())
-                      if part else None for p, part, off in zip(self.params, taking_part, offsets)]
+        self.views = [
+            self.buffers[(p.device, p.dtype)].narrow(0, off, p.numel()).as_strided(p.shape, p.stride())
+            if part
+            else None
+            for p, part, off in zip(self.params, taking_part, offsets)
+        ]
 
     def holds(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether ``params`` are this buffer's parameters, in its order. One identity test per parameter."""

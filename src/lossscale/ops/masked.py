@@ -33,9 +33,11 @@ from lossscale.ops.distributed import local_shard
 __all__ = ["MaskedSkip"]
 
 #: Optimizers whose step is separable over parameters (exact classes, not subclasses).
-SEPARABLE = tuple(getattr(torch.optim, name) for name in (
-    "Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta")
-    if hasattr(torch.optim, name))
+SEPARABLE = tuple(
+    getattr(torch.optim, name)
+    for name in ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta")
+    if hasattr(torch.optim, name)
+)
 _ALIGN = 64  # bytes: every snapshot view in the pool starts on a cache line
 
 Layout = tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
@@ -65,7 +67,9 @@ class MaskedSkip:
         """True once every parameter with a gradient has its optimizer state (the first step creates it)."""
         return all(
             p in optimizer.state and len(optimizer.state[p]) > 0
-            for g in optimizer.param_groups for p in g["params"] if p.grad is not None
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None
         ) or not _has_stateful_defaults(optimizer)
 
     @torch.no_grad()
@@ -100,8 +104,9 @@ class MaskedSkip:
         """Snapshot everything, step once, restore where ``bad``."""
         self._pool = torch.empty(0, dtype=torch.uint8)
         self._views = []
-        targets = [t for g in optimizer.param_groups for p in g["params"]
-                   for t in _targets_of(optimizer, p, bad.device)]
+        targets = [
+            t for g in optimizer.param_groups for p in g["params"] for t in _targets_of(optimizer, p, bad.device)
+        ]
         if len(self._buffers) != len(targets) or any(
             b.shape != t.shape or b.dtype != t.dtype or b.device != t.device for b, t in zip(self._buffers, targets)
         ):
@@ -134,7 +139,7 @@ class MaskedSkip:
                 out.append(torch.empty_like(t))
                 continue
             nbytes = t.numel() * t.element_size()
-            out.append(self._pool[offset:offset + nbytes].view(t.dtype).view(t.shape))
+            out.append(self._pool[offset : offset + nbytes].view(t.dtype).view(t.shape))
             offset += _aligned(nbytes)
         return out
 
@@ -143,8 +148,9 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _restore(bad: torch.Tensor, flags: dict[torch.device, torch.Tensor], saved: list[torch.Tensor],
-             targets: list[torch.Tensor]) -> None:
+def _restore(
+    bad: torch.Tensor, flags: dict[torch.device, torch.Tensor], saved: list[torch.Tensor], targets: list[torch.Tensor]
+) -> None:
     """``t = saved where bad else t`` for every target (NaN-safe, unlike a lerp). Two reads + one write.
 
     ``flags``: ``bad`` on each device, copied there once per step (device to device; :func:`_targets_of` has
@@ -166,7 +172,8 @@ def _targets_of(optimizer: torch.optim.Optimizer, p: torch.Tensor, flag_device: 
         elif value is not None:
             raise TypeError(
                 f"LossScaleOptimizer(skip_mode='masked'): {type(optimizer).__name__} keeps state {key!r} as "
-                f"{type(value).__name__}, which cannot be restored without a host read; use skip_mode='host'.")
+                f"{type(value).__name__}, which cannot be restored without a host read; use skip_mode='host'."
+            )
     if flag_device.type != "cpu":
         for key, t in named:
             if t.device.type == "cpu":
@@ -174,20 +181,31 @@ def _targets_of(optimizer: torch.optim.Optimizer, p: torch.Tensor, flag_device: 
     return [t for _, t in named]
 
 
-def _refuse_host_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str | None,
-                       flag_device: torch.device) -> None:
-    where = next((f"param_groups[{i}][{j}]" for i, g in enumerate(optimizer.param_groups)
-                  for j, q in enumerate(g["params"]) if q is p), "a parameter")
+def _refuse_host_state(
+    optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str | None, flag_device: torch.device
+) -> None:
+    where = next(
+        (
+            f"param_groups[{i}][{j}]"
+            for i, g in enumerate(optimizer.param_groups)
+            for j, q in enumerate(g["params"])
+            if q is p
+        ),
+        "a parameter",
+    )
     what = f"state {key!r} of {where}" if key is not None else f"the parameter {where} itself"
     if any("capturable" in g for g in optimizer.param_groups):
-        fix = ("Build the optimizer with capturable=True (its step counters then live on the parameters' device), "
-               "or use skip_mode='host' (one host read per step, as torch's scaler).")
+        fix = (
+            "Build the optimizer with capturable=True (its step counters then live on the parameters' device), "
+            "or use skip_mode='host' (one host read per step, as torch's scaler)."
+        )
     else:
         fix = "Use skip_mode='host' (one host read per step, as torch's scaler)."
     raise ValueError(
         f"LossScaleOptimizer(skip_mode='masked'): {type(optimizer).__name__} keeps {what} in host memory (cpu) "
         f"while found_inf is on {flag_device}; restoring it where found_inf would copy found_inf to the host, "
-        f"a synchronisation with the device for every such tensor. {fix}")
+        f"a synchronisation with the device for every such tensor. {fix}"
+    )
 
 
 def _pool_bytes(targets: list[torch.Tensor], device: torch.device) -> int:
@@ -227,9 +245,13 @@ def _narrowed(optimizer: torch.optim.Optimizer, keep: set[int]) -> Iterator[None
 
 def _separable(optimizer: torch.optim.Optimizer) -> bool:
     """A torch optimizer class known to update each parameter on its own, with no step hook to fire."""
-    return (type(optimizer) in SEPARABLE and not optimizer._optimizer_step_pre_hooks
-            and not optimizer._optimizer_step_post_hooks
-            and not _optim_module._global_optimizer_pre_hooks and not _optim_module._global_optimizer_post_hooks)
+    return (
+        type(optimizer) in SEPARABLE
+        and not optimizer._optimizer_step_pre_hooks
+        and not optimizer._optimizer_step_post_hooks
+        and not _optim_module._global_optimizer_pre_hooks
+        and not _optim_module._global_optimizer_post_hooks
+    )
 
 
 def _has_stateful_defaults(optimizer: torch.optim.Optimizer) -> bool:

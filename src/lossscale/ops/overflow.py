@@ -48,16 +48,21 @@ def validate_mode(call: str, mode: str) -> None:
 def saturation_threshold(dtype: torch.dtype = torch.float16, call: str = "saturation_threshold") -> float:
     """The magnitude at which a scaled gradient counts as saturated: the format's largest finite value."""
     if not isinstance(dtype, torch.dtype):
-        raise ArgumentTypeError(f"{call}(saturation_dtype={dtype!r}): saturation_dtype must be a floating-point "
-                                f"torch.dtype such as torch.float16; got {type(dtype).__name__} {dtype!r}.")
+        raise ArgumentTypeError(
+            f"{call}(saturation_dtype={dtype!r}): saturation_dtype must be a floating-point "
+            f"torch.dtype such as torch.float16; got {type(dtype).__name__} {dtype!r}."
+        )
     if not dtype.is_floating_point:
-        raise ValueError(f"{call}(saturation_dtype={dtype}): saturation_dtype must be a floating-point torch.dtype "
-                         f"such as torch.float16; got {dtype}.")
+        raise ValueError(
+            f"{call}(saturation_dtype={dtype}): saturation_dtype must be a floating-point torch.dtype "
+            f"such as torch.float16; got {dtype}."
+        )
     return float(torch.finfo(dtype).max)
 
 
-def group_by_device_and_dtype(tensors: Iterable[torch.Tensor]
-                              ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+def group_by_device_and_dtype(
+    tensors: Iterable[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """Dense tensors grouped for the foreach kernels (sparse gradients contribute their values)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
@@ -100,17 +105,21 @@ def amax_kernel_module() -> ModuleType | None:
         RuntimeError: ``triton`` installed but failing to import (the message says how to turn the kernel off)."""
     setting = os.environ.get("LOSSSCALE_TRITON", "1")
     if setting not in ("0", "1"):
-        raise ValueError(f"LOSSSCALE_TRITON={setting!r}: the environment variable LOSSSCALE_TRITON must be '0' "
-                         f"(torch's multi-tensor inf-norm for the largest gradient magnitude on CUDA) or '1' "
-                         f"(lossscale's Triton kernel where triton is installed, the default); got {setting!r}.")
+        raise ValueError(
+            f"LOSSSCALE_TRITON={setting!r}: the environment variable LOSSSCALE_TRITON must be '0' "
+            f"(torch's multi-tensor inf-norm for the largest gradient magnitude on CUDA) or '1' "
+            f"(lossscale's Triton kernel where triton is installed, the default); got {setting!r}."
+        )
     if setting == "0" or importlib.util.find_spec("triton") is None:
         return None
     try:
         from lossscale.ops import amax_kernel
     except Exception as err:  # a triton that does not match this torch or machine
-        raise RuntimeError(f"lossscale.ops.amax_kernel: triton is installed but its import failed "
-                           f"({type(err).__name__}: {err}). Set LOSSSCALE_TRITON=0 to read the largest "
-                           f"gradient magnitude with torch's multi-tensor inf-norm instead.") from err
+        raise RuntimeError(
+            f"lossscale.ops.amax_kernel: triton is installed but its import failed "
+            f"({type(err).__name__}: {err}). Set LOSSSCALE_TRITON=0 to read the largest "
+            f"gradient magnitude with torch's multi-tensor inf-norm instead."
+        ) from err
     return amax_kernel
 
 
@@ -120,8 +129,9 @@ def _saturated(grads: Sequence[torch.Tensor], threshold: float) -> torch.Tensor:
     return ~(largest_magnitude(grads) < threshold)
 
 
-def check_with_amax_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, mode: OverflowMode = "inf_nan",
-                     threshold: float = 65504.0) -> torch.Tensor:
+def check_with_amax_(
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, mode: OverflowMode = "inf_nan", threshold: float = 65504.0
+) -> torch.Tensor:
     """Like :func:`check_`, and also return the largest magnitude (0-d float32; inf/NaN on overflow).
     One read pass (the check is the largest magnitude: not finite, or in saturation mode >= threshold); no host
     read."""
@@ -141,8 +151,9 @@ def one(device: torch.device) -> torch.Tensor:
     return _ONES[device]
 
 
-def check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, mode: OverflowMode = "inf_nan",
-           threshold: float = 65504.0) -> torch.Tensor:
+def check_(
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, mode: OverflowMode = "inf_nan", threshold: float = 65504.0
+) -> torch.Tensor:
     """Set ``found_inf`` to 1.0 if ``grads`` (one device and dtype) overflowed.
     Passes: inf_nan, one read+write (by 1.0); saturation, one read. No host read."""
     if not grads:
@@ -160,8 +171,13 @@ def check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, mode: Overflo
     return found_inf.logical_or_(flag)
 
 
-def unscale_and_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
-                       mode: OverflowMode = "inf_nan", threshold: float = 65504.0) -> torch.Tensor:
+def unscale_and_check_(
+    grads: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
+    mode: OverflowMode = "inf_nan",
+    threshold: float = 65504.0,
+) -> torch.Tensor:
     """Multiply ``grads`` (one device and dtype) in place by ``inv_scale`` and record overflow in ``found_inf``.
     Passes: one fused read+write (saturation: one read of the scaled values first). No host read."""
     if not grads:
@@ -172,8 +188,12 @@ def unscale_and_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, i
     return found_inf
 
 
-def overflowing(named_grads: Iterable[tuple[str, torch.Tensor | None]], mode: OverflowMode = "inf_nan",
-                threshold: float = 65504.0, unscaled_by: float = 1.0) -> list[str]:
+def overflowing(
+    named_grads: Iterable[tuple[str, torch.Tensor | None]],
+    mode: OverflowMode = "inf_nan",
+    threshold: float = 65504.0,
+    unscaled_by: float = 1.0,
+) -> list[str]:
     """Names of the gradients that overflowed. ``unscaled_by``: the scale already divided out of them
     (saturation is judged against ``threshold / unscaled_by``). One read of every gradient and one host read."""
     names, flags = [], []

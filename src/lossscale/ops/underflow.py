@@ -12,8 +12,12 @@ __all__ = ["FLUSH_TO_ZERO_FLOAT16", "underflow_share"]
 FLUSH_TO_ZERO_FLOAT16 = 2.0**-25
 
 
-def underflow_share(grads: Sequence[torch.Tensor], stride: int = 64, flush_below: float = FLUSH_TO_ZERO_FLOAT16,
-                    carried_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+def underflow_share(
+    grads: Sequence[torch.Tensor],
+    stride: int = 64,
+    flush_below: float = FLUSH_TO_ZERO_FLOAT16,
+    carried_scale: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
     """Share (0-d float32) of sampled nonzero values (every ``stride``-th) with ``|g * carried_scale| <= flush_below``.
 
     ``carried_scale``: what takes the gradients to the units float16 would hold (1 for the scaled gradients).

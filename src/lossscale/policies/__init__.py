@@ -5,5 +5,13 @@ from lossscale.policies.base import FixedScale, FloorError, Policy, ScaleState
 from lossscale.policies.dynamic import DynamicScale
 from lossscale.policies.predictive import PredictiveScale, PredictiveState
 
-__all__ = ["DynamicScale", "FixedScale", "FloorError", "Policy", "PredictiveScale", "PredictiveState", "ScaleState",
-           "presets"]
+__all__ = [
+    "DynamicScale",
+    "FixedScale",
+    "FloorError",
+    "Policy",
+    "PredictiveScale",
+    "PredictiveState",
+    "ScaleState",
+    "presets",
+]

@@ -108,8 +108,9 @@ class Policy(Generic[StateT]):
 
     def update(self, state: StateT, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> StateT:
         """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
-        raise NotImplementedError(f"{type(self).__name__}.update(state, found_inf, amax) is required by the Policy "
-                                  f"protocol")
+        raise NotImplementedError(
+            f"{type(self).__name__}.update(state, found_inf, amax) is required by the Policy protocol"
+        )
 
     def enforce_floor(self, state: StateT) -> None:
         """The floor rule after an update: by default none (the scale stays at its floor and steps skip)."""
@@ -123,9 +124,11 @@ class Policy(Generic[StateT]):
 def validate_policy(call: str, policy: object) -> None:
     """A TypeError unless ``policy`` is a :class:`Policy`."""
     if not isinstance(policy, Policy):
-        raise TypeError(f"{call}(policy={policy!r}): policy must have init(device) and update(state, found_inf, "
-                        f"amax=None): pass a lossscale.Policy (DynamicScale, FixedScale, PredictiveScale, a "
-                        f"preset, or your own subclass of Policy); got {type(policy).__name__}.")
+        raise TypeError(
+            f"{call}(policy={policy!r}): policy must have init(device) and update(state, found_inf, "
+            f"amax=None): pass a lossscale.Policy (DynamicScale, FixedScale, PredictiveScale, a "
+            f"preset, or your own subclass of Policy); got {type(policy).__name__}."
+        )
 
 
 def validate_found_inf(found_inf: object) -> None:
@@ -184,8 +187,10 @@ def move_state(state: StateT, device: torch.device | str) -> StateT:
     accelerator does not wait for the device (no host synchronisation: the values are staged before the call
     returns); a copy to host memory is a blocking one, so the values can be read at once."""
     non_blocking = torch.device(device).type != "cpu"
-    return dataclasses.replace(state, **{f.name: getattr(state, f.name).to(device, non_blocking=non_blocking)
-                                         for f in dataclasses.fields(state)})
+    return dataclasses.replace(
+        state,
+        **{f.name: getattr(state, f.name).to(device, non_blocking=non_blocking) for f in dataclasses.fields(state)},
+    )
 
 
 def state_to_dict(state: StateRecord) -> dict[str, float | int | list[float] | list[int]]:
@@ -198,18 +203,23 @@ def _field_tensor(call: str, name: str, value: object, like: torch.Tensor) -> to
     try:
         raw = torch.as_tensor(value, dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"{call}: state field {name!r} must be a number (or a list of numbers); got "
-                        f"{type(value).__name__} {value!r}.") from None
+        raise TypeError(
+            f"{call}: state field {name!r} must be a number (or a list of numbers); got "
+            f"{type(value).__name__} {value!r}."
+        ) from None
     batched = like.dim() == 0 and raw.dim() == 1  # a batch of states: a rule evaluated over many at once
     if tuple(raw.shape) != tuple(like.shape) and not batched:
-        raise ValueError(f"{call}: state field {name!r} must have shape {tuple(like.shape)} (or (n,) for a batch of "
-                         f"n states); got {tuple(raw.shape)}.")
+        raise ValueError(
+            f"{call}: state field {name!r} must have shape {tuple(like.shape)} (or (n,) for a batch of "
+            f"n states); got {tuple(raw.shape)}."
+        )
     values = raw.reshape(-1).tolist()
     if not all(math.isfinite(v) for v in values):
         raise ValueError(f"{call}: state field {name!r} must be finite; got {value!r}.")
     if not like.is_floating_point() and not all(v == int(v) and -INT32_MAX - 1 <= v <= INT32_MAX for v in values):
-        raise ValueError(f"{call}: state field {name!r} is a counter: it must hold integers in the int32 range; "
-                         f"got {value!r}.")
+        raise ValueError(
+            f"{call}: state field {name!r} is a counter: it must hold integers in the int32 range; got {value!r}."
+        )
     return raw.to(like.dtype).to(like.device)
 
 
@@ -225,6 +235,8 @@ def state_from_dict(template: StateT, values: object, call: str = "load_state_di
     fields = {n: _field_tensor(call, n, values[n], getattr(template, n)) for n in names}
     batches = {tuple(t.shape) for n, t in fields.items() if getattr(template, n).dim() == 0}
     if len(batches) > 1:
-        raise ValueError(f"{call}: the state's scalar fields must all be scalars or all batches of one length; got "
-                         f"shapes { {n: tuple(t.shape) for n, t in fields.items()} }.")
+        raise ValueError(
+            f"{call}: the state's scalar fields must all be scalars or all batches of one length; got "
+            f"shapes { {n: tuple(t.shape) for n, t in fields.items()} }."
+        )
     return dataclasses.replace(template, **fields)

@@ -170,10 +170,17 @@ class DynamicScale(Policy[ScaleState]):
     @functools.cached_property
     def _torch_rule(self) -> bool:
         """Whether the rule is torch's plus a floor (torch's own update kernel runs it)."""
-        return (self.hysteresis == 1 and self.refill_after_backoff and self.growth_delay == 0
-                and self.arithmetic == "float64" and self.backoff_divisor is None
-                and self.growth_guard == "result" and self.at_floor == "skip"
-                and self.max_scale == FLOAT32_MAX and self.growth_interval < 2**31 - 1)
+        return (
+            self.hysteresis == 1
+            and self.refill_after_backoff
+            and self.growth_delay == 0
+            and self.arithmetic == "float64"
+            and self.backoff_divisor is None
+            and self.growth_guard == "result"
+            and self.at_floor == "skip"
+            and self.max_scale == FLOAT32_MAX
+            and self.growth_interval < 2**31 - 1
+        )
 
     def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor, found: torch.Tensor) -> ScaleState:
         """The same rule through torch's ``_amp_update_scale_`` (on copies; ``found``: its flag), then the floor."""
@@ -231,8 +238,9 @@ def validate_dynamic_args(call: str, args: Mapping[str, object], names: Mapping[
                 f"{call}(backoff_factor={v['backoff_factor']!r}, backoff_divisor={d!r}): pass one of them; "
                 f"a backoff either multiplies by backoff_factor or divides by backoff_divisor; got both."
             )
-    validate_scale_bounds(call, v["min_scale"], v["max_scale"], v["init_scale"],
-                       (n("min_scale"), n("max_scale"), n("init_scale")))
+    validate_scale_bounds(
+        call, v["min_scale"], v["max_scale"], v["init_scale"], (n("min_scale"), n("max_scale"), n("init_scale"))
+    )
     validate_factor_above_one(call, n("growth_factor"), v["growth_factor"], "it multiplies the scale on growth")
     if d is None:
         validate_fraction(call, n("backoff_factor"), v["backoff_factor"], "it multiplies the scale when it backs off")

@@ -141,11 +141,15 @@ class PredictiveScale(Policy[PredictiveState]):
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0.0 < b < 1.0):
             raise ValueError(f"{call}(backoff_factor={b!r}): backoff_factor must be in (0, 1); got {b!r}.")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ValueError(f"{call}(dtype={self.dtype!r}): dtype must be a floating-point torch.dtype such as "
-                             f"torch.float16; got {self.dtype!r}.")
+            raise ValueError(
+                f"{call}(dtype={self.dtype!r}): dtype must be a floating-point torch.dtype such as "
+                f"torch.float16; got {self.dtype!r}."
+            )
         if _pow2_floor(self.max_scale) < self.min_scale:
-            raise ValueError(f"{call}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}): no power of two "
-                             f"lies in [min_scale, max_scale].")
+            raise ValueError(
+                f"{call}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}): no power of two "
+                f"lies in [min_scale, max_scale]."
+            )
 
     @property
     def limit(self) -> float:
@@ -154,14 +158,20 @@ class PredictiveScale(Policy[PredictiveState]):
 
     def init(self, device: torch.device | str | None = None) -> PredictiveState:
         """A fresh state on ``device``: the initial scale (as a power of two) and no observation."""
+
         def zero(dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros((), dtype=dtype, device=device)
 
         start = min(max(_pow2_floor(self.init_scale), self._floor_pow2()), self._cap_pow2())
-        return PredictiveState(scale=torch.full((), start, dtype=torch.float32, device=device),
-                               level=zero(torch.float32), threshold=zero(torch.float32),
-                               excess=zero(torch.float32), observed=zero(torch.int32),
-                               extra=zero(torch.float32), clean_run=zero(torch.int32))
+        return PredictiveState(
+            scale=torch.full((), start, dtype=torch.float32, device=device),
+            level=zero(torch.float32),
+            threshold=zero(torch.float32),
+            excess=zero(torch.float32),
+            observed=zero(torch.int32),
+            extra=zero(torch.float32),
+            clean_run=zero(torch.int32),
+        )
 
     def _cap_pow2(self) -> float:
         return _pow2_floor(self.max_scale)
@@ -170,8 +180,14 @@ class PredictiveScale(Policy[PredictiveState]):
         low = _pow2_floor(self.min_scale)
         return low if low >= self.min_scale else low * 2
 
-    def update(self, state: PredictiveState, found_inf: torch.Tensor, amax: torch.Tensor | None = None,
-               *, loss_finite: torch.Tensor | None = None) -> PredictiveState:
+    def update(
+        self,
+        state: PredictiveState,
+        found_inf: torch.Tensor,
+        amax: torch.Tensor | None = None,
+        *,
+        loss_finite: torch.Tensor | None = None,
+    ) -> PredictiveState:
         """The next state from this step's found_inf, amax and (None: unknown) loss finiteness. No host read."""
         device = state.scale.device
         bad = as_flag(found_inf, device)
@@ -184,14 +200,22 @@ class PredictiveScale(Policy[PredictiveState]):
             extra = extra + (evidence & (state.observed > 0)).float()
         forecast = self._forecast(observed, extra)
         blind = state.scale * 2.0**-BLIND_BACKOFF_POWERS
-        backed_off = torch.where(observed.observed > 0, torch.minimum(forecast, state.scale * self.backoff_factor),
-                                 blind)
+        backed_off = torch.where(
+            observed.observed > 0, torch.minimum(forecast, state.scale * self.backoff_factor), blind
+        )
         new = torch.where(evidence, backed_off, torch.where(observed.observed > 0, forecast, state.scale))
         new = torch.where(fault, state.scale, new)
         new = torch.exp2(torch.floor(torch.log2(new))).clamp(self._floor_pow2(), self._cap_pow2())
         run = torch.where(bad, 0, (state.clean_run + 1).clamp_max(2**30))
-        return PredictiveState(new.float(), observed.level, observed.threshold, observed.excess,
-                               observed.observed, extra.float(), run.to(torch.int32))
+        return PredictiveState(
+            new.float(),
+            observed.level,
+            observed.threshold,
+            observed.excess,
+            observed.observed,
+            extra.float(),
+            run.to(torch.int32),
+        )
 
     def _is_fault(self, state: PredictiveState, amax: torch.Tensor, loss_finite: torch.Tensor | None) -> torch.Tensor:
         """An overflow that says nothing about the scale (see the rule's ``fault``)."""
@@ -212,16 +236,16 @@ class PredictiveScale(Policy[PredictiveState]):
         step = THRESHOLD_RATE * ((r > state.threshold).float() - TAIL_SHARE)
         threshold = torch.where(later, state.threshold + step, state.threshold)
         count = (state.observed + valid.to(torch.int32)).clamp_max(2**30)
-        return PredictiveState(state.scale, level.float(), threshold.float(), excess.float(), count,
-                               state.extra, state.clean_run)
+        return PredictiveState(
+            state.scale, level.float(), threshold.float(), excess.float(), count, state.extra, state.clean_run
+        )
 
     def _forecast(self, observed: PredictiveState, extra: torch.Tensor) -> torch.Tensor:
         """The largest power of two whose forecast overflow rate is about 1 / target_interval."""
         count = observed.observed.float()
         weight = count / (count + PRIOR_STEPS)
         width = weight * observed.excess / TAIL_SHARE + (1.0 - weight) * PRIOR_WIDTH
-        headroom = (observed.threshold + width * math.log(TAIL_SHARE * self.target_interval)
-                    + extra + self.margin)
+        headroom = observed.threshold + width * math.log(TAIL_SHARE * self.target_interval) + extra + self.margin
         exponent = torch.floor(math.log2(self.limit) - observed.level - headroom)
         return torch.exp2(exponent.clamp(-126.0, 127.0))
 

@@ -62,8 +62,14 @@ def _dynamic(call: str, names: dict[str, str], **fields: Any) -> DynamicScale:
     return DynamicScale(**fields)
 
 
-def torch_amp(init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-              growth_interval: int = 2000, *, call: str = "presets.torch_amp") -> DynamicScale:
+def torch_amp(
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    *,
+    call: str = "presets.torch_amp",
+) -> DynamicScale:
     """``torch.amp.GradScaler``: grow on the ``growth_interval``-th clean step, ``S * backoff`` in float64.
 
     Rule: overflow -> ``S *= backoff_factor``, count = 0; clean -> count += 1, and at
@@ -74,12 +80,19 @@ def torch_amp(init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_f
         >>> presets.torch_amp().growth_interval
         2000
     """
-    return _dynamic(call, {}, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                    growth_interval=growth_interval)
+    return _dynamic(
+        call,
+        {},
+        init_scale=init_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+    )
 
 
-def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000, *,
-          call: str = "presets.keras") -> DynamicScale:
+def keras(
+    initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000, *, call: str = "presets.keras"
+) -> DynamicScale:
     """Keras 3 ``LossScaleOptimizer``: factor 2, no floor, no cap.
 
     Rule: overflow -> ``S = S / 2``, count = 0; clean -> if count == W - 1: ``S = S * 2``, count = 0,
@@ -90,13 +103,20 @@ def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000, *,
         >>> presets.keras(dynamic_growth_steps=3).growth_interval
         3
     """
-    return _dynamic(call, {"init_scale": "initial_scale", "growth_interval": "dynamic_growth_steps"},
-                    init_scale=initial_scale, growth_factor=2.0, backoff_divisor=2.0,
-                    growth_interval=dynamic_growth_steps, arithmetic="float32")
+    return _dynamic(
+        call,
+        {"init_scale": "initial_scale", "growth_interval": "dynamic_growth_steps"},
+        init_scale=initial_scale,
+        growth_factor=2.0,
+        backoff_divisor=2.0,
+        growth_interval=dynamic_growth_steps,
+        arithmetic="float32",
+    )
 
 
-def tf_keras2(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000, *,
-              call: str = "presets.tf_keras2") -> DynamicScale:
+def tf_keras2(
+    initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000, *, call: str = "presets.tf_keras2"
+) -> DynamicScale:
     """Keras 2 (``tf_keras`` / TF <= 2.15) ``mixed_precision.LossScaleOptimizer``: floor 1, no inf.
 
     Rule: overflow -> ``S = max(S / 2, 1)``, count = 0; clean -> count + 1 >= W: ``S * 2`` if finite
@@ -107,13 +127,25 @@ def tf_keras2(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000, 
         >>> presets.tf_keras2().min_scale
         1.0
     """
-    return _dynamic(call, {"init_scale": "initial_scale", "growth_interval": "dynamic_growth_steps"},
-                    init_scale=initial_scale, growth_factor=2.0, backoff_divisor=2.0,
-                    growth_interval=dynamic_growth_steps, min_scale=1.0, arithmetic="float32")
+    return _dynamic(
+        call,
+        {"init_scale": "initial_scale", "growth_interval": "dynamic_growth_steps"},
+        init_scale=initial_scale,
+        growth_factor=2.0,
+        backoff_divisor=2.0,
+        growth_interval=dynamic_growth_steps,
+        min_scale=1.0,
+        arithmetic="float32",
+    )
 
 
-def tf_v1(initial_loss_scale: float = 2.0**15, increment_period: int = 2000,
-          multiplier: float = 2.0, *, call: str = "presets.tf_v1") -> DynamicScale:
+def tf_v1(
+    initial_loss_scale: float = 2.0**15,
+    increment_period: int = 2000,
+    multiplier: float = 2.0,
+    *,
+    call: str = "presets.tf_v1",
+) -> DynamicScale:
     """``tf.compat.v1.mixed_precision.DynamicLossScale`` (TF 2.x): divides by the multiplier, floor 1.
 
     Rule: overflow -> ``S = max(S / multiplier, 1)``, count = 0; clean -> count + 1 >= period:
@@ -124,14 +156,31 @@ def tf_v1(initial_loss_scale: float = 2.0**15, increment_period: int = 2000,
         >>> presets.tf_v1(multiplier=3.0).backoff_divisor
         3.0
     """
-    names = {"init_scale": "initial_loss_scale", "growth_interval": "increment_period", "growth_factor": "multiplier",
-             "backoff_divisor": "multiplier"}
-    return _dynamic(call, names, init_scale=initial_loss_scale, growth_factor=multiplier, backoff_divisor=multiplier,
-                    growth_interval=increment_period, min_scale=1.0, arithmetic="float32")
+    names = {
+        "init_scale": "initial_loss_scale",
+        "growth_interval": "increment_period",
+        "growth_factor": "multiplier",
+        "backoff_divisor": "multiplier",
+    }
+    return _dynamic(
+        call,
+        names,
+        init_scale=initial_loss_scale,
+        growth_factor=multiplier,
+        backoff_divisor=multiplier,
+        growth_interval=increment_period,
+        min_scale=1.0,
+        arithmetic="float32",
+    )
 
 
-def mindspore(init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_window: int = 2000, *,
-              call: str = "presets.mindspore") -> DynamicScale:
+def mindspore(
+    init_loss_scale: float = 2.0**24,
+    scale_factor: float = 2,
+    scale_window: int = 2000,
+    *,
+    call: str = "presets.mindspore",
+) -> DynamicScale:
     """MindSpore ``nn.DynamicLossScaleUpdateCell`` (defaults of ``DynamicLossScaleManager``).
 
     Rule (float32 tensors; ``cur_iter`` starts at 1, ``last_overflow_iter`` at 0)::
@@ -147,13 +196,25 @@ def mindspore(init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_w
     """
     validate_factor_above_one(call, "scale_factor", scale_factor, "the scale is multiplied and divided by it")
     names = {"init_scale": "init_loss_scale", "growth_interval": "scale_window"}
-    return _dynamic(call, names, init_scale=init_loss_scale, growth_factor=float(scale_factor),
-                    backoff_factor=1.0 / scale_factor, growth_interval=scale_window, min_scale=1.0,
-                    arithmetic="float32")
+    return _dynamic(
+        call,
+        names,
+        init_scale=init_loss_scale,
+        growth_factor=float(scale_factor),
+        backoff_factor=1.0 / scale_factor,
+        growth_interval=scale_window,
+        min_scale=1.0,
+        arithmetic="float32",
+    )
 
 
-def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000, *,  # noqa: N803  # nnabla names it N
-           call: str = "presets.nnabla") -> DynamicScale:
+def nnabla(
+    scale: float = 8.0,
+    scaling_factor: float = 2.0,
+    N: int = 2000,  # noqa: N803  # nnabla names it N
+    *,
+    call: str = "presets.nnabla",
+) -> DynamicScale:
     """nnabla ``DynamicLossScalingUpdater``, one forward/backward attempt per ``update``.
 
     Rule (Python floats; ``counter`` starts at 0)::
@@ -172,13 +233,28 @@ def nnabla(scale: float = 8.0, scaling_factor: float = 2.0, N: int = 2000, *,  #
     """
     validate_int_at_least(call, "N", N, 0)  # N + 1 is the growth interval
     names = {"init_scale": "scale", "growth_factor": "scaling_factor", "backoff_divisor": "scaling_factor"}
-    return _dynamic(call, names, init_scale=scale, growth_factor=scaling_factor, backoff_divisor=scaling_factor,
-                    growth_interval=N + 1, growth_delay=1)
+    return _dynamic(
+        call,
+        names,
+        init_scale=scale,
+        growth_factor=scaling_factor,
+        backoff_divisor=scaling_factor,
+        growth_interval=N + 1,
+        growth_delay=1,
+    )
 
 
-def deepspeed(init_scale: float = 2.0**16, scale_factor: float = 2.0, scale_window: int = 1000,
-              min_scale: float = 1.0, delayed_shift: int = 2, consecutive_hysteresis: bool = False,
-              raise_error_at_min_scale: bool = True, *, call: str = "presets.deepspeed") -> DynamicScale:
+def deepspeed(
+    init_scale: float = 2.0**16,
+    scale_factor: float = 2.0,
+    scale_window: int = 1000,
+    min_scale: float = 1.0,
+    delayed_shift: int = 2,
+    consecutive_hysteresis: bool = False,
+    raise_error_at_min_scale: bool = True,
+    *,
+    call: str = "presets.deepspeed",
+) -> DynamicScale:
     """DeepSpeed's ZeRO ``DynamicLossScaler`` (``initial_scale_power`` 16, window 1000, hysteresis 2).
 
     Rule (Python floats; ``cur_iter`` starts at 0, ``last_overflow_iter`` at -1, ``h = delayed_shift``)::
@@ -206,18 +282,38 @@ def deepspeed(init_scale: float = 2.0**16, scale_factor: float = 2.0, scale_wind
     """
     validate_choice(call, "consecutive_hysteresis", consecutive_hysteresis, (True, False))
     validate_choice(call, "raise_error_at_min_scale", raise_error_at_min_scale, (True, False))
-    names = {"growth_factor": "scale_factor", "backoff_divisor": "scale_factor", "growth_interval": "scale_window",
-             "hysteresis": "delayed_shift"}
-    return _dynamic(call, names, init_scale=init_scale, growth_factor=scale_factor, backoff_divisor=scale_factor,
-                    growth_interval=scale_window, hysteresis=delayed_shift,
-                    hysteresis_mode="consecutive" if consecutive_hysteresis else "cumulative",
-                    refill_after_backoff=False, min_scale=min_scale, growth_delay=1,
-                    at_floor="raise" if raise_error_at_min_scale else "skip")
+    names = {
+        "growth_factor": "scale_factor",
+        "backoff_divisor": "scale_factor",
+        "growth_interval": "scale_window",
+        "hysteresis": "delayed_shift",
+    }
+    return _dynamic(
+        call,
+        names,
+        init_scale=init_scale,
+        growth_factor=scale_factor,
+        backoff_divisor=scale_factor,
+        growth_interval=scale_window,
+        hysteresis=delayed_shift,
+        hysteresis_mode="consecutive" if consecutive_hysteresis else "cumulative",
+        refill_after_backoff=False,
+        min_scale=min_scale,
+        growth_delay=1,
+        at_floor="raise" if raise_error_at_min_scale else "skip",
+    )
 
 
-def megatron(initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_factor: float = 2.0,
-             backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2, *,
-             call: str = "presets.megatron") -> DynamicScale:
+def megatron(
+    initial_scale: float = 2.0**32,
+    min_scale: float = 1.0,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 1000,
+    hysteresis: int = 2,
+    *,
+    call: str = "presets.megatron",
+) -> DynamicScale:
     """Megatron-core ``DynamicGradScaler`` (defaults of its optimizer config).
 
     Rule (float32 tensors)::
@@ -233,15 +329,30 @@ def megatron(initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_fact
         >>> presets.megatron().hysteresis_mode
         'cumulative'
     """
-    return _dynamic(call, {"init_scale": "initial_scale"}, init_scale=initial_scale, growth_factor=growth_factor,
-                    backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis,
-                    hysteresis_mode="cumulative", refill_after_backoff=False, min_scale=min_scale,
-                    arithmetic="float32")
+    return _dynamic(
+        call,
+        {"init_scale": "initial_scale"},
+        init_scale=initial_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        hysteresis=hysteresis,
+        hysteresis_mode="cumulative",
+        refill_after_backoff=False,
+        min_scale=min_scale,
+        arithmetic="float32",
+    )
 
 
-def paddle(init_loss_scaling: float = 2.0**16, incr_ratio: float = 2.0, decr_ratio: float = 0.5,
-           incr_every_n_steps: int = 2000, decr_every_n_nan_or_inf: int = 1, *,
-           call: str = "presets.paddle") -> DynamicScale:
+def paddle(
+    init_loss_scaling: float = 2.0**16,
+    incr_ratio: float = 2.0,
+    decr_ratio: float = 0.5,
+    incr_every_n_steps: int = 2000,
+    decr_every_n_nan_or_inf: int = 1,
+    *,
+    call: str = "presets.paddle",
+) -> DynamicScale:
     """PaddlePaddle's dygraph ``paddle.amp.GradScaler`` (Paddle 3.3).
 
     Rule (float32 tensors)::
@@ -256,16 +367,35 @@ def paddle(init_loss_scaling: float = 2.0**16, incr_ratio: float = 2.0, decr_rat
         >>> presets.paddle(decr_every_n_nan_or_inf=2).hysteresis
         2
     """
-    names = {"init_scale": "init_loss_scaling", "growth_factor": "incr_ratio", "backoff_factor": "decr_ratio",
-             "growth_interval": "incr_every_n_steps", "hysteresis": "decr_every_n_nan_or_inf"}
-    return _dynamic(call, names, init_scale=init_loss_scaling, growth_factor=incr_ratio, backoff_factor=decr_ratio,
-                    growth_interval=incr_every_n_steps, hysteresis=decr_every_n_nan_or_inf,
-                    hysteresis_mode="consecutive", arithmetic="float32")
+    names = {
+        "init_scale": "init_loss_scaling",
+        "growth_factor": "incr_ratio",
+        "backoff_factor": "decr_ratio",
+        "growth_interval": "incr_every_n_steps",
+        "hysteresis": "decr_every_n_nan_or_inf",
+    }
+    return _dynamic(
+        call,
+        names,
+        init_scale=init_loss_scaling,
+        growth_factor=incr_ratio,
+        backoff_factor=decr_ratio,
+        growth_interval=incr_every_n_steps,
+        hysteresis=decr_every_n_nan_or_inf,
+        hysteresis_mode="consecutive",
+        arithmetic="float32",
+    )
 
 
-def ascend(init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_inf: int = 2,
-           incr_ratio: float = 2, decr_ratio: float = 0.8, *,
-           call: str = "presets.ascend") -> DynamicScale:
+def ascend(
+    init_loss_scale: float,
+    incr_every_n_steps: int,
+    decr_every_n_nan_or_inf: int = 2,
+    incr_ratio: float = 2,
+    decr_ratio: float = 0.8,
+    *,
+    call: str = "presets.ascend",
+) -> DynamicScale:
     """Ascend's ``ExponentialUpdateLossScaleManager`` (npu_bridge), TF1 contrib's manager reproduced.
 
     Rule (float32 variables; ``good`` and ``bad`` start at 0)::
@@ -286,14 +416,30 @@ def ascend(init_loss_scale: float, incr_every_n_steps: int, decr_every_n_nan_or_
         (2, 'cumulative', 1.0, 'float32')
     """
     validate_factor_above_one(call, "incr_ratio", incr_ratio, "it multiplies the scale on growth")
-    names = {"init_scale": "init_loss_scale", "growth_interval": "incr_every_n_steps",
-             "hysteresis": "decr_every_n_nan_or_inf", "growth_factor": "incr_ratio", "backoff_factor": "decr_ratio"}
-    return _dynamic(call, names, init_scale=init_loss_scale, growth_factor=float(incr_ratio), backoff_factor=decr_ratio,
-                    growth_interval=incr_every_n_steps, hysteresis=decr_every_n_nan_or_inf,
-                    hysteresis_mode="cumulative", min_scale=1.0, max_scale=ASCEND_LIMIT, growth_guard="operand",
-                    arithmetic="float32")
+    names = {
+        "init_scale": "init_loss_scale",
+        "growth_interval": "incr_every_n_steps",
+        "hysteresis": "decr_every_n_nan_or_inf",
+        "growth_factor": "incr_ratio",
+        "backoff_factor": "decr_ratio",
+    }
+    return _dynamic(
+        call,
+        names,
+        init_scale=init_loss_scale,
+        growth_factor=float(incr_ratio),
+        backoff_factor=decr_ratio,
+        growth_interval=incr_every_n_steps,
+        hysteresis=decr_every_n_nan_or_inf,
+        hysteresis_mode="cumulative",
+        min_scale=1.0,
+        max_scale=ASCEND_LIMIT,
+        growth_guard="operand",
+        arithmetic="float32",
+    )
 
 
 #: Every preset by name (the peers of ``tests/golden``).
-PRESETS = {f.__name__: f for f in (torch_amp, keras, tf_keras2, tf_v1, mindspore, nnabla, deepspeed, megatron,
-                                   paddle, ascend)}
+PRESETS = {
+    f.__name__: f for f in (torch_amp, keras, tf_keras2, tf_v1, mindspore, nnabla, deepspeed, megatron, paddle, ascend)
+}
