@@ -199,7 +199,7 @@ class OverflowDiagnosis(AddOn):
         state = self._state
         if state is not None:  # start again from zero; copies issued before this are stale
             self._state = TriggerState.init(state.streak.device)._replace(seen_clean=state.seen_clean)
-        self._slots = []
+        self._slots = [(buffer, None) for buffer, _ in self._slots]  # their values predate the reset
         cause = (report.kind, report.module)
         if cause in self.reported:
             return
