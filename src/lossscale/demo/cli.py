@@ -26,8 +26,10 @@ try:
 
     from lossscale.demo.plot import plot_runs, power_text
 except ImportError as err:
-    raise SystemExit(f"lossscale demo: error: {err.name} is not installed; the demo needs matplotlib and tqdm: "
-                     f"pip install 'lossscale[demo]'") from None
+    raise SystemExit(
+        f"lossscale demo: error: {err.name} is not installed; the demo needs matplotlib and tqdm: "
+        f"pip install 'lossscale[demo]'"
+    ) from None
 
 from lossscale.demo.train import (
     DEFAULT,
@@ -45,8 +47,8 @@ from lossscale.reporting import atomic_write
 DEFINITIONS = {
     "heldout_loss": "mean cross-entropy in nats per character on the held-out files, in float32, after the last step",
     "underflow": "share of gradient values nonzero in a float32 backward pass of a step's first micro-batch but "
-                 "exactly zero in the run's own backward pass of it (its precision and loss scale), at every "
-                 "measure_every-th step and the last: mean and peak over those samples",
+    "exactly zero in the run's own backward pass of it (its precision and loss scale), at every "
+    "measure_every-th step and the last: mean and peak over those samples",
 }
 
 
@@ -73,16 +75,26 @@ def _run_names(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The demo's options."""
-    p = _Parser(prog="lossscale demo", description=__doc__.split("\n\n")[0],
-                epilog="Quote 'fast|step|0.9' in a shell. Details and measurements: docs/demo.md.")
-    p.add_argument("--quick", action="store_true",
-                   help=f"{QUICK.steps} updates of {QUICK.sequences} sequences per micro-batch instead of {DEFAULT.steps} "
-                        f"of {DEFAULT.sequences}, and the runs {','.join(QUICK_RUNS)}")
+    p = _Parser(
+        prog="lossscale demo",
+        description=__doc__.split("\n\n")[0],
+        epilog="Quote 'fast|step|0.9' in a shell. Details and measurements: docs/demo.md.",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK.steps} updates of {QUICK.sequences} sequences per micro-batch instead of {DEFAULT.steps} "
+        f"of {DEFAULT.sequences}, and the runs {','.join(QUICK_RUNS)}",
+    )
     p.add_argument("--runs", type=_run_names, help=f"comma-separated runs (default: {','.join(RUNS)})")
     p.add_argument("--steps", type=_at_least(1), help="updates each run applies (skipped steps come on top)")
     p.add_argument("--seed", type=_at_least(0), help="seeds the model, the choice of files and the batches")
-    p.add_argument("--jobs", type=_at_least(1), help="runs trained at a time, each in a worker process with one "
-                                                     "torch thread (default: one per core on the CPU, else 1)")
+    p.add_argument(
+        "--jobs",
+        type=_at_least(1),
+        help="runs trained at a time, each in a worker process with one "
+        "torch thread (default: one per core on the CPU, else 1)",
+    )
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--out", default="demo-out", help="directory for results.json, demo.png and the CSVs")
     size = p.add_argument_group("size of the experiment (default: the preset's)")
@@ -99,8 +111,9 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     options = ("steps", "seed", "accumulation", "sequences", "context", "d_model", "files")
-    cfg = replace(QUICK if args.quick else DEFAULT,
-                  **{k: getattr(args, k) for k in options if getattr(args, k) is not None})
+    cfg = replace(
+        QUICK if args.quick else DEFAULT, **{k: getattr(args, k) for k in options if getattr(args, k) is not None}
+    )
     names = args.runs or (QUICK_RUNS if args.quick else list(RUNS))
     if cfg.d_model % cfg.heads:
         parser.error(f"argument --d-model: must be a multiple of the {cfg.heads} heads; got {cfg.d_model}")
@@ -119,11 +132,13 @@ def main(argv: list[str]) -> int:
     jobs = min(len(names), args.jobs or ((os.cpu_count() or 1) if args.device == "cpu" else 1))
 
     started = time.perf_counter()
-    print(f"lossscale demo: a character-level transformer on Python's own standard library: "
-          f"{len(corpus.train_files)} files ({len(corpus.train):,} characters), {len(corpus.heldout_files)} held out "
-          f"({len(corpus.heldout):,})\n  {cfg.steps} updates x {cfg.accumulation} micro-batches x {cfg.sequences} "
-          f"sequences x {cfg.context} characters; loss / {cfg.loss_normalizer:,} characters; "
-          f"seed {cfg.seed}; {len(names)} runs, {jobs} at a time")
+    print(
+        f"lossscale demo: a character-level transformer on Python's own standard library: "
+        f"{len(corpus.train_files)} files ({len(corpus.train):,} characters), {len(corpus.heldout_files)} held out "
+        f"({len(corpus.heldout):,})\n  {cfg.steps} updates x {cfg.accumulation} micro-batches x {cfg.sequences} "
+        f"sequences x {cfg.context} characters; loss / {cfg.loss_normalizer:,} characters; "
+        f"seed {cfg.seed}; {len(names)} runs, {jobs} at a time"
+    )
     try:
         runs = train_all(names, cfg, args.device, args.out, jobs)
     except KeyboardInterrupt:
@@ -132,20 +147,39 @@ def main(argv: list[str]) -> int:
     wall = time.perf_counter() - started
     results = os.path.join(args.out, "results.json")
     with atomic_write(results) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"config": asdict(cfg) | {"loss_factor": cfg.loss_factor, "runs": names},
-                   "machine": {"processor": platform.processor(), "machine": platform.machine(),
-                               "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                               "torch": torch.__version__, "device": args.device,
-                               "torch_threads_per_run": 1, "jobs": jobs,
-                               "wall_seconds": wall},
-                   "corpus": {"train_files": [os.path.basename(p) for p in corpus.train_files],
-                              "heldout_files": [os.path.basename(p) for p in corpus.heldout_files],
-                              "train_characters": len(corpus.train), "heldout_characters": len(corpus.heldout)},
-                   "definitions": DEFINITIONS, "runs": runs}, f, indent=1)
+        json.dump(
+            {
+                "config": asdict(cfg) | {"loss_factor": cfg.loss_factor, "runs": names},
+                "machine": {
+                    "processor": platform.processor(),
+                    "machine": platform.machine(),
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "torch": torch.__version__,
+                    "device": args.device,
+                    "torch_threads_per_run": 1,
+                    "jobs": jobs,
+                    "wall_seconds": wall,
+                },
+                "corpus": {
+                    "train_files": [os.path.basename(p) for p in corpus.train_files],
+                    "heldout_files": [os.path.basename(p) for p in corpus.heldout_files],
+                    "train_characters": len(corpus.train),
+                    "heldout_characters": len(corpus.heldout),
+                },
+                "definitions": DEFINITIONS,
+                "runs": runs,
+            },
+            f,
+            indent=1,
+        )
     figure = os.path.join(args.out, "demo.png")
-    plot_runs(figure, runs, f"lossscale demo (seed {cfg.seed}): {cfg.steps} updates of {cfg.accumulation} x "
-                            f"{cfg.sequences} x {cfg.context} characters, loss / {cfg.loss_normalizer:,} "
-                            f"characters, float16 loss scale from {power_text(cfg.init_scale)}")
+    plot_runs(
+        figure,
+        runs,
+        f"lossscale demo (seed {cfg.seed}): {cfg.steps} updates of {cfg.accumulation} x "
+        f"{cfg.sequences} x {cfg.context} characters, loss / {cfg.loss_normalizer:,} "
+        f"characters, float16 loss scale from {power_text(cfg.init_scale)}",
+    )
     print(f"\n{format_table(runs)}\n\n{verdict(runs)}plot {figure}, numbers {results}; {wall:.0f} s")
     return 0
 
@@ -158,8 +192,10 @@ def train_all(names: list[str], cfg: Config, device: str, out: str, jobs: int) -
     pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=start_worker, initargs=(progress,))
     try:
         first = sorted(names, key=lambda n: RUNS[n].dtype is None and RUNS[n].schedule is None)  # fp32: shortest
-        futures = {n: pool.submit(train_in_worker, n, cfg, device, os.path.join(out, n.replace("|", "_") + ".csv"))
-                   for n in first}
+        futures = {
+            n: pool.submit(train_in_worker, n, cfg, device, os.path.join(out, n.replace("|", "_") + ".csv"))
+            for n in first
+        }
         while True:
             try:
                 name, applied, loss, scale, skips = progress.get(timeout=0.2)
@@ -181,13 +217,21 @@ def format_table(runs: list[RunResult]) -> str:
     reference = next((r["heldout_loss"] for r in runs if r["name"] == "fp32"), None)
     rows = [("run", "held-out loss", "vs fp32", "skipped", "final scale", "underflow mean/peak", "seconds")]
     for r in runs:
-        rows.append((r["name"], f"{r['heldout_loss']:.4f}",
-                     f"{100 * (r['heldout_loss'] / reference - 1):+.1f}%" if reference else "-",
-                     str(r["skipped_steps"]), power_text(r["final_scale"]),
-                     f"{100 * r['underflow']:.1f}% / {100 * r['underflow_peak']:.1f}%", f"{r['seconds']:.1f}"))
+        rows.append(
+            (
+                r["name"],
+                f"{r['heldout_loss']:.4f}",
+                f"{100 * (r['heldout_loss'] / reference - 1):+.1f}%" if reference else "-",
+                str(r["skipped_steps"]),
+                power_text(r["final_scale"]),
+                f"{100 * r['underflow']:.1f}% / {100 * r['underflow_peak']:.1f}%",
+                f"{r['seconds']:.1f}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-                     for row in rows)
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows
+    )
 
 
 def verdict(runs: list[RunResult]) -> str:
@@ -196,7 +240,10 @@ def verdict(runs: list[RunResult]) -> str:
     parts = []
     for r in runs:
         if reference and r["name"].startswith("fp16"):
-            why = (f"{100 * r['underflow']:.0f}% of gradient values flushed to zero" if r["name"] == "fp16-noscale"
-                   else f"{r['skipped_steps']} skipped")
+            why = (
+                f"{100 * r['underflow']:.0f}% of gradient values flushed to zero"
+                if r["name"] == "fp16-noscale"
+                else f"{r['skipped_steps']} skipped"
+            )
             parts.append(f"{r['name']} {100 * (r['heldout_loss'] / reference - 1):+.1f}% vs fp32 ({why}); ")
     return "".join(parts)

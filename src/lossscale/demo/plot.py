@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from lossscale.reporting import atomic_write
 
-COLORS = {"fp32": "black", "fp16-noscale": "tab:red", "fp16-dynamic": "tab:blue", "fp16-predictive": "tab:orange",
-          "bf16": "tab:green", "fast|step|0.9": "tab:purple"}
+if TYPE_CHECKING:
+    from lossscale.demo.train import RunResult
+
+COLORS = {
+    "fp32": "black",
+    "fp16-noscale": "tab:red",
+    "fp16-dynamic": "tab:blue",
+    "fp16-predictive": "tab:orange",
+    "bf16": "tab:green",
+    "fast|step|0.9": "tab:purple",
+}
 
 
-def plot_runs(path: str, runs: list[dict[str, Any]], title: str) -> None:
+def plot_runs(path: str, runs: list[RunResult], title: str) -> None:
     """Write the three panels of ``runs`` (entries of results.json) to ``path`` as a PNG (Agg canvas)."""
     fig = Figure(figsize=(10, 10), layout="constrained")
     FigureCanvasAgg(fig)
@@ -24,13 +33,27 @@ def plot_runs(path: str, runs: list[dict[str, Any]], title: str) -> None:
         reference = name == "fp32"  # a wide band under the others: the runs that match it run through it
         loss_ax.plot(curves["train_loss"], color=color, lw=0.8, alpha=0.4)
         held_steps, held = zip(*curves["heldout_loss"])
-        loss_ax.plot(held_steps, held, "o-", color=color, ms=6 if reference else 3, lw=4 if reference else 1.5,
-                     alpha=0.35 if reference else 1.0, label=f"{name}: held-out {run['heldout_loss']:.3f}")
-        scales = curves["scale"][:run["switch_step"]]  # a schedule's float16 steps only: float32 needs no scale
+        loss_ax.plot(
+            held_steps,
+            held,
+            "o-",
+            color=color,
+            ms=6 if reference else 3,
+            lw=4 if reference else 1.5,
+            alpha=0.35 if reference else 1.0,
+            label=f"{name}: held-out {run['heldout_loss']:.3f}",
+        )
+        scales = curves["scale"][: run["switch_step"]]  # a schedule's float16 steps only: float32 needs no scale
         if any(s != 1.0 for s in scales):  # a schedule repeats fp16-dynamic's steps until it switches: dashed
-            scale_ax.step(range(len(scales)), scales, where="post", color=color, ls="--" if run["schedule"] else "-",
-                          label=f"{name}: {run['skipped_steps']} skipped, final {power_text(run['final_scale'])}"
-                                + (f" (float32 from step {run['switch_step']})" if run["switch_step"] else ""))
+            scale_ax.step(
+                range(len(scales)),
+                scales,
+                where="post",
+                color=color,
+                ls="--" if run["schedule"] else "-",
+                label=f"{name}: {run['skipped_steps']} skipped, final {power_text(run['final_scale'])}"
+                + (f" (float32 from step {run['switch_step']})" if run["switch_step"] else ""),
+            )
             skipped = [s for s in curves["skipped"] if s < len(scales)]
             scale_ax.plot(skipped, [scales[s] for s in skipped], "x", color=color, ms=8, mew=1.8)
         steps, shares = zip(*curves["underflow"])
@@ -47,11 +70,14 @@ def plot_runs(path: str, runs: list[dict[str, Any]], title: str) -> None:
     scale_ax.plot([], [], "x", color="gray", ms=8, mew=1.8, label="skipped step (overflow)")
     scale_ax.set_yscale("log", base=2)
     unscaled = ", ".join(r["name"] for r in runs if all(s == 1.0 for s in r["curves"]["scale"]))
-    scale_ax.set(title=f"loss scale at each step (x: skipped step){f'; at 1, not shown: {unscaled}' if unscaled else ''}",
-                 ylabel="loss scale")
-    under_ax.set(title="underflow: gradient values nonzero in a float32 backward pass but zero in the run's own\n"
-                       "(dashed: the library's meter, StepResult.underflow, on the accumulated gradients)",
-                 ylabel="% flushed to zero", xlabel="optimizer step (a skipped step's batch is trained on at the next)")
+    not_shown = f"; at 1, not shown: {unscaled}" if unscaled else ""
+    scale_ax.set(title=f"loss scale at each step (x: skipped step){not_shown}", ylabel="loss scale")
+    under_ax.set(
+        title="underflow: gradient values nonzero in a float32 backward pass but zero in the run's own\n"
+        "(dashed: the library's meter, StepResult.underflow, on the accumulated gradients)",
+        ylabel="% flushed to zero",
+        xlabel="optimizer step (a skipped step's batch is trained on at the next)",
+    )
     for ax in (loss_ax, scale_ax, under_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -137,8 +137,10 @@ def load_corpus(cfg: Config) -> Corpus:
 
     corpus = Corpus(encode(chosen[:-held]), encode(chosen[-held:]), chosen[:-held], chosen[-held:])
     if min(len(corpus.train), len(corpus.heldout)) <= cfg.context + 1:
-        raise ValueError(f"the {len(chosen)} standard-library files at {root} hold too few characters for "
-                         f"--context {cfg.context}; read more --files or use a shorter --context.")
+        raise ValueError(
+            f"the {len(chosen)} standard-library files at {root} hold too few characters for "
+            f"--context {cfg.context}; read more --files or use a shorter --context."
+        )
     return corpus
 
 
@@ -248,8 +250,14 @@ class RunResult(TypedDict):
 Progress = tuple[str, int, float, float, int]
 
 
-def train_run(name: str, cfg: Config, corpus: Corpus | None = None, device: str = "cpu", csv_path: str | None = None,
-              on_step: Callable[[int, dict[str, Any]], None] | None = None) -> RunResult:
+def train_run(
+    name: str,
+    cfg: Config,
+    corpus: Corpus | None = None,
+    device: str = "cpu",
+    csv_path: str | None = None,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+) -> RunResult:
     """Train run ``name`` of :data:`RUNS` from scratch; returns its numbers and curves (an entry of results.json).
 
     Every step is logged by :class:`lossscale.StepLogger` (to ``csv_path`` if given, with the step's mean
@@ -258,11 +266,13 @@ def train_run(name: str, cfg: Config, corpus: Corpus | None = None, device: str 
     run, corpus = RUNS[name], corpus or load_corpus(cfg)
     torch.manual_seed(cfg.seed)
     model = CharTransformer(cfg).to(device)
-    inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8 * cfg.loss_factor,
-                              weight_decay=0.1, fused=True)
+    inner = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8 * cfg.loss_factor, weight_decay=0.1, fused=True
+    )
     schedule = PrecisionSchedule(run.schedule, total_steps=cfg.steps) if run.schedule else None
-    opt = LossScaleOptimizer(inner, policy=run.policy(cfg), accumulation_steps=cfg.accumulation, schedule=schedule,
-                             underflow_stride=64)
+    opt = LossScaleOptimizer(
+        inner, policy=run.policy(cfg), accumulation_steps=cfg.accumulation, schedule=schedule, underflow_stride=64
+    )
     count = min(cfg.eval_characters, len(corpus.heldout) - 1) // cfg.context
     starts = torch.linspace(0, len(corpus.heldout) - cfg.context - 1, count).long()
     held = corpus.heldout[starts[:, None] + torch.arange(cfg.context + 1)].to(device)
@@ -308,14 +318,26 @@ def train_run(name: str, cfg: Config, corpus: Corpus | None = None, device: str 
     shares = [u for _, u in underflow]
     last = rows[-1]
     return {
-        "name": name, "heldout_loss": heldout[-1][1], "skipped_steps": last["skipped_steps"],
+        "name": name,
+        "heldout_loss": heldout[-1][1],
+        "skipped_steps": last["skipped_steps"],
         "final_scale": last["next_scale"] if last["precision"] in (None, "float16") else 1.0,
-        "underflow": sum(shares) / len(shares), "underflow_peak": max(shares), "seconds": seconds,
-        "updates": applied, "schedule": run.schedule, "switch_step": None if schedule is None else schedule.switch_step,
+        "underflow": sum(shares) / len(shares),
+        "underflow_peak": max(shares),
+        "seconds": seconds,
+        "updates": applied,
+        "schedule": run.schedule,
+        "switch_step": None if schedule is None else schedule.switch_step,
         "underflow_peak_by_parameter": dict(sorted(peak_by_parameter.items(), key=lambda kv: -kv[1])),
-        "curves": {"heldout_loss": heldout, "underflow": underflow, "train_loss": [r["loss"] for r in rows],
-                   "scale": [r["scale"] for r in rows], "skipped": [r["step"] for r in rows if r["skipped"]],
-                   "underflow_meter": [r["underflow"] for r in rows], "lr": [r["lr"] for r in rows]},
+        "curves": {
+            "heldout_loss": heldout,
+            "underflow": underflow,
+            "train_loss": [r["loss"] for r in rows],
+            "scale": [r["scale"] for r in rows],
+            "skipped": [r["step"] for r in rows if r["skipped"]],
+            "underflow_meter": [r["underflow"] for r in rows],
+            "lr": [r["lr"] for r in rows],
+        },
     }
 
 
@@ -334,6 +356,11 @@ def train_in_worker(name: str, cfg: Config, device: str, csv_path: str) -> RunRe
     goes to the parent."""
     progress = _progress
     assert progress is not None  # start_worker ran first: the pool's initializer
-    return train_run(name, cfg, None, device, csv_path,
-                     lambda applied, row: progress.put((name, applied, row["loss"], row["next_scale"],
-                                                        row["skipped_steps"])))
+    return train_run(
+        name,
+        cfg,
+        None,
+        device,
+        csv_path,
+        lambda applied, row: progress.put((name, applied, row["loss"], row["next_scale"], row["skipped_steps"])),
+    )

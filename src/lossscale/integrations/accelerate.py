@@ -34,34 +34,46 @@ def prepared(accelerator: Accelerator) -> bool:
     return bool(accelerator._models or accelerator._optimizers)  # read only: Accelerate keeps no public list
 
 
-def _check(accelerator: Any, fp16_on_cpu: bool, name: str) -> None:
+def _check(accelerator: object, fp16_on_cpu: bool, name: str) -> None:
     call = f"use_lossscale({name}, ...)"
     if not isinstance(accelerator, Accelerator):
-        raise TypeError(f"use_lossscale(accelerator={type(accelerator).__name__}): accelerator must be an "
-                        f"accelerate.Accelerator; got {type(accelerator).__name__}.")
+        raise TypeError(
+            f"use_lossscale(accelerator={type(accelerator).__name__}): accelerator must be an "
+            f"accelerate.Accelerator; got {type(accelerator).__name__}."
+        )
     if not isinstance(fp16_on_cpu, bool):
         raise TypeError(f"use_lossscale(fp16_on_cpu={fp16_on_cpu!r}): fp16_on_cpu must be True or False.")
     if prepared(accelerator):
-        raise RuntimeError(f"{call} was called after accelerator.prepare(): prepared optimizers keep the scaler "
-                           f"they were prepared with. Call use_lossscale right after Accelerator(...), "
-                           f"before prepare().")
+        raise RuntimeError(
+            f"{call} was called after accelerator.prepare(): prepared optimizers keep the scaler "
+            f"they were prepared with. Call use_lossscale right after Accelerator(...), "
+            f"before prepare()."
+        )
     if accelerator.distributed_type in _OWN_SCALERS:
-        raise ValueError(f"{call}: {accelerator.distributed_type.value} keeps its own loss scaler, which "
-                         f"lossscale does not replace; use_lossscale works with the other distributed types.")
+        raise ValueError(
+            f"{call}: {accelerator.distributed_type.value} keeps its own loss scaler, which "
+            f"lossscale does not replace; use_lossscale works with the other distributed types."
+        )
     precision = accelerator.mixed_precision
     if precision != "fp16":
-        raise ValueError(f"{call}: the accelerator was created with mixed_precision={precision!r}; loss scaling "
-                         f"needs mixed_precision='fp16' (bfloat16 and float32 need none). Create it with "
-                         f"Accelerator(mixed_precision='fp16').")
+        raise ValueError(
+            f"{call}: the accelerator was created with mixed_precision={precision!r}; loss scaling "
+            f"needs mixed_precision='fp16' (bfloat16 and float32 need none). Create it with "
+            f"Accelerator(mixed_precision='fp16')."
+        )
     on_cpu = accelerator.device.type == "cpu"
     if on_cpu and not fp16_on_cpu:
-        raise ValueError(f"{call}: Accelerate drops fp16 on CPU without a word (no autocast, no scaler), so the "
-                         f"scaler would never run. Pass use_lossscale({name}, fp16_on_cpu=True) to autocast "
-                         f"to float16 on CPU with lossscale's scaler, or train on an accelerator device.")
+        raise ValueError(
+            f"{call}: Accelerate drops fp16 on CPU without a word (no autocast, no scaler), so the "
+            f"scaler would never run. Pass use_lossscale({name}, fp16_on_cpu=True) to autocast "
+            f"to float16 on CPU with lossscale's scaler, or train on an accelerator device."
+        )
     if fp16_on_cpu and not on_cpu:
-        raise ValueError(f"use_lossscale({name}, fp16_on_cpu=True): the {name}'s device is "
-                         f"{accelerator.device.type!r}, where Accelerate keeps fp16 itself; fp16_on_cpu is for "
-                         f"CPU only. Leave it False.")
+        raise ValueError(
+            f"use_lossscale({name}, fp16_on_cpu=True): the {name}'s device is "
+            f"{accelerator.device.type!r}, where Accelerate keeps fp16 itself; fp16_on_cpu is for "
+            f"CPU only. Leave it False."
+        )
 
 
 def use_lossscale(accelerator: Accelerator, *, fp16_on_cpu: bool = False, **scaler_kwargs: Any) -> GradScaler:
@@ -85,16 +97,23 @@ def use_lossscale(accelerator: Accelerator, *, fp16_on_cpu: bool = False, **scal
     return install(accelerator, fp16_on_cpu, scaler_kwargs)
 
 
-def install(accelerator: Accelerator, fp16_on_cpu: bool, scaler_kwargs: dict[str, Any], name: str = "accelerator",
-            scaler_type: type[GradScaler] = GradScaler) -> GradScaler:
+def install(
+    accelerator: Accelerator,
+    fp16_on_cpu: bool,
+    scaler_kwargs: dict[str, Any],
+    name: str = "accelerator",
+    scaler_type: type[GradScaler] = GradScaler,
+) -> GradScaler:
     """:func:`use_lossscale`'s checks and installation, for the front ends built on it: ``name`` is the argument
     their errors echo, ``scaler_type`` the GradScaler (or subclass) they install."""
     _check(accelerator, fp16_on_cpu, name)
     handler = accelerator.scaler_handler
     if handler is not None and scaler_kwargs:
-        raise ValueError(f"use_lossscale({name}, {', '.join(f'{k}=...' for k in scaler_kwargs)}): the "
-                         f"accelerator already has GradScalerKwargs({handler.to_kwargs()}); give the scaler's "
-                         f"arguments in one place, not both.")
+        raise ValueError(
+            f"use_lossscale({name}, {', '.join(f'{k}=...' for k in scaler_kwargs)}): the "
+            f"accelerator already has GradScalerKwargs({handler.to_kwargs()}); give the scaler's "
+            f"arguments in one place, not both."
+        )
     kwargs = handler.to_kwargs() if handler is not None else scaler_kwargs
     scaler = scaler_type(device=accelerator.device.type, **kwargs)
     accelerator.scaler = scaler

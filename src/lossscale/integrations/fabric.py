@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -11,6 +11,7 @@ from lossscale.integrations import require
 require("lightning.fabric", "lightning", "fabric")
 
 from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPrecision  # noqa: E402
+from lightning.fabric.utilities.types import Optimizable  # noqa: E402
 
 from lossscale.integrations._scaler import make_scaler, scaler_result  # noqa: E402
 from lossscale.reporting import StepResult  # noqa: E402
@@ -33,20 +34,22 @@ class MixedPrecision(_FabricMixedPrecision):
         **scaler_kwargs: Arguments of ``GradScaler`` (``init_scale``, ``growth_interval``, ``policy``, ...).
     """
 
-    def __init__(self, precision: str = "16-mixed", device: str = "cuda", scaler: GradScaler | None = None,
-                 **scaler_kwargs: Any) -> None:
-        scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs)
-        super().__init__(precision, device, scaler=scaler)  # type: ignore[arg-type]
+    def __init__(
+        self, precision: str = "16-mixed", device: str = "cuda", scaler: GradScaler | None = None, **scaler_kwargs: Any
+    ) -> None:
+        scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs)  # precision: "16-mixed"
+        super().__init__("16-mixed", device, scaler=scaler)  # type: ignore[arg-type]  # Fabric types the slot as torch's GradScaler; lossscale's has its surface
         self.last_result: StepResult | None = None
         self._steps = 0
 
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """``scaler.step(optimizer)`` and ``update()``; returns what the optimizer returned."""
         if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError("AMP and the LBFGS optimizer are not compatible.")
-        carried = self.scaler.get_scale_tensor()
-        decision = self.scaler.step(optimizer, **kwargs)
-        self.scaler.update()
-        self.last_result = scaler_result(decision, carried, self.scaler, self._steps)
+        scaler = cast(GradScaler, self.scaler)  # the lossscale GradScaler built above (Fabric types it as torch's)
+        carried = scaler.get_scale_tensor()
+        decision = scaler.step(cast(torch.optim.Optimizer, optimizer), **kwargs)  # Fabric steps torch optimizers
+        scaler.update()
+        self.last_result = scaler_result(decision, carried, scaler, self._steps)
         self._steps += 1
         return decision.value

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Literal, Protocol, cast
 
 import torch
 
@@ -22,6 +22,7 @@ from lossscale.integrations import require
 require("lightning.pytorch", "lightning", "lightning")
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.fabric.utilities.types import Optimizable, Steppable  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision  # noqa: E402
@@ -54,48 +55,67 @@ class MixedPrecision(_LightningMixedPrecision):
         TypeError: ``device`` is not a string, or ``scaler`` not a :class:`~lossscale.GradScaler`.
     """
 
-    def __init__(self, precision: str = "16-mixed", device: str = "cuda", scaler: GradScaler | None = None,
-                 **scaler_kwargs: Any) -> None:
-        scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs)
-        super().__init__(precision, device, scaler=scaler)
+    def __init__(
+        self, precision: str = "16-mixed", device: str = "cuda", scaler: GradScaler | None = None, **scaler_kwargs: Any
+    ) -> None:
+        scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs)  # precision: "16-mixed"
+        super().__init__("16-mixed", device, scaler=scaler)  # type: ignore[arg-type]  # Lightning types the slot as torch's GradScaler; lossscale's has its surface
         self.last_result: StepResult | None = None
         self._carried: torch.Tensor | None = None
         self._grad_norm: torch.Tensor | None = None
 
-    def _after_closure(self, model: Any, optimizer: Any) -> None:
+    @property
+    def _grad_scaler(self) -> GradScaler:
+        """``scaler``, the lossscale GradScaler the plugin was built with (Lightning types it as torch's)."""
+        return cast(GradScaler, self.scaler)
+
+    def _after_closure(self, model: pl.LightningModule, optimizer: Steppable) -> None:
         """Lightning's hooks and clipping, then note the scale the gradients carry."""
         self._grad_norm = None
         super()._after_closure(model, optimizer)
-        self._carried = self.scaler.get_scale_tensor()
+        self._carried = self._grad_scaler.get_scale_tensor()
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         """Lightning's clip, keeping the norm for ``last_result``."""
         self._grad_norm = torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(  # type: ignore[override]  # Lightning's own signature, which narrows Fabric's
+        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         """Lightning's step; returns what ``optimizer.step()`` returned."""
         out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if not isinstance(out, ScalerStep):  # the closure skipped backward
             return out
-        self.last_result = scaler_result(out, self._carried, self.scaler, model.trainer.global_step, self._grad_norm)
+        self.last_result = scaler_result(
+            out, self._carried, self._grad_scaler, model.trainer.global_step, self._grad_norm
+        )
         return out.value
 
-_PRECISIONS = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}
+
+_PRECISIONS: dict[torch.dtype, Literal["16-mixed", "bf16-mixed"]] = {
+    torch.float16: "16-mixed",
+    torch.bfloat16: "bf16-mixed",
+}
 
 
-def _unwrap(optimizer: Any) -> Any:
+def _unwrap(optimizer: object) -> object:
     """The optimizer inside Lightning's ``LightningOptimizer`` proxy (or ``optimizer`` itself)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _lightning_module(model: Any) -> pl.LightningModule:
+def _lightning_module(model: torch.nn.Module) -> pl.LightningModule:
     """The LightningModule itself, or the one a strategy wrapped (DDP: ``model.module``)."""
     found = model
-    while not isinstance(found, pl.LightningModule) and isinstance(getattr(found, "module", None), torch.nn.Module):
-        found = found.module
+    while not isinstance(found, pl.LightningModule):
+        inner = getattr(found, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        found = inner
     if not isinstance(found, pl.LightningModule):
-        raise TypeError(f"LossScalePrecision.connect: found no LightningModule in the strategy's model "
-                        f"{type(model).__name__}; LossScalePrecision serves single-device and DDP strategies.")
+        raise TypeError(
+            f"LossScalePrecision.connect: found no LightningModule in the strategy's model "
+            f"{type(model).__name__}; LossScalePrecision serves single-device and DDP strategies."
+        )
     return found
 
 
@@ -129,11 +149,15 @@ class LossScalePrecision(Precision):
 
     def __init__(self, dtype: torch.dtype = torch.float16, device: str = "cuda") -> None:
         if dtype not in _PRECISIONS:
-            raise ValueError(f"LossScalePrecision(dtype={dtype!r}): dtype must be torch.float16 or torch.bfloat16 "
-                             f"(the autocast dtype); got {dtype!r}.")
+            raise ValueError(
+                f"LossScalePrecision(dtype={dtype!r}): dtype must be torch.float16 or torch.bfloat16 "
+                f"(the autocast dtype); got {dtype!r}."
+            )
         if not isinstance(device, str):
-            raise TypeError(f"LossScalePrecision(device={device!r}): device must be a device type string such as "
-                            f"'cuda' or 'cpu'; got {type(device).__name__}.")
+            raise TypeError(
+                f"LossScalePrecision(device={device!r}): device must be a device type string such as "
+                f"'cuda' or 'cpu'; got {type(device).__name__}."
+            )
         self.dtype = dtype
         self.device = device
         self.precision = _PRECISIONS[dtype]
@@ -141,14 +165,18 @@ class LossScalePrecision(Precision):
         self._wrappers: list[LossScaleOptimizer] = []
         self._module: pl.LightningModule | None = None
 
-    def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:
+    def connect(
+        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], list[Any]]:
         """Find the wrappers and refuse wiring that would scale, clip or count wrongly."""
         wrong = [type(o).__name__ for o in optimizers if not isinstance(_unwrap(o), LossScaleOptimizer)]
         if wrong:
-            raise TypeError(f"LossScalePrecision drives lossscale.LossScaleOptimizer; configure_optimizers returned "
-                            f"{', '.join(wrong)}. Wrap it: LossScaleOptimizer({wrong[0]}(...)), or use "
-                            f"lossscale.integrations.lightning.MixedPrecision for a plain optimizer.")
-        self._wrappers = [_unwrap(o) for o in optimizers]
+            raise TypeError(
+                f"LossScalePrecision drives lossscale.LossScaleOptimizer; configure_optimizers returned "
+                f"{', '.join(wrong)}. Wrap it: LossScaleOptimizer({wrong[0]}(...)), or use "
+                f"lossscale.integrations.lightning.MixedPrecision for a plain optimizer."
+            )
+        self._wrappers = [cast(LossScaleOptimizer, _unwrap(o)) for o in optimizers]  # each checked just above
         self._module = _lightning_module(model)
         trainer = self._module.trainer
         if self._module.automatic_optimization:
@@ -162,13 +190,17 @@ class LossScalePrecision(Precision):
     def _check_accumulation(self, accumulate_grad_batches: int) -> None:
         for w in self._wrappers:
             if w.accumulation_steps > 1:
-                raise ValueError(f"LossScalePrecision: LossScaleOptimizer(accumulation_steps={w.accumulation_steps}) "
-                                 f"with Trainer(accumulate_grad_batches={accumulate_grad_batches}): in automatic "
-                                 f"optimization Lightning counts every step() call as a step, so accumulate with "
-                                 f"Trainer(accumulate_grad_batches=n) and leave the wrapper's accumulation_steps=1.")
+                raise ValueError(
+                    f"LossScalePrecision: LossScaleOptimizer(accumulation_steps={w.accumulation_steps}) "
+                    f"with Trainer(accumulate_grad_batches={accumulate_grad_batches}): in automatic "
+                    f"optimization Lightning counts every step() call as a step, so accumulate with "
+                    f"Trainer(accumulate_grad_batches=n) and leave the wrapper's accumulation_steps=1."
+                )
 
     @staticmethod
-    def _check_clip(w: LossScaleOptimizer, value: int | float, algorithm: Any, mapping: bool = False) -> None:
+    def _check_clip(
+        w: LossScaleOptimizer, value: int | float, algorithm: GradClipAlgorithmType | str | None, mapping: bool = False
+    ) -> None:
         algorithm = GradClipAlgorithmType(algorithm or "norm")
         own = {"clip_grad_norm": w.clip_grad_norm, "clip_grad_value": w.clip_grad_value}
         wanted = "clip_grad_norm" if algorithm == GradClipAlgorithmType.NORM else "clip_grad_value"
@@ -178,34 +210,44 @@ class LossScalePrecision(Precision):
             w.configure(clip_grad_norm=float(value))  # the wrapper's fused global-norm clip, after unscaling
             return
         have = ", ".join(f"{k}={v!r}" for k, v in own.items() if v is not None) or "no clipping"
-        raise ValueError(f"LossScalePrecision: gradient clipping (gradient_clip_val={value!r}, "
-                         f"gradient_clip_algorithm={algorithm.value!r}) must run inside the wrapper, after "
-                         f"unscaling, and the LossScaleOptimizer has {have}. Build it with "
-                         f"LossScaleOptimizer(..., {wanted}={value!r}) and use the same value here, or leave "
-                         f"Lightning's clipping off.")
+        raise ValueError(
+            f"LossScalePrecision: gradient clipping (gradient_clip_val={value!r}, "
+            f"gradient_clip_algorithm={algorithm.value!r}) must run inside the wrapper, after "
+            f"unscaling, and the LossScaleOptimizer has {have}. Build it with "
+            f"LossScaleOptimizer(..., {wanted}={value!r}) and use the same value here, or leave "
+            f"Lightning's clipping off."
+        )
 
     def _check_schedules(self) -> None:
         schedules = {id(w.schedule): w.schedule for w in self._wrappers if w.schedule is not None}
         if len(schedules) > 1:
-            raise ValueError(f"LossScalePrecision: the optimizers carry {len(schedules)} different "
-                             f"PrecisionSchedules, but one forward pass has one autocast; share one schedule.")
+            raise ValueError(
+                f"LossScalePrecision: the optimizers carry {len(schedules)} different "
+                f"PrecisionSchedules, but one forward pass has one autocast; share one schedule."
+            )
         for schedule in schedules.values():
             if schedule.config.low_dtype != self.dtype:
-                raise ValueError(f"LossScalePrecision(dtype={self.dtype!r}) with {schedule!r}, whose low precision "
-                                 f"is {schedule.config.low_dtype!r}: pass LossScalePrecision(dtype="
-                                 f"{schedule.config.low_dtype!r}).")
+                raise ValueError(
+                    f"LossScalePrecision(dtype={self.dtype!r}) with {schedule!r}, whose low precision "
+                    f"is {schedule.config.low_dtype!r}: pass LossScalePrecision(dtype="
+                    f"{schedule.config.low_dtype!r})."
+                )
 
-    def _wrapper(self, optimizer: Any, call: str) -> LossScaleOptimizer:
+    def _wrapper(self, optimizer: Steppable | None, call: str) -> LossScaleOptimizer:
         if optimizer is not None:
             wrapper = _unwrap(optimizer)
             if not isinstance(wrapper, LossScaleOptimizer):
-                raise TypeError(f"LossScalePrecision.{call}: the optimizer is {type(wrapper).__name__}, not a "
-                                f"LossScaleOptimizer; return LossScaleOptimizer(...) from configure_optimizers.")
+                raise TypeError(
+                    f"LossScalePrecision.{call}: the optimizer is {type(wrapper).__name__}, not a "
+                    f"LossScaleOptimizer; return LossScaleOptimizer(...) from configure_optimizers."
+                )
             return wrapper
         if len(self._wrappers) != 1:
-            raise RuntimeError(f"LossScalePrecision.{call}: manual_backward(loss) cannot tell which of the "
-                               f"{len(self._wrappers)} LossScaleOptimizers scales this loss; call "
-                               f"opt.backward(loss) on the right one instead.")
+            raise RuntimeError(
+                f"LossScalePrecision.{call}: manual_backward(loss) cannot tell which of the "
+                f"{len(self._wrappers)} LossScaleOptimizers scales this loss; call "
+                f"opt.backward(loss) on the right one instead."
+            )
         return self._wrappers[0]
 
     @contextlib.contextmanager
@@ -221,27 +263,43 @@ class LossScalePrecision(Precision):
         with schedule.autocast(self.device):
             yield
 
-    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+    def backward(  # type: ignore[override]  # Lightning's own signature, which narrows Fabric's
+        self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Steppable | None, *args: Any, **kwargs: Any
+    ) -> None:
         model.backward(self._wrapper(optimizer, "backward").scale_loss(tensor), *args, **kwargs)
 
-    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
-                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
         """Lightning's clipping request: the wrapper clips in its step, so the value must be the wrapper's."""
         if clip_val and clip_val > 0:
             self._check_clip(self._wrapper(optimizer, "clip_gradients"), clip_val, gradient_clip_algorithm)
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(  # type: ignore[override]  # Lightning's own signature, which narrows Fabric's
+        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> StepResult | None:
         """Run Lightning's closure, then its after-closure hooks, then ``wrapper.step()``; return the StepResult."""
         wrapper = self._wrapper(optimizer, "optimizer_step")
         if kwargs:
-            raise TypeError(f"LossScalePrecision.optimizer_step: LossScaleOptimizer.step() takes no arguments; "
-                            f"got {sorted(kwargs)}.")
+            raise TypeError(
+                f"LossScalePrecision.optimizer_step: LossScaleOptimizer.step() takes no arguments; "
+                f"got {sorted(kwargs)}."
+            )
         closure_result = closure()
         self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: nothing to step
         self.last_result = wrapper.step()
         return self.last_result
+
+
+class _ReportsSteps(Protocol):
+    """A precision plugin that reports its steps (this module's two)."""
+
+    last_result: StepResult | None
 
 
 class LossScaleMonitor(Callback):
@@ -267,33 +325,36 @@ class LossScaleMonitor(Callback):
 
     def __init__(self, prefix: str = "lossscale") -> None:
         if not isinstance(prefix, str) or not prefix:
-            raise ValueError(f"LossScaleMonitor(prefix={prefix!r}): prefix must be a non-empty string; "
-                             f"got {prefix!r}.")
+            raise ValueError(f"LossScaleMonitor(prefix={prefix!r}): prefix must be a non-empty string; got {prefix!r}.")
         self.prefix = prefix
         self._skipped: torch.Tensor | int = 0
         self._seen: StepResult | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not trainer.loggers:
-            raise RuntimeError("LossScaleMonitor: the Trainer has no logger (logger=False); give it one, e.g. "
-                               "Trainer(logger=CSVLogger('logs')), or drop the callback.")
+            raise RuntimeError(
+                "LossScaleMonitor: the Trainer has no logger (logger=False); give it one, e.g. "
+                "Trainer(logger=CSVLogger('logs')), or drop the callback."
+            )
         plugin = trainer.precision_plugin
         if not hasattr(plugin, "last_result"):
-            raise TypeError(f"LossScaleMonitor: the Trainer's precision plugin is "
-                            f"{type(plugin).__module__}.{type(plugin).__qualname__}, which does not report its "
-                            f"steps; use lossscale.integrations.lightning.MixedPrecision or LossScalePrecision "
-                            f"in Trainer(plugins=[...]).")
+            raise TypeError(
+                f"LossScaleMonitor: the Trainer's precision plugin is "
+                f"{type(plugin).__module__}.{type(plugin).__qualname__}, which does not report its "
+                f"steps; use lossscale.integrations.lightning.MixedPrecision or LossScalePrecision "
+                f"in Trainer(plugins=[...])."
+            )
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         """Count a new step's skip on the device; read and log only when Lightning logs."""
-        result = trainer.precision_plugin.last_result
+        result = cast(_ReportsSteps, trainer.precision_plugin).last_result  # setup() checked it has last_result
         if result is None or result is self._seen:
             return
         self._seen = result
         self._skipped = result.skipped.to(torch.int64) + self._skipped
         if not trainer._logger_connector.should_update_logs:  # Lightning's cadence, as in LearningRateMonitor
             return
-        values: dict[str, Any] = {"scale": result.scale, "skipped_steps": self._skipped}
+        values: dict[str, torch.Tensor | int] = {"scale": result.scale, "skipped_steps": self._skipped}
         if result.underflow is not None:
             values["underflow"] = result.underflow
         metrics = {f"{self.prefix}/{k}": v for k, v in read_scalars(values).items()}

@@ -20,8 +20,8 @@ from typing import Any, cast
 
 import torch
 
-from lossscale.validation import StateDictError
 from lossscale.integrations import require
+from lossscale.validation import StateDictError
 
 require("transformers", "transformers", "transformers")
 require("accelerate", "transformers", "transformers")
@@ -74,8 +74,10 @@ class _TrainerScaler(GradScaler):
         """GradScaler's loader, plus ``skipped_steps`` when the dict has it (else the count restarts at 0)."""
         skipped = state_dict.get("skipped_steps", 0) if isinstance(state_dict, dict) else 0
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
-            raise StateDictError(f"GradScaler.load_state_dict(state_dict): state_dict['skipped_steps'] must be an "
-                                 f"int >= 0 (the steps skipped so far); got {skipped!r}.")
+            raise StateDictError(
+                f"GradScaler.load_state_dict(state_dict): state_dict['skipped_steps'] must be an "
+                f"int >= 0 (the steps skipped so far); got {skipped!r}."
+            )
         super().load_state_dict(state_dict)
         if self.is_enabled():
             self._skipped = skipped
@@ -106,18 +108,27 @@ class LossScaleCallback(TrainerCallback):
     def _attach(self, scaler: _TrainerScaler) -> None:
         self._scaler = scaler
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """Refuse to train without the scaler :func:`use_lossscale` installed in this Trainer."""
         if self._scaler is None:
-            raise RuntimeError("LossScaleCallback was not given a scaler: register it first (Trainer(callbacks="
-                               "[LossScaleCallback()]) or trainer.add_callback(LossScaleCallback())), then call "
-                               "use_lossscale(trainer) before trainer.train(); got a LossScaleCallback added after "
-                               "use_lossscale(trainer), or no use_lossscale call.")
+            raise RuntimeError(
+                "LossScaleCallback was not given a scaler: register it first (Trainer(callbacks="
+                "[LossScaleCallback()]) or trainer.add_callback(LossScaleCallback())), then call "
+                "use_lossscale(trainer) before trainer.train(); got a LossScaleCallback added after "
+                "use_lossscale(trainer), or no use_lossscale call."
+            )
         _check_stepping("LossScaleCallback", kwargs.get("optimizer"), self._scaler)
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Add the values to ``logs`` and to the ``log_history`` record of this log."""
         if self._scaler is None or logs is None:
             return
@@ -138,42 +149,52 @@ class _ScalerCheck(TrainerCallback):
     def __init__(self, scaler: _TrainerScaler) -> None:
         self._scaler = scaler
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         _check_stepping("use_lossscale(trainer)", kwargs.get("optimizer"), self._scaler)
 
 
-def _check_stepping(who: str, optimizer: Any, scaler: _TrainerScaler) -> None:
+def _check_stepping(who: str, optimizer: object, scaler: _TrainerScaler) -> None:
     """Raise unless the Trainer's (prepared) optimizer steps with ``scaler``."""
     stepping = getattr(optimizer, "scaler", None)
     if stepping is not scaler:
-        raise RuntimeError(f"{who}: the Trainer's optimizer steps with {type(stepping).__name__}, not the scaler "
-                           f"use_lossscale(trainer) installed. Its accelerator was rebuilt after use_lossscale "
-                           f"(Trainer.hyperparameter_search rebuilds it for every trial, where lossscale cannot "
-                           f"follow), or use_lossscale was called on another Trainer. Call use_lossscale(trainer) "
-                           f"on this Trainer right before trainer.train().")
+        raise RuntimeError(
+            f"{who}: the Trainer's optimizer steps with {type(stepping).__name__}, not the scaler "
+            f"use_lossscale(trainer) installed. Its accelerator was rebuilt after use_lossscale "
+            f"(Trainer.hyperparameter_search rebuilds it for every trial, where lossscale cannot "
+            f"follow), or use_lossscale was called on another Trainer. Call use_lossscale(trainer) "
+            f"on this Trainer right before trainer.train()."
+        )
 
 
-def _check(trainer: Any) -> None:
+def _check(trainer: object) -> None:
     if not isinstance(trainer, Trainer):
-        raise TypeError(f"use_lossscale(trainer={type(trainer).__name__}(...)): trainer must be a "
-                        f"transformers.Trainer; got {type(trainer).__module__}.{type(trainer).__qualname__}. For a "
-                        f"bare Accelerator use lossscale.integrations.accelerate.use_lossscale.")
+        raise TypeError(
+            f"use_lossscale(trainer={type(trainer).__name__}(...)): trainer must be a "
+            f"transformers.Trainer; got {type(trainer).__module__}.{type(trainer).__qualname__}. For a "
+            f"bare Accelerator use lossscale.integrations.accelerate.use_lossscale."
+        )
     args = trainer.args
     if args.fp16 is not True:
         other = ", bf16=True" if args.bf16 else ""
-        raise ValueError(f"use_lossscale(trainer, ...): the Trainer was built with TrainingArguments(fp16="
-                         f"{args.fp16!r}{other}); loss scaling needs fp16=True (float16 autocast; bfloat16 and "
-                         f"float32 need none). Build it with TrainingArguments(fp16=True, ...).")
+        raise ValueError(
+            f"use_lossscale(trainer, ...): the Trainer was built with TrainingArguments(fp16="
+            f"{args.fp16!r}{other}); loss scaling needs fp16=True (float16 autocast; bfloat16 and "
+            f"float32 need none). Build it with TrainingArguments(fp16=True, ...)."
+        )
     if prepared(trainer.accelerator):
-        raise RuntimeError("use_lossscale(trainer, ...) was called after the Trainer prepared its model "
-                           "(trainer.train(), evaluate() or predict() already ran), which keeps the scaler and "
-                           "autocast it was prepared with. Call use_lossscale(trainer) right after Trainer(...), "
-                           "before train().")
+        raise RuntimeError(
+            "use_lossscale(trainer, ...) was called after the Trainer prepared its model "
+            "(trainer.train(), evaluate() or predict() already ran), which keeps the scaler and "
+            "autocast it was prepared with. Call use_lossscale(trainer) right after Trainer(...), "
+            "before train()."
+        )
 
 
-def use_lossscale(trainer: Trainer, *, policy: Policy | None = None, fp16_on_cpu: bool = False,
-                  **scaler_kwargs: Any) -> GradScaler:
+def use_lossscale(
+    trainer: Trainer, *, policy: Policy[Any] | None = None, fp16_on_cpu: bool = False, **scaler_kwargs: Any
+) -> GradScaler:
     """Install lossscale's GradScaler in ``trainer``'s accelerator and hand it to the Trainer's
     :class:`LossScaleCallback`, if it has one; return the scaler.
 
@@ -205,8 +226,9 @@ def use_lossscale(trainer: Trainer, *, policy: Policy | None = None, fp16_on_cpu
     """
     _check(trainer)
     kwargs = scaler_kwargs if policy is None else {"policy": policy, **scaler_kwargs}
-    scaler = cast(_TrainerScaler, install(trainer.accelerator, fp16_on_cpu, kwargs, name="trainer",
-                                          scaler_type=_TrainerScaler))
+    scaler = cast(
+        _TrainerScaler, install(trainer.accelerator, fp16_on_cpu, kwargs, name="trainer", scaler_type=_TrainerScaler)
+    )
     callbacks = trainer.callback_handler.callbacks
     for old in [c for c in callbacks if isinstance(c, _ScalerCheck)]:  # an earlier call's
         callbacks.remove(old)
