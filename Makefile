@@ -3,6 +3,10 @@
 #   make test   -> creates .venv, installs lossscale with the dev, demo, lightning, accelerate and transformers
 #                  extras, runs the test suite (the integration tests run the real frameworks)
 #   make check  -> the same .venv; the type checker (mypy, on src/) and ruff's lint and format check
+#   make docs   -> .venv with the docs extra (and the frameworks, for the integrations' pages); builds the site in
+#                  docs/_build/html with every warning an error, then checks its pages, links and API entries
+#   make wheel  -> builds the sdist and wheel (copies in dist/), installs the wheel into a fresh venv in a temporary
+#                  folder with its declared dependencies only, and checks it there (.ci/wheel_check.sh)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -15,7 +19,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test check venv bench clean
+.PHONY: demo test check docs wheel venv bench clean
 
 $(VENV)/.installed-%: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +39,17 @@ check: $(VENV)/.installed-dev,demo,lightning,accelerate,transformers
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples
 
+# a fresh build every time (-E: every page read again), so that no warning hides in a cached page
+docs: $(VENV)/.installed-docs,lightning,accelerate,transformers
+	rm -rf docs/_build
+	$(PY) -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
+	$(PY) tests/docs_site_check.py docs/_build/html
+
+wheel:
+	PYTHON="$(PYTHON)" TORCH="$(TORCH)" bash .ci/wheel_check.sh
+
 bench: $(VENV)/.installed-dev,demo,lightning,accelerate,transformers
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) demo-out
+	rm -rf $(VENV) demo-out docs/_build dist

@@ -217,7 +217,34 @@ def _rewrite_root_links(app, relative_path, parent_docname, content):
         text = content[0]
         for old, new in _ROOT_LINKS.items():
             text = text.replace(old, new)
-        content[0] = text
+        content[0] = _escape_powers(text)
+
+
+# The Markdown writes powers as 2**-126 and 2**12 outside code; two of them in one paragraph or table row would pair
+# up as bold (as they do on a repository page). On the site each such ``**`` between digits is escaped, outside
+# code spans and fenced blocks.
+_POWER = re.compile(r"(?<=[\w)])\*\*(?=-?[\w(])")
+_CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
+
+
+def _escape_powers(text: str) -> str:
+    out, fenced = [], False
+    for line in text.split("\n"):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced:
+            parts, last = [], 0
+            for code in _CODE_SPAN.finditer(line):
+                parts += [_POWER.sub(r"\\*\\*", line[last : code.start()]), code.group(0)]
+                last = code.end()
+            line = "".join(parts) + _POWER.sub(r"\\*\\*", line[last:])
+        out.append(line)
+    return "\n".join(out)
+
+
+def _escape_powers_in_page(app, docname, source):
+    if app.env.doc2path(docname).suffix == ".md":
+        source[0] = _escape_powers(source[0])
 
 
 # A method without a docstring of its own inherits its base's; one inherited from torch (``Function.forward``) is
@@ -244,3 +271,4 @@ def setup(app):
     app.connect("autodoc-process-docstring", _sentences_not_types, priority=100)  # before napoleon's (500)
     app.connect("missing-reference", _resolve_short_name)
     app.connect("include-read", _rewrite_root_links)
+    app.connect("source-read", _escape_powers_in_page)
