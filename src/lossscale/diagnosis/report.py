@@ -124,24 +124,32 @@ class OverflowReport:
         lines.extend(self.table())
         return "\n".join(lines)
 
+    def table_row(self) -> int | None:
+        """The index in :attr:`records` of the named module's call (its first call where no call is named)."""
+        if self.module is None:
+            return None
+        return next((i for i, r in enumerate(self.records)
+                     if r.module == self.module and (self.call is None or r.call == self.call)), None)
+
     def table(self, limit: int = 40) -> list[str]:
         """The per-module table as lines (at most ``limit`` rows, around the named module)."""
         if not self.records:
             return []
         rows = list(enumerate(self.records))
-        hit = next((i for i, r in rows if r.module == self.module and (self.call is None or r.call == self.call)), 0)
+        hit = self.table_row()
+        hit = 0 if hit is None else hit
         if len(rows) > limit:
             start = max(0, min(hit - limit // 2, len(rows) - limit))
             rows = rows[start:start + limit]
-        width = max(12, *(len(r.module or "(model)") + 2 * r.module.count(".") for _, r in rows))
+        width = max(12, *(len(r.module or "(model)") + r.module.count(".") for _, r in rows))
         width = min(width, 60)
         out = [f"  {'module':<{width}} {'type':<18} {'call':>4} {'input max':>10} {'output max':>10} "
                f"{'dtype':>8} {'grad max':>10}"]
         if rows[0][0] > 0:
             out.append(f"  ... {rows[0][0]} earlier calls")
         for i, r in rows:
-            name = "  " * r.module.count(".") + (r.module or "(model)") if r.module else "(model)"
-            mark = "  <--" if i == hit and self.kind != "none" else ""
+            name = " " * r.module.count(".") + r.module if r.module else "(model)"
+            mark = "  <--" if i == hit and self.module is not None else ""
             out.append(f"  {name[:width]:<{width}} {r.type[:18]:<18} {r.call:>4} {_num(r.input_max):>10} "
                        f"{_num(r.output_max):>10} {(r.output_dtype or '-'):>8} {_num(r.grad_max):>10}{mark}")
         if rows[-1][0] < len(self.records) - 1:
@@ -161,27 +169,31 @@ class OverflowReport:
         except ImportError as error:
             raise ImportError(f"OverflowReport.plot({os.fspath(path)!r}) needs matplotlib: pip install "
                               f"'lossscale[demo]' (the demo extra) or pip install matplotlib.") from error
-        fig = Figure(figsize=(max(6.0, 0.22 * len(self.records) + 2), 4.5), layout="constrained")
+        fig = Figure(figsize=(min(30.0, max(6.0, 0.18 * len(self.records) + 2)), 4.5), layout="constrained")
         ax = fig.subplots()
         xs = list(range(len(self.records)))
         top = FLOAT16_MAX * 16
         for attr, label, color in (("output_max", "largest |output|", "tab:blue"),
                                    ("grad_max", f"largest |gradient| at scale {_num(self.scale)}", "tab:orange")):
             values = [getattr(r, attr) for r in self.records]
-            finite = [(x, v) for x, v in zip(xs, values) if v is not None and math.isfinite(v) and v > 0]
+            if all(v is None for v in values):
+                continue
+            # a line broken where a value is missing or non-finite; crosses above the range where it is inf/NaN
+            ax.plot(xs, [v if v is not None and math.isfinite(v) and v > 0 else math.nan for v in values],
+                    marker="o", ms=3, lw=1, color=color, label=label)
             bad = [x for x, v in zip(xs, values) if v is not None and not math.isfinite(v)]
-            if finite:
-                ax.plot(*zip(*finite), marker="o", ms=3, lw=1, color=color, label=label)
             if bad:
-                ax.scatter(bad, [top] * len(bad), marker="x", color=color, s=40,
-                           label=f"{label}: inf/NaN")
+                ax.scatter(bad, [top] * len(bad), marker="x", color=color, s=30, label=f"{label}: inf or NaN")
         ax.axhline(FLOAT16_MAX, color="tab:red", ls="--", lw=1, label="float16 max (65504)")
+        hit = self.table_row()
+        if hit is not None and self.kind != "none":
+            ax.axvline(hit, color="tab:red", lw=6, alpha=0.15, label=f"{self.kind}: {self.where}")
         ax.set_yscale("log")
         names = [(r.module or "(model)") + (f"#{r.call}" if r.call else "") for r in self.records]
         ax.set_xticks(xs, names, rotation=90, fontsize=6)
         ax.set_ylabel("magnitude")
         ax.set_title(self.summary, fontsize=8)
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="upper left")
         fig.savefig(os.fspath(path))
 
 

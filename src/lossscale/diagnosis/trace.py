@@ -351,11 +351,11 @@ def advice_for(kind: Kind, module: str | None, nan: bool, scale: float, max_safe
                 "data loader and preprocessing (e.g. assert torch.isfinite(batch).all()), or skip such batches.")
     if kind == "forward":
         if nan:
-            return (f"{name}'s own code made a NaN from finite inputs (0/0, inf-inf, log or sqrt of a negative, a "
+            return (f"{name} made a NaN in its own code from finite inputs (0/0, inf-inf, log or sqrt of a negative, a "
                     f"softmax over all -inf): guard that op (an eps, a mask that keeps one entry), or run it in "
                     f"float32 with lossscale.keep_float32(model.get_submodule({module!r})). Lowering the loss "
                     f"scale cannot fix it.")
-        return (f"{name}'s activations pass float16's 65504: run it in float32 with "
+        return (f"The activations of {name} pass float16's 65504: run it in float32 with "
                 f"lossscale.keep_float32(model.get_submodule({module!r})) (or keep its weights and inputs smaller). "
                 f"Lowering the loss scale cannot fix a forward overflow.")
     if kind == "loss":
