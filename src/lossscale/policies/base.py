@@ -107,7 +107,15 @@ class Policy(Generic[StateT]):
         raise NotImplementedError(f"{type(self).__name__}.init(device) is required by the Policy protocol")
 
     def update(self, state: StateT, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> StateT:
-        """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
+        """The next state after a step whose gradients did (``found_inf``) or did not overflow.
+
+        Args:
+            state: The current state (not changed: a new record is returned).
+            found_inf: A tensor on any device, 0-d (or one value per state of a batch): a bool flag, or a count of
+                overflows of any dtype (torch's scaler passes its float32 count, the core its 0/1 float32 flag);
+                nonzero means the step overflowed. Moved to the state's device without a host read.
+            amax: The largest scaled-gradient magnitude of the step, for a policy that ``observes_amax``; else None.
+        """
         raise NotImplementedError(
             f"{type(self).__name__}.update(state, found_inf, amax) is required by the Policy protocol"
         )

@@ -119,7 +119,15 @@ class DynamicScale(Policy[ScaleState]):
         )
 
     def update(self, state: ScaleState, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> ScaleState:
-        """The next state after a step whose gradients did (``found_inf``) or did not overflow."""
+        """The next state after a step whose gradients did (``found_inf``) or did not overflow.
+
+        Args:
+            state: The current state (not changed: a new record is returned).
+            found_inf: A tensor on any device, 0-d (or one value per state of a batch): a bool flag, or a count of
+                overflows of any dtype (torch's scaler passes its float32 count, the core its 0/1 float32 flag);
+                nonzero means the step overflowed. Moved to the state's device without a host read.
+            amax: Not read by this rule.
+        """
         if self._torch_rule:
             validate_found_inf(found_inf)
             if _is_kernel_flag(found_inf, state):

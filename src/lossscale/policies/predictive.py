@@ -188,7 +188,16 @@ class PredictiveScale(Policy[PredictiveState]):
         *,
         loss_finite: torch.Tensor | None = None,
     ) -> PredictiveState:
-        """The next state from this step's found_inf, amax and (None: unknown) loss finiteness. No host read."""
+        """The next state from this step's found_inf, amax and (None: unknown) loss finiteness. No host read.
+
+        Args:
+            state: The current state (not changed: a new record is returned).
+            found_inf: A tensor on any device, 0-d (or one value per state of a batch): a bool flag, or a count of
+                overflows of any dtype (torch's scaler passes its float32 count, the core its 0/1 float32 flag);
+                nonzero means the step overflowed.
+            amax: The step's largest scaled-gradient magnitude (None: no observation).
+            loss_finite: Whether every loss of the step was finite (0-d bool; None: unknown).
+        """
         device = state.scale.device
         bad = as_flag(found_inf, device)
         amax = torch.zeros((), device=device) if amax is None else amax.to(device, torch.float32)
