@@ -412,8 +412,7 @@ class LayerScales(AddOn):
         take their smallest exponent; the wiring is read again at the next backward pass."""
         saved = self._validated(state)
         self._levels, self._calibrated = saved.levels, saved.calibrated
-        wiring = self._wiring
-        self._wiring = chain_wiring(saved.order, len(self._units), self._device, wiring.pinned, wiring.pinned_index)
+        self._wiring = chain_wiring(saved.order, len(self._units), self._device, kept=self._wiring)
         self._factors = None
         self._levels.exponent = tied(self._levels.exponent, self._wiring, self._units)
 

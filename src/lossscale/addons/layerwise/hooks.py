@@ -155,8 +155,9 @@ class Recorder:
             if in_backward():
                 self._refuse_reentrant(index)
                 return None
-            forward = self._record(index)
-            sole_reader = self._wiring().sole_reader
+            wiring = self._wiring()
+            forward = self._record(index, wiring.order)
+            sole_reader = wiring.sole_reader
             wrapped = set()
             single = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
             found = ([args[0]] if args[0].requires_grad else []) if single else tensors((args, kwargs), plain=True)
@@ -193,9 +194,10 @@ class Recorder:
                 f"named gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) before 5.24)."
             )
 
-    def _record(self, index: int) -> Forward:
+    def _record(self, index: int, order: list[int]) -> Forward:
         """Note that unit ``index`` runs: the first unit again (the last forward had no backward) starts a new
-        forward; a unit that already ran in this one is refused."""
+        forward; a unit that already ran in this one is refused; one that leaves the wiring's ``order`` marks the
+        forward changed."""
         forward = self.forward
         if not forward.open or (forward.order and forward.order[0] == index):
             forward = self.forward = Forward(open=True)
@@ -206,7 +208,7 @@ class Recorder:
             )
         forward.ran.add(index)
         forward.order.append(index)
-        position, order = len(forward.order) - 1, self._wiring().order
+        position = len(forward.order) - 1
         if position >= len(order) or order[position] != index:
             forward.changed = True  # wrap every input from here on: the wiring is read again at backward
         return forward

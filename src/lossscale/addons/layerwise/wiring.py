@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import Node
@@ -26,9 +27,8 @@ WiringKey = tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[tuple[int,
 UnitOfNode = Callable[[Node], int | None]
 
 
-@dataclass(frozen=True)
-class Slot:
-    """One tensor entering or leaving a unit in the forward being recorded."""
+class Slot(NamedTuple):
+    """One tensor entering or leaving a unit in the forward being recorded (a tuple: one is made per tensor)."""
 
     unit: int
     slot: int
@@ -213,14 +213,8 @@ class Wiring:
     pinned_index: torch.Tensor
 
 
-def chain_wiring(
-    order: list[int],
-    n: int,
-    device: torch.device,
-    pinned: list[int] | None = None,
-    pinned_index: torch.Tensor | None = None,
-) -> Wiring:
-    """The wiring assumed until one is read: each unit of ``order`` read by the next; ``pinned`` kept."""
+def chain_wiring(order: list[int], n: int, device: torch.device, kept: Wiring | None = None) -> Wiring:
+    """The wiring assumed until one is read: each unit of ``order`` read by the next; the pinned units ``kept``'s."""
     chain = list(itertools.pairwise(order))
     following = [-1] * n
     for a, b in chain:
@@ -238,8 +232,8 @@ def chain_wiring(
         following=torch.tensor(following, device=device),
         readers=_reader_matrix(chain, order, n, device),
         slots=SlotIndex(empty, empty, empty, empty),
-        pinned=[] if pinned is None else pinned,
-        pinned_index=empty if pinned_index is None else pinned_index,
+        pinned=[] if kept is None else kept.pinned,
+        pinned_index=empty if kept is None else kept.pinned_index,
     )
 
 
