@@ -20,7 +20,7 @@ import math
 import operator
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from fractions import Fraction
@@ -296,7 +296,7 @@ class PrecisionSchedule(AddOn):
                 stacklevel=3,
             )
 
-    def autocast(self, device_type: str) -> AbstractContextManager[Any]:
+    def autocast(self, device_type: str) -> AbstractContextManager[None]:
         """``torch.autocast(device_type, dtype=self.dtype)`` before the switch; a context that does nothing after."""
         if self.dtype is None:
             return contextlib.nullcontext()
@@ -328,7 +328,7 @@ class PrecisionSchedule(AddOn):
         return _checked_state(f"{self!r}.load_state_dict", state_dict)
 
 
-def _checked_state(call: str, state_dict: dict[str, Any]) -> ScheduleState:
+def _checked_state(call: str, state_dict: Mapping[str, object]) -> ScheduleState:
     """The saved ``step`` (an integer >= 0) and ``switch_step`` (None or an integer >= 0), checked."""
     values: dict[str, int | None] = {}
     for f in dataclasses.fields(ScheduleState):

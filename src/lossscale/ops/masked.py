@@ -73,7 +73,9 @@ class MaskedSkip:
         ) or not _has_stateful_defaults(optimizer)
 
     @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def step(
+        self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> float | None:
         """Run ``optimizer.step()``, then put back every parameter and state tensor where ``found_inf``.
 
         Raises:
@@ -100,7 +102,7 @@ class MaskedSkip:
             _restore(bad, flags, saved, chunk_targets)
         return None
 
-    def _whole(self, optimizer: torch.optim.Optimizer, bad: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def _whole(self, optimizer: torch.optim.Optimizer, bad: torch.Tensor, *args: Any, **kwargs: Any) -> float | None:
         """Snapshot everything, step once, restore where ``bad``."""
         self._pool = torch.empty(0, dtype=torch.uint8)
         self._views = []
