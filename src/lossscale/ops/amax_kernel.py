@@ -41,7 +41,7 @@ _LAUNCHED: set[torch.dtype] = set()
 
 
 @triton.jit
-def _amax_kernel(table, partials, CHUNK: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: N803  # Triton compiles from the annotations: a pointer takes none, a constant is a capitalised tl.constexpr
+def _amax_kernel(table, partials, CHUNK: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: N803  # Triton reads the annotations (pointers: none, constants: tl.constexpr, capitalised)
     """Program (t, c): max |x| over values [c * CHUNK, (c + 1) * CHUNK) of tensor t (0 past its end; NaN where a
     value is NaN), stored at partials[t * chunks + c]. ``table``: int64 [2 * tensors], the addresses then the
     sizes; ``KIND``: the tensors' dtype (:data:`_KINDS`)."""
