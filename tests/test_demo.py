@@ -9,12 +9,13 @@ import runpy
 import struct
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from lossscale.demo import cli
-from lossscale.demo.train import QUICK, QUICK_RUNS, load_corpus, train_run
+from lossscale.demo.train import DEFAULT, QUICK, QUICK_RUNS, load_corpus, train_run
 
 SIZES = {"steps": 4, "accumulation": 2, "sequences": 4, "context": 16, "d_model": 8, "files": 3}
 TINY_ARGS = [a for k, v in SIZES.items() for a in (f"--{k.replace('_', '-')}", str(v))]
@@ -118,3 +119,12 @@ def test_console_script_and_python_m_reach_the_demo(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exited:
         runpy.run_module("lossscale", run_name="__main__")  # what python -m lossscale runs
     assert exited.value.code == 0 and "--quick" in capsys.readouterr().out
+
+
+def test_docs_state_the_sizes_of_the_quick_and_the_default_run():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "demo.md").read_text()
+    for flag, cfg in (("`--quick`", QUICK), ("default", DEFAULT)):
+        per_step = cfg.accumulation * cfg.sequences * cfg.context
+        line = (f"- {flag}: {cfg.steps} updates x {cfg.accumulation} micro-batches x {cfg.sequences} sequences x "
+                f"{cfg.context} characters ({per_step:,} characters per step)")
+        assert line in " ".join(docs.split()), line
