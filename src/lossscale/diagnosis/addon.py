@@ -206,8 +206,8 @@ class OverflowDiagnosis(AddOn):
         self.reported.add(cause)
         where = f"rank {rank}: " if rank is not None else ""
         warnings.warn(OverflowWarning(f"{where}the loss scale collapsed ({self.patience} or more overflowing steps in "
-                                      f"a row); the traced step {outcome.step} found: {report.summary}. "
-                                      f"{report.advice}\n{report}", report), stacklevel=3)
+                                      f"a row); the traced step {outcome.step} found:\n{report}", report),
+                      stacklevel=3)
 
 
 def _safe_from_trace(tracer: Tracer, scale: float) -> float | None:

@@ -1,0 +1,139 @@
+"""What overflow diagnosis costs: a healthy training step with the OverflowDiagnosis add-on against the same step
+without it, the traced step against a plain one, and one find_overflow call against one step.
+
+    python benchmarks/diagnosis.py [--device cuda] [--repeats 7] [--steps 30] [--tiny]
+
+The step is a float16-autocast transformer encoder (torch.nn.TransformerEncoderLayer blocks) trained by a small
+loop that calls the add-on's hooks in a front end's order (on_scale_loss, after_step; check and unscale with
+torch's fused kernel, a skip without host read, the policy's update). Variants run interleaved, round after round,
+and the median per-step time of each is reported with the ratio. No number is asserted; the machine is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from lossscale import presets
+from lossscale.addons.base import StepOutcome
+from lossscale.diagnosis import OverflowDiagnosis, find_overflow
+from lossscale.diagnosis.trace import Tracer
+
+
+class Encoder(nn.Module):
+    def __init__(self, d: int, layers: int, vocab: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
+                                     for _ in range(layers)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Loop:
+    """One training step, with or without the add-on's hooks."""
+
+    def __init__(self, model: nn.Module, device: str, addon: OverflowDiagnosis | None) -> None:
+        self.model, self.device, self.addon = model, device, addon
+        self.params = list(model.parameters())
+        self.policy = presets.torch_amp(init_scale=2.0**12, growth_interval=10**6)
+        self.state = self.policy.init(device)
+        self.steps = 0
+
+    def loss(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device, dtype=torch.float16):
+            logits = self.model(ids)
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
+    def step(self, ids: torch.Tensor) -> None:
+        loss = self.loss(ids)
+        scale = self.state.scale
+        scaled = loss * scale
+        if self.addon is not None:
+            self.addon.on_scale_loss(loss, scaled)
+        scaled.backward()
+        grads = [p.grad for p in self.params]
+        found = torch.zeros(1, device=self.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale.reciprocal().reshape(1))
+        found_inf = found.reshape(()) > 0
+        with torch.no_grad():
+            torch._foreach_add_(self.params, torch._foreach_mul(grads, torch.where(found_inf, 0.0, -1e-4)))
+        for p in self.params:
+            p.grad = None
+        self.state = self.policy.update(self.state, found_inf.float())
+        if self.addon is not None:
+            self.addon.after_step(StepOutcome(~found_inf, found_inf, scale, self.state.scale, self.steps))
+        self.steps += 1
+
+
+def timed(fn, steps: int, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long run (tests)")
+    args = parser.parse_args(argv)
+    d, layers, batch, seq = (32, 1, 2, 8) if args.tiny else (256, 4, 16, 64)
+    repeats, steps = (2, 2) if args.tiny else (args.repeats, args.steps)
+    device = args.device
+    torch.manual_seed(0)
+    base = Encoder(d, layers).to(device)
+    ids = torch.randint(0, 256, (batch, seq), device=device)
+    plain = Loop(base, device, None)
+    with_addon = Loop(base, device, OverflowDiagnosis(base))
+    traced = Loop(base, device, None)
+
+    def traced_step():  # the hooks the add-on puts on for its traced step, read at the end as it does
+        tracer = Tracer(base)
+        traced.addon = None
+        traced.step(ids)
+        tracer.remove()
+        tracer.report(1.0)
+
+    def diagnose():
+        find_overflow(base, lambda: plain.loss(ids), scale=2.0**12)
+
+    variants = {"plain step": lambda: plain.step(ids), "step with OverflowDiagnosis": lambda: with_addon.step(ids),
+                "traced step": traced_step}
+    for fn in variants.values():  # warm-up
+        timed(fn, 2, device)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            times[name].append(timed(fn, steps, device))
+    finds = [timed(diagnose, 1, device) for _ in range(max(2, repeats // 2))]
+    medians = {name: statistics.median(v) for name, v in times.items()}
+    medians["find_overflow call"] = statistics.median(finds)
+    machine = torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or platform.machine()}, " \
+                                                                    f"{torch.get_num_threads()} threads"
+    print(f"# diagnosis cost: {device} ({machine}), torch {torch.__version__}, encoder d={d} x{layers}, "
+          f"batch {batch}x{seq}; median of {repeats} rounds of {steps} steps")
+    ref = medians["plain step"]
+    for name, value in medians.items():
+        print(f"{name:<30} {value * 1e3:9.3f} ms   {value / ref:6.3f}x the plain step")
+    return medians
+
+
+if __name__ == "__main__":
+    main()
