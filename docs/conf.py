@@ -180,13 +180,18 @@ def _sentences_not_types(app, what, name, obj, options, lines):
 # makes it plain; Sphinx looks for it only beside the object as documented (``lossscale.PrecisionSchedule`` is
 # documented at the top of the package, its helper ``advance`` in lossscale.addons.schedule). Resolve such a name
 # to the package's public name ``lossscale.<name>`` if there is one, else to the one documented object whose name
-# ends in it; none or several: the reference stays unresolved, and -n reports it.
+# ends in it; none or several: the reference stays unresolved, and -n reports it. A full name that a package
+# re-exports (``lossscale.diagnosis.find_overflow``) resolves to where the object is defined and documented.
 def _resolve_short_name(app, env, node, contnode):
-    if node.get("refdomain") != "py" or "." in node.get("reftarget", ""):
+    if node.get("refdomain") != "py":
         return None
     target = node["reftarget"].lstrip("~")
     domain = env.get_domain("py")
-    if f"lossscale.{target}" in domain.objects:
+    if "." in target:
+        full = _defined_name(target)
+        if full is None or full not in domain.objects:
+            return None
+    elif f"lossscale.{target}" in domain.objects:
         full = f"lossscale.{target}"
     else:
         found = [name for name in domain.objects if name.endswith("." + target) and name.startswith("lossscale.")]
@@ -198,6 +203,21 @@ def _resolve_short_name(app, env, node, contnode):
         full = found[0]
     node["reftarget"] = full
     return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], full, node, contnode)
+
+
+def _defined_name(target: str) -> str | None:
+    """``module.attr`` of a lossscale object named through a package that imports it; None if there is none."""
+    owner, _, attr = target.rpartition(".")
+    if not owner.startswith("lossscale"):
+        return None
+    try:
+        obj = getattr(importlib.import_module(owner), attr)
+    except (ImportError, AttributeError):
+        return None
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not module or not name or f"{module}.{name}" == target:
+        return None
+    return f"{module}.{name}"
 
 
 # The root's Markdown files (README, CHANGELOG, CONTRIBUTING, benchmarks/RESULTS.md) are included into pages of
