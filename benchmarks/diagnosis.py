@@ -92,9 +92,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--size", default="256,4,16,64", help="d_model,layers,batch,sequence (default %(default)s)")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long run (tests)")
     args = parser.parse_args(argv)
-    d, layers, batch, seq = (32, 1, 2, 8) if args.tiny else (256, 4, 16, 64)
+    d, layers, batch, seq = (32, 1, 2, 8) if args.tiny else tuple(int(v) for v in args.size.split(","))
     repeats, steps = (2, 2) if args.tiny else (args.repeats, args.steps)
     device = args.device
     torch.manual_seed(0)
@@ -114,25 +115,36 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     def diagnose():
         find_overflow(base, lambda: plain.loss(ids), scale=2.0**12)
 
-    variants = {"plain step": lambda: plain.step(ids), "step with OverflowDiagnosis": lambda: with_addon.step(ids),
-                "traced step": traced_step}
-    for fn in variants.values():  # warm-up
-        timed(fn, 2, device)
+    # the add-on's own work on a healthy step, alone: its two hooks on the step's real tensors
+    addon = OverflowDiagnosis(base)
+    loss = plain.loss(ids).detach()
+    found_inf = torch.zeros((), dtype=torch.bool, device=device)
+    outcome = StepOutcome(~found_inf, found_inf, plain.state.scale, plain.state.scale, 0)
+
+    def hooks_only():
+        addon.on_scale_loss(loss, loss)
+        addon.after_step(outcome)
+
+    variants = {"plain step": (lambda: plain.step(ids), steps),
+                "step with OverflowDiagnosis": (lambda: with_addon.step(ids), steps),
+                "traced step": (traced_step, steps), "find_overflow call": (diagnose, 1),
+                "the add-on's hooks alone": (hooks_only, 20 * steps)}
+    for fn, _ in variants.values():  # warm-up
+        timed(fn, 1, device)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            times[name].append(timed(fn, steps, device))
-    finds = [timed(diagnose, 1, device) for _ in range(max(2, repeats // 2))]
+    for _ in range(repeats):  # interleaved: each round times every variant, so a busy machine slows all of them
+        for name, (fn, n) in variants.items():
+            times[name].append(timed(fn, n, device))
     medians = {name: statistics.median(v) for name, v in times.items()}
-    medians["find_overflow call"] = statistics.median(finds)
+    # each variant's ratio to the plain step of the same round, then the median over rounds
+    ratios = {name: statistics.median(t / p for t, p in zip(v, times["plain step"])) for name, v in times.items()}
     machine = torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or platform.machine()}, " \
                                                                     f"{torch.get_num_threads()} threads"
     print(f"# diagnosis cost: {device} ({machine}), torch {torch.__version__}, encoder d={d} x{layers}, "
-          f"batch {batch}x{seq}; median of {repeats} rounds of {steps} steps")
-    ref = medians["plain step"]
+          f"batch {batch}x{seq}; median of {repeats} interleaved rounds of {steps} steps")
     for name, value in medians.items():
-        print(f"{name:<30} {value * 1e3:9.3f} ms   {value / ref:6.3f}x the plain step")
-    return medians
+        print(f"{name:<30} {value * 1e3:9.3f} ms   {ratios[name]:7.3f}x the plain step of the same round")
+    return ratios
 
 
 if __name__ == "__main__":
