@@ -61,6 +61,12 @@ KIND = {
     "lossscale.reporting.step_record": "function",
     "lossscale.ops.amax_kernel": "module",
     "lossscale.ops.amax_kernel.amax": "function",
+    "lossscale.diagnosis": "module",
+    "lossscale.diagnosis.OverflowDiagnosis": "class",
+    "lossscale.diagnosis.OverflowWarning": "class",
+    "lossscale.diagnosis.advance_trigger": "function",
+    "lossscale.diagnosis.find_overflow": "function",
+    "lossscale.diagnosis.keep_float32": "function",
 }
 #: The optional package a name needs (an integration's framework, an extra; triton, which torch's CUDA builds bring):
 #: without it, its names are skipped, saying so.

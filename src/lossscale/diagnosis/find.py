@@ -15,7 +15,8 @@ from lossscale.validation import ArgumentTypeError, validated_scale
 
 __all__ = ["find_overflow"]
 
-#: The most extra backward passes the search for ``max_safe_scale`` runs.
+#: The backward passes (the first included) after which the search for ``max_safe_scale`` stops starting a trial;
+#: a trial's check of twice its scale may add one.
 MAX_SEARCH_RUNS = 12
 _LOWEST, _HIGHEST = -126, 127  # the powers of two a float32 scale can take
 
@@ -36,8 +37,8 @@ def find_overflow(model: nn.Module, closure: Callable[[], torch.Tensor], *,
         none      nothing was non-finite
 
     Then, where the forward and the loss were finite, ``max_safe_scale`` is searched: the largest power of two at
-    which the backward stays finite, from the gradients' magnitudes and checked by rerunning the backward (at most
-    ``MAX_SEARCH_RUNS`` more backward passes over the retained graph).
+    which the backward stays finite, from the gradients' magnitudes and checked by rerunning the backward over the retained graph
+    (``MAX_SEARCH_RUNS + 1`` backward passes in all, at most).
 
     The model is left as found: parameters, each ``.grad`` (None or its accumulated values, the same tensor
     object), buffers (BatchNorm's running statistics), every module's training mode, no hook left; gradients of

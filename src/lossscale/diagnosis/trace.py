@@ -353,10 +353,10 @@ def advice_for(kind: Kind, module: str | None, nan: bool, scale: float, max_safe
         if nan:
             return (f"{name} made a NaN in its own code from finite inputs (0/0, inf-inf, log or sqrt of a negative, a "
                     f"softmax over all -inf): guard that op (an eps, a mask that keeps one entry), or run it in "
-                    f"float32 with lossscale.keep_float32(model.get_submodule({module!r})). Lowering the loss "
+                    f"float32 with keep_float32(model.get_submodule({module!r})). Lowering the loss "
                     f"scale cannot fix it.")
         return (f"The activations of {name} pass float16's 65504: run it in float32 with "
-                f"lossscale.keep_float32(model.get_submodule({module!r})) (or keep its weights and inputs smaller). "
+                f"keep_float32(model.get_submodule({module!r})) (or keep its weights and inputs smaller). "
                 f"Lowering the loss scale cannot fix a forward overflow.")
     if kind == "loss":
         return ("The loss computation overflowed though every module's output was finite: compute the loss in "
@@ -365,7 +365,7 @@ def advice_for(kind: Kind, module: str | None, nan: bool, scale: float, max_safe
         if max_safe_scale is not None and max_safe_scale < 1:
             return (f"Even an unscaled backward overflows at {name if module is not None else 'the loss'} "
                     f"(exploding gradients): lower the learning rate, clip gradients, or run that module in float32 "
-                    f"with lossscale.keep_float32.")
+                    f"with keep_float32.")
         cap = f" (max_scale={_pow2(max_safe_scale)})" if max_safe_scale is not None else ""
         return (f"The scale is too large for this batch's gradients at "
                 f"{name if module is not None else 'the loss'}: bound the scale{cap}, use per-layer scales "
