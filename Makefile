@@ -11,7 +11,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # torch is pinned for the set-up: on these machines 2.13.0 is a CPU build on local disk,
-# any other version downloads a multi-GB CUDA build. The package itself asks for torch>=2.4.
+# any other version downloads a multi-GB CUDA build. The package itself asks for torch>=2.6.
 # --no-compile: pip would byte-compile all of torch's thousands of modules at install; Python compiles the
 # few a run imports on first use instead, and caches them: PYTHONDONTWRITEBYTECODE, if the environment sets
 # it, is unset for these commands, or every process (demo workers, test subprocesses) would compile torch

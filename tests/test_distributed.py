@@ -19,7 +19,13 @@ import torch
 import torch.distributed as dist
 
 from _dist_workers import CKPT_INJECT, DDP_SKIPPED, FSDP_INJECT_STEP, SCALER_INJECT, RankPool
+from _torch_versions import needs_torch
 from lossscale.ops import distributed as ld
+
+# FSDP2 (fully_shard) on CPU processes with gloo: torch 2.6 has no Stream.record_event on the CPU stream FSDP2 uses,
+# and under torch 2.7.1 and 2.8.0 the gradients came out twice the one-process reference (summed, not averaged, over
+# the two ranks). 2.9.1, 2.10.0 and 2.13.0 pass (2026-11-28).
+FSDP2_ON_CPU = needs_torch((2, 9), "FSDP2 on CPU with gloo averages the sharded gradients")
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
 DOCS_TEST = "test_docs_example_runs_under_torchrun"
@@ -158,7 +164,7 @@ def test_ddp_control_without_the_reduction_the_replicas_fork(ranks):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp2", marks=FSDP2_ON_CPU)])
 def test_per_layer_scales_set_the_same_factors_on_every_rank(ranks, kind):
     """Each rank's first backward pass sees only its own data; its factors are agreed (one MAX per group of units)
     so that DDP and FSDP2 average gradients that carry the same factors. Without it the ranks set different factors
@@ -194,6 +200,7 @@ def test_accumulation_on_two_ranks_equals_one_process_on_the_concatenated_batch(
 
 
 @pytest.mark.distributed
+@FSDP2_ON_CPU
 @pytest.mark.parametrize("kind", ["lso_fused", "lso_host", "lso_saturation", "lso_per_param", "lso_masked",
                                   "scaler_fused"])
 def test_fsdp2_every_rank_skips_and_clips_by_the_global_norm(ranks, kind):

@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 
+from _torch_versions import TORCH_VERSION
 from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer, PrecisionSchedule
 from lossscale.addons.layerwise import LayerScales
 
@@ -631,7 +632,9 @@ def test_a_compiled_model_gets_the_eager_gradients_and_its_hooks_are_not_traced(
             torch._dynamo.reset()
     for step, (eager, compiled) in enumerate(zip(runs[False], runs[True])):
         assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), f"step {step}"
-    assert not [m for m in records.messages if "recompile" in m], records.messages
+    if TORCH_VERSION >= (2, 9):  # on 2.6 to 2.8 dynamo guards on each unit's own ``disabled`` in the hooks' wrapper
+        # and recompiles it per unit up to its limit, then runs it eagerly: the same gradients, more compile time
+        assert not [m for m in records.messages if "recompile" in m], records.messages
 
 
 # --- language models: tied embeddings, residual streams, parameters outside the units ------------------
