@@ -713,3 +713,71 @@ def test_healthy_steps_through_the_addon_on_golden_sequences_make_no_host_read()
                 addon.after_step(StepOutcome(torch.tensor(not ov), torch.tensor(bool(ov)), s, s, i))
                 assert not addon.tracing, (name, i)
         assert reads.count == 0, name
+
+
+# through the front ends' diagnose= ------------------------------------------------------------------------------
+
+
+def _front_end_run(front: str, diagnose: bool, steps: int = 60, fault_at: int = 20):
+    """Host reads per step and the warnings of a run of ``front`` (diagnose=model or None); from ``fault_at`` on,
+    one Linear's output passes 65504 at every step."""
+    from lossscale import GradScaler, LossScaleOptimizer
+
+    model = make_net()
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+    target = model if diagnose else None
+    if front == "LossScaleOptimizer":
+        opt = LossScaleOptimizer(sgd, policy=DynamicScale(init_scale=2.0**10, growth_interval=50), diagnose=target)
+    else:
+        scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=50, diagnose=target)
+    reads: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, x in enumerate(healthy_batches(steps)):
+            if i == fault_at:
+                with torch.no_grad():
+                    model.blocks[1].ff.wi_1.weight.mul_(1e5)
+            with autocast():
+                loss = model(x).float().pow(2).mean()
+            with HostReadCounter() as counter:
+                scaled = opt.scale_loss(loss) if front == "LossScaleOptimizer" else scaler.scale(loss)
+            scaled.backward()
+            with HostReadCounter() as step_counter:
+                if front == "LossScaleOptimizer":
+                    opt.step()
+                else:
+                    scaler.step(sgd)
+                    scaler.update()
+            sgd.zero_grad()
+            reads.append(counter.count + step_counter.count)
+    return reads, [w for w in caught if issubclass(w.category, OverflowWarning)], model
+
+
+@pytest.mark.parametrize("front", ["LossScaleOptimizer", "GradScaler"])
+def test_diagnose_through_the_front_ends_adds_no_host_read_and_warns(front):
+    reads, found, model = _front_end_run(front, diagnose=True)
+    plain_reads, none, _ = _front_end_run(front, diagnose=False)
+    assert reads[:20] == plain_reads[:20]  # healthy steps: diagnose= adds no host read
+    assert not none and len(found) == 1
+    report = found[0].message.report
+    assert (report.kind, report.module) == ("forward", "blocks.1.ff.wi_1")
+    assert "traced step 36" in str(found[0].message)  # 16 overflows from step 20, then the traced step
+
+
+def test_plot_without_matplotlib_names_the_demo_extra(monkeypatch, tmp_path):
+    model = make_net()
+    report = find_overflow(model, closure_for(model, batch()), scale=2.0**10)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r"needs matplotlib: pip install 'lossscale\[demo\]'"):
+        report.plot(tmp_path / "x.png")
+
+
+def test_keep_float32_removed_under_a_later_wrapper_passes_calls_through():
+    layer = nn.Linear(4, 4)
+    handle = keep_float32(layer, outputs="float32")
+    inner = layer.forward
+    layer.forward = lambda x: inner(x)  # someone wraps the forward after us
+    handle.remove()
+    with autocast():
+        assert layer(torch.ones(1, 4)).dtype == torch.float16  # autocast applies again
