@@ -9,6 +9,7 @@ does, and its trigger is replayed over every recorded golden trajectory.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import sys
 import warnings
@@ -781,3 +782,31 @@ def test_keep_float32_removed_under_a_later_wrapper_passes_calls_through():
     handle.remove()
     with autocast():
         assert layer(torch.ones(1, 4)).dtype == torch.float16  # autocast applies again
+
+
+@pytest.mark.parametrize("run", ["fp16-dynamic", "fp16-predictive", "fp16-noscale"])
+def test_the_demos_float16_runs_never_fire(run, monkeypatch):
+    """The demo's quick float16 runs (the dynamic one searches down from 2**32 first) with diagnose=model added."""
+    from lossscale.demo import train as demo
+
+    made: list[nn.Module] = []
+    addons: list[OverflowDiagnosis] = []
+
+    class Model(demo.CharTransformer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    class Optimizer(demo.LossScaleOptimizer):
+        def __init__(self, *args, **kwargs):
+            addons.append(OverflowDiagnosis(made[-1]))
+            super().__init__(*args, add_ons=[addons[-1]], **kwargs)
+
+    monkeypatch.setattr(demo, "CharTransformer", Model)
+    monkeypatch.setattr(demo, "LossScaleOptimizer", Optimizer)
+    cfg = dataclasses.replace(demo.QUICK, steps=30)
+    seen: list[bool] = []
+    result = demo.train_run(run, cfg, on_step=lambda applied, row: seen.append(addons[0].tracing))
+    assert not any(seen) and addons[0].last_report is None and hook_count(made[0]) == 0
+    if run == "fp16-dynamic":
+        assert result["skipped_steps"] > 0  # the search down from 2**32 (6 overflows in a row here)
