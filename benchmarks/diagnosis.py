@@ -29,8 +29,9 @@ class Encoder(nn.Module):
     def __init__(self, d: int, layers: int, vocab: int = 256) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
-                                     for _ in range(layers)])
+        self.blocks = nn.ModuleList(
+            [nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True) for _ in range(layers)]
+        )
         self.head = nn.Linear(d, vocab)
 
     def forward(self, ids):
@@ -125,10 +126,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         addon.on_scale_loss(loss, loss)
         addon.after_step(outcome)
 
-    variants = {"plain step": (lambda: plain.step(ids), steps),
-                "step with OverflowDiagnosis": (lambda: with_addon.step(ids), steps),
-                "traced step": (traced_step, steps), "find_overflow call": (diagnose, 1),
-                "the add-on's hooks alone": (hooks_only, 20 * steps)}
+    variants = {
+        "plain step": (lambda: plain.step(ids), steps),
+        "step with OverflowDiagnosis": (lambda: with_addon.step(ids), steps),
+        "traced step": (traced_step, steps),
+        "find_overflow call": (diagnose, 1),
+        "the add-on's hooks alone": (hooks_only, 20 * steps),
+    }
     for fn, _ in variants.values():  # warm-up
         timed(fn, 1, device)
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -138,10 +142,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     medians = {name: statistics.median(v) for name, v in times.items()}
     # each variant's ratio to the plain step of the same round, then the median over rounds
     ratios = {name: statistics.median(t / p for t, p in zip(v, times["plain step"])) for name, v in times.items()}
-    machine = torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or platform.machine()}, " \
-                                                                    f"{torch.get_num_threads()} threads"
-    print(f"# diagnosis cost: {device} ({machine}), torch {torch.__version__}, encoder d={d} x{layers}, "
-          f"batch {batch}x{seq}; median of {repeats} interleaved rounds of {steps} steps")
+    machine = (
+        torch.cuda.get_device_name()
+        if device == "cuda"
+        else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"# diagnosis cost: {device} ({machine}), torch {torch.__version__}, encoder d={d} x{layers}, "
+        f"batch {batch}x{seq}; median of {repeats} interleaved rounds of {steps} steps"
+    )
     for name, value in medians.items():
         print(f"{name:<30} {value * 1e3:9.3f} ms   {ratios[name]:7.3f}x the plain step of the same round")
     return ratios

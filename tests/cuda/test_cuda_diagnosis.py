@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 from lossscale import HostReadCounter, presets
 from lossscale.addons.base import Host, StepOutcome
@@ -24,6 +23,7 @@ def cuda_closure(model, x, loss=lambda y: y.float().mean()):
     def closure():
         with torch.autocast("cuda", dtype=torch.float16):
             return loss(model(x))
+
     return closure
 
 

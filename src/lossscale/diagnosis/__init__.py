@@ -11,5 +11,14 @@ from lossscale.diagnosis.find import find_overflow
 from lossscale.diagnosis.float32 import Float32Forward, keep_float32
 from lossscale.diagnosis.report import ModuleRecord, OverflowReport, OverflowWarning
 
-__all__ = ["Float32Forward", "ModuleRecord", "OverflowDiagnosis", "OverflowReport", "OverflowWarning",
-           "TriggerState", "advance_trigger", "find_overflow", "keep_float32"]
+__all__ = [
+    "Float32Forward",
+    "ModuleRecord",
+    "OverflowDiagnosis",
+    "OverflowReport",
+    "OverflowWarning",
+    "TriggerState",
+    "advance_trigger",
+    "find_overflow",
+    "keep_float32",
+]

@@ -35,12 +35,16 @@ class TriggerState(NamedTuple):
 
     @classmethod
     def init(cls, device: torch.device | str | None = None) -> TriggerState:
-        return cls(torch.zeros((), dtype=torch.int32, device=device), torch.zeros((), dtype=torch.bool, device=device),
-                   torch.zeros((), dtype=torch.bool, device=device))
+        return cls(
+            torch.zeros((), dtype=torch.int32, device=device),
+            torch.zeros((), dtype=torch.bool, device=device),
+            torch.zeros((), dtype=torch.bool, device=device),
+        )
 
 
-def advance_trigger(state: TriggerState, found_inf: torch.Tensor, next_scale: torch.Tensor, *, patience: int,
-                    initial_limit: int) -> TriggerState:
+def advance_trigger(
+    state: TriggerState, found_inf: torch.Tensor, next_scale: torch.Tensor, *, patience: int, initial_limit: int
+) -> TriggerState:
     """One step of the trigger (element-wise, so a batch of runs advances at once). No host read.
 
     The rule::
@@ -100,10 +104,14 @@ class OverflowDiagnosis(AddOn):
     label = "overflow diagnosis"
 
     def __init__(self, model: nn.Module, *, patience: int = 16, initial_limit: int = 128) -> None:
-        call = f"OverflowDiagnosis(model={type(model).__name__}, patience={patience!r}, initial_limit={initial_limit!r})"
+        call = (
+            f"OverflowDiagnosis(model={type(model).__name__}, patience={patience!r}, initial_limit={initial_limit!r})"
+        )
         if not isinstance(model, nn.Module):
-            raise ArgumentTypeError(f"OverflowDiagnosis(model={model!r:.60}): model must be the torch.nn.Module "
-                                    f"being trained; got {type(model).__name__}.")
+            raise ArgumentTypeError(
+                f"OverflowDiagnosis(model={model!r:.60}): model must be the torch.nn.Module "
+                f"being trained; got {type(model).__name__}."
+            )
         validate_int_at_least(call, "patience", patience, 1)
         validate_int_at_least(call, "initial_limit", initial_limit, patience)
         self.model = model
@@ -134,8 +142,9 @@ class OverflowDiagnosis(AddOn):
             return
         if self._state is None:
             self._state = TriggerState.init(outcome.found_inf.device)
-        self._state = advance_trigger(self._state, outcome.found_inf, outcome.next_scale, patience=self.patience,
-                                      initial_limit=self.initial_limit)
+        self._state = advance_trigger(
+            self._state, outcome.found_inf, outcome.next_scale, patience=self.patience, initial_limit=self.initial_limit
+        )
         if self._publish_and_poll():
             self._tracer = Tracer(self.model)
 
@@ -205,9 +214,14 @@ class OverflowDiagnosis(AddOn):
             return
         self.reported.add(cause)
         where = f"rank {rank}: " if rank is not None else ""
-        warnings.warn(OverflowWarning(f"{where}the loss scale collapsed ({self.patience} or more overflowing steps in "
-                                      f"a row); the traced step {outcome.step} found:\n{report}", report),
-                      stacklevel=3)
+        warnings.warn(
+            OverflowWarning(
+                f"{where}the loss scale collapsed ({self.patience} or more overflowing steps in "
+                f"a row); the traced step {outcome.step} found:\n{report}",
+                report,
+            ),
+            stacklevel=3,
+        )
 
 
 def _safe_from_trace(tracer: Tracer, scale: float) -> float | None:

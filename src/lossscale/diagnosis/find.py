@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,8 +22,9 @@ MAX_SEARCH_RUNS = 12
 _LOWEST, _HIGHEST = -126, 127  # the powers of two a float32 scale can take
 
 
-def find_overflow(model: nn.Module, closure: Callable[[], torch.Tensor], *,
-                  scale: float | None = None) -> OverflowReport:
+def find_overflow(
+    model: nn.Module, closure: Callable[[], torch.Tensor], *, scale: float | None = None
+) -> OverflowReport:
     """Run ``closure()`` once with tracing on ``model``, then the backward of ``loss * scale``, and report the first
     non-finite value: in the input, a module's forward, the loss, or the scaled backward.
 
@@ -37,8 +39,8 @@ def find_overflow(model: nn.Module, closure: Callable[[], torch.Tensor], *,
         none      nothing was non-finite
 
     Then, where the forward and the loss were finite, ``max_safe_scale`` is searched: the largest power of two at
-    which the backward stays finite, from the gradients' magnitudes and checked by rerunning the backward over the retained graph
-    (``MAX_SEARCH_RUNS + 1`` backward passes in all, at most).
+    which the backward stays finite, from the gradients' magnitudes and checked by rerunning the backward over the
+    retained graph (``MAX_SEARCH_RUNS + 1`` backward passes in all, at most).
 
     The model is left as found: parameters, each ``.grad`` (None or its accumulated values, the same tensor
     object), buffers (BatchNorm's running statistics), every module's training mode, no hook left; gradients of
@@ -73,14 +75,18 @@ def find_overflow(model: nn.Module, closure: Callable[[], torch.Tensor], *,
     """
     call = "find_overflow"
     if not isinstance(model, nn.Module):
-        raise ArgumentTypeError(f"{call}(model={model!r:.60}): model must be a torch.nn.Module (the model whose "
-                                f"forward the closure runs); got {type(model).__name__}.")
+        raise ArgumentTypeError(
+            f"{call}(model={model!r:.60}): model must be a torch.nn.Module (the model whose "
+            f"forward the closure runs); got {type(model).__name__}."
+        )
     if not callable(closure):
-        raise ArgumentTypeError(f"{call}(closure={closure!r:.60}): closure must be a callable that runs the forward "
-                                f"pass and returns the loss; got {type(closure).__name__}.")
+        raise ArgumentTypeError(
+            f"{call}(closure={closure!r:.60}): closure must be a callable that runs the forward "
+            f"pass and returns the loss; got {type(closure).__name__}."
+        )
     scale = 2.0**16 if scale is None else validated_scale(f"{call}(scale={scale!r})", scale, name="scale")
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     with _kept_as_found(model, params, devices) as keep:
         tracer = Tracer(model)
         try:
@@ -137,18 +143,24 @@ class _SafeScaleSearch:
         return None if known_good is None else 2.0**known_good
 
 
-def _validate_loss(call: str, loss: Any, params: list[torch.Tensor]) -> None:
+def _validate_loss(call: str, loss: Any, params: Sequence[torch.Tensor]) -> None:
     if not isinstance(loss, torch.Tensor):
         raise ArgumentTypeError(f"{call}: closure() must return the loss as a tensor; got {type(loss).__name__}.")
     if loss.numel() != 1:
-        raise ValueError(f"{call}: closure() must return one loss value (a tensor with one element, e.g. a mean); "
-                         f"got shape {tuple(loss.shape)}.")
+        raise ValueError(
+            f"{call}: closure() must return one loss value (a tensor with one element, e.g. a mean); "
+            f"got shape {tuple(loss.shape)}."
+        )
     if any(p.grad is not None for p in params):
-        raise ValueError(f"{call}: closure() must return the loss without calling backward() (find_overflow runs "
-                         f"the scaled backward itself); the model's gradients changed inside closure().")
+        raise ValueError(
+            f"{call}: closure() must return the loss without calling backward() (find_overflow runs "
+            f"the scaled backward itself); the model's gradients changed inside closure()."
+        )
     if not loss.requires_grad:
-        raise ValueError(f"{call}: closure() returned a loss that does not require grad; run the forward with grad "
-                         f"enabled (not under torch.no_grad() or inference_mode) and return the loss.")
+        raise ValueError(
+            f"{call}: closure() returned a loss that does not require grad; run the forward with grad "
+            f"enabled (not under torch.no_grad() or inference_mode) and return the loss."
+        )
 
 
 def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
@@ -172,7 +184,7 @@ class _Keeper:
     def __init__(self) -> None:
         self.grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def detach_grads_of(self, tensors: list[torch.Tensor]) -> None:
+    def detach_grads_of(self, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:
             if id(t) not in self.grads:
                 self.grads[id(t)] = (t, t.grad)
@@ -184,7 +196,7 @@ class _Keeper:
 
 
 @contextlib.contextmanager
-def _kept_as_found(model: nn.Module, params: list[torch.Tensor], cuda_devices: list[int]) -> Iterator[_Keeper]:
+def _kept_as_found(model: nn.Module, params: Sequence[torch.Tensor], cuda_devices: list[int]) -> Iterator[_Keeper]:
     keep = _Keeper()
     modes = [(m, m.training) for m in model.modules()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]

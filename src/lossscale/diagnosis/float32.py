@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -33,9 +34,9 @@ class Float32Forward:
             return self._run(inner, args, kwargs)
 
         self._forward = forward
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
 
-    def _run(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _run(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         enabled = [d for d in _DEVICE_TYPES if _autocast_on(d)]
         first = next((t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()), None)
         with contextlib.ExitStack() as stack:
@@ -61,7 +62,7 @@ class Float32Forward:
         self.removed = True
         if self.module.__dict__.get("forward") is self._forward:
             if self._had_own:
-                self.module.forward = self._previous  # type: ignore[method-assign]
+                self.module.forward = self._previous  # type: ignore[assignment]  # what was there
             else:
                 del self.module.forward
         # else something wrapped the forward after us: our wrapper stays in its chain and now passes calls through
@@ -106,8 +107,10 @@ def keep_float32(module: nn.Module, *, outputs: Literal["autocast", "float32"] =
     """
     call = f"keep_float32(module={type(module).__name__}, outputs={outputs!r})"
     if not isinstance(module, nn.Module):
-        raise ArgumentTypeError(f"keep_float32(module={module!r:.60}): module must be a torch.nn.Module (e.g. "
-                                f"model.get_submodule(report.module)); got {type(module).__name__}.")
+        raise ArgumentTypeError(
+            f"keep_float32(module={module!r:.60}): module must be a torch.nn.Module (e.g. "
+            f"model.get_submodule(report.module)); got {type(module).__name__}."
+        )
     validate_choice(call, "outputs", outputs, ("autocast", "float32"))
     return Float32Forward(module, outputs)
 
@@ -121,7 +124,12 @@ def _autocast_on(device_type: str) -> bool:
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    _map(lambda t: found.append(t) or t, obj)
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    _map(keep, obj)
     return found
 
 
@@ -140,7 +148,7 @@ def _map(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     if isinstance(obj, dict):
         mapped = {k: _map(fn, v) for k, v in obj.items()}
         try:
-            return type(obj)(**mapped) if not type(obj) is dict else mapped
+            return type(obj)(**mapped) if type(obj) is not dict else mapped
         except TypeError:
             return mapped
     return obj

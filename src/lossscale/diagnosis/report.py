@@ -49,6 +49,9 @@ class OverflowWarning(UserWarning):
         super().__init__(message)
         self.report = report
 
+    def __reduce__(self) -> tuple[type[OverflowWarning], tuple[str, OverflowReport]]:
+        return type(self), (str(self), self.report)  # pickles (across processes) with its report
+
 
 @dataclass(frozen=True)
 class OverflowReport:
@@ -107,8 +110,10 @@ class OverflowReport:
         if self.kind == "loss":
             return f"the loss is {value} while every module's output was finite"
         if self.kind == "backward":
-            return f"backward overflow at scale {_num(self.scale)}: the first non-finite gradient ({value}) " \
-                   f"came from {self.where}"
+            return (
+                f"backward overflow at scale {_num(self.scale)}: the first non-finite gradient ({value}) "
+                f"came from {self.where}"
+            )
         return f"nothing was non-finite at scale {_num(self.scale)}"
 
     def __str__(self) -> str:
@@ -118,8 +123,10 @@ class OverflowReport:
         safe = "not measured" if self.max_safe_scale is None else _num(self.max_safe_scale)
         if self.max_safe_scale is None and self.kind in ("input", "forward", "loss"):
             safe = "none (the forward or the loss broke)"
-        lines.append(f"  kind={self.kind} module={self.module!r} call={self.call} nan={self.nan} "
-                     f"scale={_num(self.scale)} loss={_num(self.loss)} max_safe_scale={safe}")
+        lines.append(
+            f"  kind={self.kind} module={self.module!r} call={self.call} nan={self.nan} "
+            f"scale={_num(self.scale)} loss={_num(self.loss)} max_safe_scale={safe}"
+        )
         lines.append(f"  advice: {self.advice}")
         lines.extend(self.table())
         return "\n".join(lines)
@@ -128,8 +135,14 @@ class OverflowReport:
         """The index in :attr:`records` of the named module's call (its first call where no call is named)."""
         if self.module is None:
             return None
-        return next((i for i, r in enumerate(self.records)
-                     if r.module == self.module and (self.call is None or r.call == self.call)), None)
+        return next(
+            (
+                i
+                for i, r in enumerate(self.records)
+                if r.module == self.module and (self.call is None or r.call == self.call)
+            ),
+            None,
+        )
 
     def table(self, limit: int = 40) -> list[str]:
         """The per-module table as lines (at most ``limit`` rows, around the named module)."""
@@ -140,18 +153,22 @@ class OverflowReport:
         hit = 0 if hit is None else hit
         if len(rows) > limit:
             start = max(0, min(hit - limit // 2, len(rows) - limit))
-            rows = rows[start:start + limit]
+            rows = rows[start : start + limit]
         width = max(12, *(len(r.module or "(model)") + r.module.count(".") for _, r in rows))
         width = min(width, 60)
-        out = [f"  {'module':<{width}} {'type':<18} {'call':>4} {'input max':>10} {'output max':>10} "
-               f"{'dtype':>8} {'grad max':>10}"]
+        out = [
+            f"  {'module':<{width}} {'type':<18} {'call':>4} {'input max':>10} {'output max':>10} "
+            f"{'dtype':>8} {'grad max':>10}"
+        ]
         if rows[0][0] > 0:
             out.append(f"  ... {rows[0][0]} earlier calls")
         for i, r in rows:
             name = " " * r.module.count(".") + r.module if r.module else "(model)"
             mark = "  <--" if i == hit and self.module is not None else ""
-            out.append(f"  {name[:width]:<{width}} {r.type[:18]:<18} {r.call:>4} {_num(r.input_max):>10} "
-                       f"{_num(r.output_max):>10} {(r.output_dtype or '-'):>8} {_num(r.grad_max):>10}{mark}")
+            out.append(
+                f"  {name[:width]:<{width}} {r.type[:18]:<18} {r.call:>4} {_num(r.input_max):>10} "
+                f"{_num(r.output_max):>10} {(r.output_dtype or '-'):>8} {_num(r.grad_max):>10}{mark}"
+            )
         if rows[-1][0] < len(self.records) - 1:
             out.append(f"  ... {len(self.records) - 1 - rows[-1][0]} later calls (report.records has all)")
         return out
@@ -167,20 +184,31 @@ class OverflowReport:
         try:
             from matplotlib.figure import Figure
         except ImportError as error:
-            raise ImportError(f"OverflowReport.plot({os.fspath(path)!r}) needs matplotlib: pip install "
-                              f"'lossscale[demo]' (the demo extra) or pip install matplotlib.") from error
+            raise ImportError(
+                f"OverflowReport.plot({os.fspath(path)!r}) needs matplotlib: pip install "
+                f"'lossscale[demo]' (the demo extra) or pip install matplotlib."
+            ) from error
         fig = Figure(figsize=(min(30.0, max(6.0, 0.18 * len(self.records) + 2)), 4.5), layout="constrained")
         ax = fig.subplots()
         xs = list(range(len(self.records)))
         top = FLOAT16_MAX * 16
-        for attr, label, color in (("output_max", "largest |output|", "tab:blue"),
-                                   ("grad_max", f"largest |gradient| at scale {_num(self.scale)}", "tab:orange")):
+        for attr, label, color in (
+            ("output_max", "largest |output|", "tab:blue"),
+            ("grad_max", f"largest |gradient| at scale {_num(self.scale)}", "tab:orange"),
+        ):
             values = [getattr(r, attr) for r in self.records]
             if all(v is None for v in values):
                 continue
             # a line broken where a value is missing or non-finite; crosses above the range where it is inf/NaN
-            ax.plot(xs, [v if v is not None and math.isfinite(v) and v > 0 else math.nan for v in values],
-                    marker="o", ms=3, lw=1, color=color, label=label)
+            ax.plot(
+                xs,
+                [v if v is not None and math.isfinite(v) and v > 0 else math.nan for v in values],
+                marker="o",
+                ms=3,
+                lw=1,
+                color=color,
+                label=label,
+            )
             bad = [x for x, v in zip(xs, values) if v is not None and not math.isfinite(v)]
             if bad:
                 ax.scatter(bad, [top] * len(bad), marker="x", color=color, s=30, label=f"{label}: inf or NaN")

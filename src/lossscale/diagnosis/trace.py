@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from lossscale.diagnosis.report import FLOAT16_MAX, Kind, ModuleRecord, OverflowReport
+from lossscale.diagnosis.report import Kind, ModuleRecord, OverflowReport
 
 __all__ = ["Tracer", "advice_for", "floating_tensors"]
 
@@ -122,8 +123,7 @@ class Tracer:
         for name, module in model.named_modules():
             self._types[name] = type(module).__name__
             self.handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post_hook(name), with_kwargs=True,
-                                                             always_call=True))
+            self.handles.append(module.register_forward_hook(self._post_hook(name), with_kwargs=True, always_call=True))
         params: dict[int, _Watched] = {}
         for name, module in model.named_modules():
             for param in module._parameters.values():
@@ -137,7 +137,7 @@ class Tracer:
     # hooks ------------------------------------------------------------------------------------------------------
 
     def _pre_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if _in_backward():
                 call = self._recomputation(name)
                 if call is not None and not call.watched:
@@ -148,16 +148,25 @@ class Tracer:
             index = self._counts.get(name, 0)
             self._counts[name] = index + 1
             inputs = list(floating_tensors((args, kwargs)))
-            call = _Call(name, self._types[name], index, parent, 0 if parent is None else parent.depth + 1,
-                         self._pass, self._next(), input_max=_amax(inputs))
+            call = _Call(
+                name,
+                self._types[name],
+                index,
+                parent,
+                0 if parent is None else parent.depth + 1,
+                self._pass,
+                self._next(),
+                input_max=_amax(inputs),
+            )
             self.calls.append(call)
             self._stack.append(call)
             for t in inputs:
                 self._watch(t, call, produced=False)
+
         return hook
 
     def _post_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if _in_backward():
                 call = self._last_recomputed.get(name)
                 if call is not None and not call.watched:
@@ -175,6 +184,7 @@ class Tracer:
             for t in outputs:
                 call.watched |= self._watch(t, call, produced=True)
             call.end = self._next()
+
         return hook
 
     def _grad_hook(self, watched: _Watched) -> Callable[[torch.Tensor], None]:
@@ -183,6 +193,7 @@ class Tracer:
             if amax is not None:
                 limit = torch.finfo(grad.dtype).max if grad.is_floating_point() else math.inf
                 self.events.append(_GradEvent(self.run, self._backward_pass, watched, amax, limit))
+
         return hook
 
     def _watch(self, t: torch.Tensor, call: _Call, produced: bool) -> bool:
@@ -238,22 +249,27 @@ class Tracer:
         """For backward ``run``: whether every gradient was finite, and the smallest ``dtype max / |grad|`` (how far
         the scale could be multiplied before the closest gradient leaves its format's range). One host read."""
         events = [e for e in self.events if e.run == run]
-        values = _read([e.amax for e in events])
+        values = _floats(_read([e.amax for e in events]))
         finite = all(math.isfinite(v) for v in values)
         ratio = min((e.limit / v for e, v in zip(events, values) if v > 0 and math.isfinite(v)), default=math.inf)
         return finite, ratio
 
-    def report(self, scale: float, max_safe_scale: float | None = None, run: int = 0,
-               rank: int | None = None) -> OverflowReport:
+    def report(
+        self, scale: float, max_safe_scale: float | None = None, run: int = 0, rank: int | None = None
+    ) -> OverflowReport:
         """The first non-finite value over the traced passes (forward, then loss, then backward ``run``), read in
         one host read."""
         calls = self.calls
         run_events = [e for e in self.events if e.run == run]
-        values = _read([c.input_max for c in calls] + [c.output_max for c in calls]
-                       + list(self.losses) + [e.amax for e in run_events])
+        values = _read(
+            [c.input_max for c in calls]
+            + [c.output_max for c in calls]
+            + list(self.losses)
+            + [e.amax for e in run_events]
+        )
         n, m = len(calls), len(self.losses)
-        inputs, outputs = values[:n], values[n:2 * n]
-        losses, grads = values[2 * n:2 * n + m], values[2 * n + m:]
+        inputs, outputs = values[:n], values[n : 2 * n]
+        losses, grads = values[2 * n : 2 * n + m], _floats(values[2 * n + m :])
         counts: dict[tuple[int, str], int] = {}
         for c in calls:
             counts[(c.forward_pass, c.name)] = counts.get((c.forward_pass, c.name), 0) + 1
@@ -264,11 +280,15 @@ class Tracer:
                 grad_of[id(c)] = v if old is None or _worse(v, old) else old
 
         def records_of(p: int) -> tuple[ModuleRecord, ...]:
-            return tuple(ModuleRecord(c.name, c.type, c.index, inputs[i], outputs[i], c.output_dtype,
-                                      grad_of.get(id(c))) for i, c in enumerate(calls) if c.forward_pass == p)
+            return tuple(
+                ModuleRecord(c.name, c.type, c.index, inputs[i], outputs[i], c.output_dtype, grad_of.get(id(c)))
+                for i, c in enumerate(calls)
+                if c.forward_pass == p
+            )
 
-        def located(p: int, kind: Kind, call: _Call | None, value: float | None,
-                    name: str | None = None) -> OverflowReport:
+        def located(
+            p: int, kind: Kind, call: _Call | None, value: float | None, name: str | None = None
+        ) -> OverflowReport:
             module = call.name if call is not None else name
             index = call.index if call is not None else None
             total = counts.get((call.forward_pass, call.name)) if call is not None else None
@@ -276,28 +296,38 @@ class Tracer:
                 total = sum(1 for c in calls if c.name == name and c.forward_pass == p) or None
                 index = 0 if total == 1 else None
             nan = value is not None and math.isnan(value)
-            return OverflowReport(kind, module, index if (total or 0) > 1 else None, total, nan, scale,
-                                  None if kind in ("input", "forward", "loss") else max_safe_scale,
-                                  advice_for(kind, module, nan, scale, max_safe_scale), records_of(p),
-                                  losses[p] if p < m else None, rank)
+            return OverflowReport(
+                kind,
+                module,
+                index if (total or 0) > 1 else None,
+                total,
+                nan,
+                scale,
+                None if kind in ("input", "forward", "loss") else max_safe_scale,
+                advice_for(kind, module, nan, scale, max_safe_scale),
+                records_of(p),
+                losses[p] if p < m else None,
+                rank,
+            )
 
         passes = sorted({c.forward_pass for c in calls} | set(range(m)))
         for p in passes:
             events: list[tuple[int, str, _Call, float]] = []
-            for i, c in enumerate(calls):
+            for c, seen_in, seen_out in zip(calls, inputs, outputs):
                 if c.forward_pass != p:
                     continue
-                if inputs[i] is not None and not math.isfinite(inputs[i]):
-                    events.append((c.start, "start", c, inputs[i]))
-                if c.end >= 0 and outputs[i] is not None and not math.isfinite(outputs[i]):
-                    events.append((c.end, "end", c, outputs[i]))
+                if seen_in is not None and not math.isfinite(seen_in):
+                    events.append((c.start, "start", c, seen_in))
+                if c.end >= 0 and seen_out is not None and not math.isfinite(seen_out):
+                    events.append((c.end, "end", c, seen_out))
             if events:
                 _, where, c, v = min(events, key=lambda e: e[0])
                 if where == "end":
                     return located(p, "forward", c, v)
                 return located(p, "input", c, v) if c.parent is None else located(p, "forward", c.parent, v)
-            if p < m and losses[p] is not None and not math.isfinite(losses[p]):
-                return located(p, "loss", None, losses[p])
+            loss = losses[p] if p < m else None
+            if loss is not None and not math.isfinite(loss):
+                return located(p, "loss", None, loss)
             for e, v in zip(run_events, grads):
                 if e.forward_pass == p and not math.isfinite(v):
                     call, name = _blame(e.watched, [c for c in calls if c.forward_pass == p])
@@ -329,6 +359,11 @@ def _worse(a: float, b: float) -> bool:
     return a > b
 
 
+def _floats(values: list[float | None]) -> list[float]:
+    """``values`` where none can be None (every tensor was given)."""
+    return [math.nan if v is None else v for v in values]
+
+
 def _read(tensors: list[torch.Tensor | None]) -> list[float | None]:
     """Every 0-d tensor as a float (None stays None), one host read per device."""
     out: list[float | None] = [None] * len(tensors)
@@ -336,7 +371,7 @@ def _read(tensors: list[torch.Tensor | None]) -> list[float | None]:
     for i, t in enumerate(tensors):
         if t is not None:
             by_device.setdefault(t.device, []).append(i)
-    for device, idx in by_device.items():
+    for idx in by_device.values():
         read = torch.stack([tensors[i].reshape(()).float() for i in idx]).tolist()  # type: ignore[union-attr]
         for i, v in zip(idx, read):
             out[i] = v
@@ -347,33 +382,47 @@ def advice_for(kind: Kind, module: str | None, nan: bool, scale: float, max_safe
     """One or two sentences on what fixes a fault of this kind."""
     name = "the model" if module == "" else repr(module)
     if kind == "input":
-        return ("A batch already holds inf or NaN before the model sees it, and no loss scale fixes that: check the "
-                "data loader and preprocessing (e.g. assert torch.isfinite(batch).all()), or skip such batches.")
+        return (
+            "A batch already holds inf or NaN before the model sees it, and no loss scale fixes that: check the "
+            "data loader and preprocessing (e.g. assert torch.isfinite(batch).all()), or skip such batches."
+        )
     if kind == "forward":
         if nan:
-            return (f"{name} made a NaN in its own code from finite inputs (0/0, inf-inf, log or sqrt of a negative, a "
-                    f"softmax over all -inf): guard that op (an eps, a mask that keeps one entry), or run it in "
-                    f"float32 with keep_float32(model.get_submodule({module!r})). Lowering the loss "
-                    f"scale cannot fix it.")
-        return (f"The activations of {name} pass float16's 65504: run it in float32 with "
-                f"keep_float32(model.get_submodule({module!r})) (or keep its weights and inputs smaller). "
-                f"Lowering the loss scale cannot fix a forward overflow.")
+            return (
+                f"{name} made a NaN in its own code from finite inputs (0/0, inf-inf, log or sqrt of a negative, a "
+                f"softmax over all -inf): guard that op (an eps, a mask that keeps one entry), or run it in "
+                f"float32 with keep_float32(model.get_submodule({module!r})). Lowering the loss "
+                f"scale cannot fix it."
+            )
+        return (
+            f"The activations of {name} pass float16's 65504: run it in float32 with "
+            f"keep_float32(model.get_submodule({module!r})) (or keep its weights and inputs smaller). "
+            f"Lowering the loss scale cannot fix a forward overflow."
+        )
     if kind == "loss":
-        return ("The loss computation overflowed though every module's output was finite: compute the loss in "
-                "float32, outside autocast (e.g. loss_fn(logits.float(), target)), and use a mean, not a sum.")
+        return (
+            "The loss computation overflowed though every module's output was finite: compute the loss in "
+            "float32, outside autocast (e.g. loss_fn(logits.float(), target)), and use a mean, not a sum."
+        )
     if kind == "backward":
         if max_safe_scale is not None and max_safe_scale < 1:
-            return (f"Even an unscaled backward overflows at {name if module is not None else 'the loss'} "
-                    f"(exploding gradients): lower the learning rate, clip gradients, or run that module in float32 "
-                    f"with keep_float32.")
+            return (
+                f"Even an unscaled backward overflows at {name if module is not None else 'the loss'} "
+                f"(exploding gradients): lower the learning rate, clip gradients, or run that module in float32 "
+                f"with keep_float32."
+            )
         cap = f" (max_scale={_pow2(max_safe_scale)})" if max_safe_scale is not None else ""
-        return (f"The scale is too large for this batch's gradients at "
-                f"{name if module is not None else 'the loss'}: bound the scale{cap}, use per-layer scales "
-                f"(LossScaleOptimizer(..., layerwise=model)) so one module's gradients do not set every other's, "
-                f"or clip gradients.")
+        return (
+            f"The scale is too large for this batch's gradients at "
+            f"{name if module is not None else 'the loss'}: bound the scale{cap}, use per-layer scales "
+            f"(LossScaleOptimizer(..., layerwise=model)) so one module's gradients do not set every other's, "
+            f"or clip gradients."
+        )
     safe = f"; this batch's backward stays finite up to scale {_pow2(max_safe_scale)}" if max_safe_scale else ""
-    return (f"Nothing overflowed at scale {_pow2(scale)}{safe}. If the scale keeps collapsing, the fault depends on "
-            f"the batch or the step: let OverflowDiagnosis trace the failing step.")
+    return (
+        f"Nothing overflowed at scale {_pow2(scale)}{safe}. If the scale keeps collapsing, the fault depends on "
+        f"the batch or the step: let OverflowDiagnosis trace the failing step."
+    )
 
 
 def _pow2(x: float | None) -> str:
