@@ -54,7 +54,7 @@ def source_pages() -> list[Path]:
     for path in DOCS.rglob("*"):
         rel = path.relative_to(DOCS)
         if path.suffix in (".md", ".rst") and not SKIPPED_DIRS & set(rel.parts):
-            pages.append(rel.with_suffix(""))
+            pages.append(rel.parent / rel.stem)  # not with_suffix: a module's page is named lossscale.ops.clip.md
     return sorted(pages)
 
 
@@ -79,7 +79,7 @@ def check(html_root: Path) -> tuple[int, list[str]]:
     checked = 0
     for page in source_pages():
         checked += 1
-        if not (html_root / page.with_suffix(".html")).is_file():
+        if not (html_root / page.parent / f"{page.name}.html").is_file():
             problems.append(f"docs/{page}: no page {page}.html in {html_root}")
 
     pages = {path: parse(path) for path in html_root.rglob("*.html")}

@@ -191,25 +191,15 @@ class GradScaler:
             total += t.to(device, non_blocking=True)
         return {device: stages.agree_(total, self.process_group)}
 
-    def _found_inf_sum(self, records: Iterable[dict[str, Any]], call: str) -> torch.Tensor:
-        """Every recorded found_inf summed on the scale's device: a count (one device: the record's own tensor,
-        a 0/1 flag); :meth:`_found_inf` makes it the core's one form."""
+    def _found_inf(self, records: Iterable[dict[str, Any]], call: str) -> torch.Tensor:
+        """Every recorded found_inf as the core's one form: a 0-d float32 0/1 flag on the scale's device."""
         device = self._loss_scale.device
         values = [t.to(device, non_blocking=True) for r in records for t in r["found_inf_per_device"].values()]
         if not values:
             raise stages.NoGradientsError(f"{call}: No inf checks were recorded for this optimizer: no gradient "
                                           f"was unscaled or checked since the last update(). Call backward on the "
                                           f"scaled loss, then step(optimizer), before update().")
-        return sum(values[1:], values[0])  # values[0] itself for one device
-
-    def _found_inf(self, records: Iterable[dict[str, Any]], call: str) -> torch.Tensor:
-        """The recorded found_inf as the core's one form: a 0-d float32 0/1 flag on the scale's device."""
-        total = self._found_inf_sum(records, call)
-        return total if len(self._found_inf_values(records)) == 1 else total.clamp(max=1.0)
-
-    @staticmethod
-    def _found_inf_values(records: Iterable[dict[str, Any]]) -> list[torch.Tensor]:
-        return [t for r in records for t in r["found_inf_per_device"].values()]
+        return values[0] if len(values) == 1 else torch.stack(values).amax()  # one device: the record's own flag
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
         """Unscale (unless done), then apply ``optimizer.step(*args, **kwargs)`` only if nothing overflowed.
@@ -251,7 +241,7 @@ class GradScaler:
             grad_scale = self._loss_scale.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = None  # unscale_() already divided the gradients
-        found_inf = self._found_inf_sum([record], "GradScaler.step(optimizer)").clamp(max=1.0)  # the kernel's own
+        found_inf = self._found_inf([record], "GradScaler.step(optimizer)")
         value = stages.fused_step_(optimizer, grad_scale, found_inf, *args, **kwargs)
         record["stage"] = OptState.STEPPED
         return ScalerStep(found_inf=found_inf.bool(), value=value)  # the kernel reads found_inf, never writes it

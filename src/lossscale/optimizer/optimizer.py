@@ -22,8 +22,7 @@ from lossscale.ops.masked import MaskedSkip
 from lossscale.ops.overflow import OverflowMode
 from lossscale.ops.underflow import underflow_share
 from lossscale.optimizer import checkpoint
-from lossscale.optimizer.options import StepOptions
-from lossscale.optimizer.plan import Plans, StepPlan, resolve
+from lossscale.optimizer.options import Plans, StepOptions, StepPlan, resolve
 from lossscale.policies.base import FloorError, Policy, validate_policy
 from lossscale.reporting import StepResult
 from lossscale.state import LossScale
@@ -53,6 +52,14 @@ def _refuse_float16_parameters(inner: torch.optim.Optimizer) -> None:
                     f"gradients (scaled values / scale) would underflow in float16 and its updates round away. "
                     f"Keep the parameters in float32 and run the forward pass under torch.autocast(dtype="
                     f"torch.float16) (mixed precision), or keep float32 master copies for the optimizer.")
+
+
+class ScaledReads(NamedTuple):
+    """What a step read of the scaled gradients before unscaling them (each None where the plan reads none)."""
+
+    underflow: torch.Tensor | None  # the underflow meter's share
+    amax: torch.Tensor | None  # the largest magnitude, for a policy that reads it
+    norm_squared: torch.Tensor | None  # the squared global norm, the clip's input
 
 
 class Window(NamedTuple):
@@ -110,7 +117,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     Its ``param_groups``, ``state`` and ``defaults`` are the inner one's; LR schedulers and hooks work on it.
 
     A boundary step (``_boundary_step``; where each check and unscale happens is resolved once, in
-    :mod:`lossscale.optimizer.plan`)::
+    :mod:`lossscale.optimizer.options`)::
 
         found_inf = guard(scale); inv = 1/scale
         measure the scaled gradients (amax / saturation / a check for a fused kernel), or an add-on unscales them
@@ -261,7 +268,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     @property
     def plan(self) -> Plans:
-        """How a boundary step runs (:mod:`lossscale.optimizer.plan`), resolved from the options."""
+        """How a boundary step runs (:mod:`lossscale.optimizer.options`), resolved from the options."""
         return self._plans
 
     @property
@@ -423,28 +430,22 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         run = self._run
         window, run.window = run.window, None
         assert window is not None  # step() opens it
-        plan = self._plan_for(window.scaled)
+        plan = self._plans.for_window(window.scaled)
         groups = self._grouped_gradients()
         scale = self._loss_scale.scale
-        found = self._first_found_inf(plan, scale)
-        inv = self._inverse(plan, scale, found)
-        underflow = self._underflow(plan, groups)
-        amax = self._measure(plan, groups, found)
-        amax = self._add_on_unscale(plan, scale, found, amax)
-        norm_sq = self._norm_squared(plan, groups, found)
-        grad_norm, clip = self._clip_coefficient(norm_sq, inv)
-        self._unscale(plan, groups, found, inv, clip)
+        found, inv = self._guard(plan, scale)
+        reads = self._read_scaled(plan, groups, scale, found)
+        grad_norm, fused_divisor = self._unscale(plan, groups, scale, found, inv, reads.norm_squared)
         found = stages.agree_(found, self._options.process_group, is_flag=True)  # 0/1, only ever set to 1
         found_inf = found.bool()
         stepped = ~found_inf
-        self._apply(plan, groups, found, found_inf, stepped, self._fused_divisor(plan, scale, clip))
+        self._apply(plan, groups, found, found_inf, stepped, fused_divisor)
         run.boundaries += 1
         fields: dict[str, Any] = {}
         if plan.scaled:
             if capturing(scale):  # the update writes the next scale into this tensor: the result keeps this one
                 scale = scale.clone()
-            fields = self._step_fields(scale)
-            self._advance(found, amax, scale)
+            fields = self._advance(found, reads.amax, scale)
         result_scale = scale if plan.scaled else torch.ones_like(scale)
         outcome = StepOutcome(stepped=stepped, found_inf=found_inf, scale=result_scale,
                               next_scale=self._loss_scale.scale, step=run.boundaries - 1, scaled=plan.scaled)
@@ -453,98 +454,74 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         run.loss_finite = None
         return StepResult(stepped=stepped, found_inf=found_inf, scale=result_scale, next_scale=outcome.next_scale,
                           grad_norm=grad_norm, step=outcome.step, precision=window.precision,
-                          switched=self._report_switch(window.precision), underflow=underflow, loss=loss, **fields)
+                          switched=self._report_switch(window.precision), underflow=reads.underflow, loss=loss,
+                          **fields)
 
-    def _plan_for(self, scaled: bool) -> StepPlan:
-        """The plan of this window's kind (resolved again if the shared policy was replaced by one that reads
-        other inputs)."""
-        if self._plans.observes_amax != self.policy.observes_amax:
-            self._configure(self._options)
-        return self._plans.for_window(scaled)
+    def _guard(self, plan: StepPlan, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """found_inf's start (1 where the scale itself is corrupted, in scaled windows) and what unscales:
+        ``1/scale`` from that verdict alone, 1 where nothing is scaled or an add-on unscales, None where only a
+        fused kernel divides (by the scale itself)."""
+        if not plan.scaled:
+            return torch.zeros((), dtype=torch.float32, device=self._device), torch.ones_like(scale)
+        found = stages.guarded_found(scale, self._device)
+        if plan.add_on_unscales:
+            return found, torch.ones_like(scale)
+        return found, stages.inverse(scale, found) if plan.inverse_needed else None
 
-    def _first_found_inf(self, plan: StepPlan, scale: torch.Tensor) -> torch.Tensor:
-        """found_inf's start: 1 where the scale itself is corrupted (scaled windows), else 0."""
-        if plan.scaled:
-            return stages.guarded_found(scale, self._device)
-        return torch.zeros((), dtype=torch.float32, device=self._device)
-
-    def _inverse(self, plan: StepPlan, scale: torch.Tensor, found: torch.Tensor) -> torch.Tensor | None:
-        """What unscales: ``1/scale`` from the guard's verdict alone (before any check sets found_inf), 1 where
-        nothing is scaled or an add-on unscales, None where only a fused kernel divides (by the scale itself)."""
-        if not plan.scaled or plan.add_on_unscales:
-            return torch.ones_like(scale)
-        return stages.inverse(scale, found) if plan.inverse_needed else None
-
-    def _underflow(self, plan: StepPlan, groups: stages.Groups) -> torch.Tensor | None:
-        """The underflow meter's sample of the scaled gradients, where it is on."""
-        stride = self._options.underflow_stride
-        if not (plan.scaled and stride):
-            return None
-        return underflow_share([g for grads in groups.values() for g in grads], stride)
-
-    def _measure(self, plan: StepPlan, groups: stages.Groups, found: torch.Tensor) -> torch.Tensor | None:
-        """The plan's read-only pass over the scaled gradients; amax (agreed over ranks) where the policy reads it."""
-        if plan.measure is None:
-            return None
-        amax = stages.measure_(groups, found, plan.measure_mode, self._options.threshold, amax=plan.measure == "amax")
-        if amax is not None:
-            stages.agree_amax_(amax, self._options.process_group)
-        return amax
-
-    def _add_on_unscale(self, plan: StepPlan, scale: torch.Tensor, found: torch.Tensor,
-                        amax: torch.Tensor | None) -> torch.Tensor | None:
-        """Where an add-on unscales (per-layer scales): its pass, its overflow into found_inf, its amax."""
-        if not plan.add_on_unscales:
-            return amax
-        for add_on in self._add_ons:
-            unscaled = add_on.unscale(scale, found)
-            if unscaled is not None:
-                found.logical_or_(unscaled.found_inf.to(found.device))
-                return unscaled.amax
-        return amax
-
-    def _norm_squared(self, plan: StepPlan, groups: stages.Groups, found: torch.Tensor) -> torch.Tensor | None:
-        """The squared global norm where the plan clips by norm; a non-finite one is an overflow where it checks."""
-        if not plan.clip_norm:
-            return None
+    def _read_scaled(self, plan: StepPlan, groups: stages.Groups, scale: torch.Tensor,
+                     found: torch.Tensor) -> ScaledReads:
+        """The reads before our unscale, each where the plan has it: the underflow meter's sample, the measure
+        pass (amax agreed over ranks where the policy reads it), an add-on's own unscale and check, and the squared
+        global norm (non-finite: an overflow, where the plan checks). Overflow goes into ``found``."""
         options = self._options
-        if plan.add_on_unscales:  # the add-on unscaled each parameter's own gradient: their norm
-            norm_sq = global_norm_squared(self._grads(), options.process_group, options.sharded_grads, self._device)
-        else:
-            norm_sq = stages.norm_squared(groups, self._grads(), self._device, options.process_group,
-                                          options.sharded_grads)
-        if plan.checks:
-            stages.note_non_finite_(found, norm_sq)
-        return norm_sq
+        underflow = None
+        if plan.scaled and options.underflow_stride:
+            underflow = underflow_share([g for grads in groups.values() for g in grads], options.underflow_stride)
+        amax = None
+        if plan.measure is not None:
+            amax = stages.measure_(groups, found, plan.measure_mode, options.threshold, amax=plan.measure == "amax")
+            if amax is not None:
+                stages.agree_amax_(amax, options.process_group)
+        unscaled = next((u for a in self._add_ons if (u := a.unscale(scale, found)) is not None), None) \
+            if plan.add_on_unscales else None
+        if unscaled is not None:
+            found.logical_or_(unscaled.found_inf.to(found.device))
+            amax = unscaled.amax
+        norm_sq = None
+        if plan.clip_norm:
+            if plan.add_on_unscales:  # the add-on unscaled each parameter's own gradient: their norm
+                norm_sq = global_norm_squared(self._grads(), options.process_group, options.sharded_grads,
+                                              self._device)
+            else:
+                norm_sq = stages.norm_squared(groups, self._grads(), self._device, options.process_group,
+                                              options.sharded_grads)
+            if plan.checks:
+                stages.note_non_finite_(found, norm_sq)
+        return ScaledReads(underflow, amax, norm_sq)
 
-    def _clip_coefficient(self, norm_sq: torch.Tensor | None, inv: torch.Tensor | None
-                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(the unscaled global norm, the clip coefficient), or (None, None) without a norm clip."""
-        if norm_sq is None:
-            return None, None
-        assert inv is not None and self._options.clip_grad_norm is not None  # the plan computes both with a clip
-        grad_norm = norm_sq.sqrt() * inv
-        return grad_norm, global_clip_coefficient(grad_norm, self._options.clip_grad_norm)
-
-    def _unscale(self, plan: StepPlan, groups: stages.Groups, found: torch.Tensor, inv: torch.Tensor | None,
-                 clip: torch.Tensor | None) -> None:
-        """The plan's pass of ours over the gradients: unscale (x clip) and check, only check, or only multiply."""
-        self._run.unscaled_by = self._loss_scale.scale if plan.scaled and plan.unscaler == "ours" else None
-        if plan.our_pass is None:
-            return
-        assert inv is not None  # the plan computes 1/scale wherever our pass runs
-        factor = None if plan.our_pass == "check" else (inv if clip is None else inv * clip)
-        check: OverflowMode | None = None if plan.our_pass == "multiply" else "inf_nan"
-        for grads in groups.values():
-            stages.unscale_(grads, found, factor, check)
-
-    def _fused_divisor(self, plan: StepPlan, scale: torch.Tensor, clip: torch.Tensor | None) -> torch.Tensor | None:
-        """What the fused kernel divides the gradients by: scale / clip in a tensor of its own, or None."""
-        if plan.unscaler != "kernel" or not (plan.scaled or clip is not None):
-            return None
-        if clip is None:
-            return scale.clone()
-        return (scale if plan.scaled else torch.ones_like(scale)) / clip
+    def _unscale(self, plan: StepPlan, groups: stages.Groups, scale: torch.Tensor, found: torch.Tensor,
+                 inv: torch.Tensor | None, norm_sq: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Unscale (x the clip coefficient): our pass as the plan has it (unscale and check, only check, only
+        multiply), or the divisor a fused kernel takes. Returns (the unscaled global norm, the fused divisor)."""
+        grad_norm = clip = None
+        if norm_sq is not None:
+            assert inv is not None and self._options.clip_grad_norm is not None  # the plan has both with a clip
+            grad_norm = norm_sq.sqrt() * inv
+            clip = global_clip_coefficient(grad_norm, self._options.clip_grad_norm)
+        self._run.unscaled_by = scale if plan.scaled and plan.unscaler == "ours" else None
+        if plan.unscaler == "kernel":
+            if not (plan.scaled or clip is not None):
+                return grad_norm, None
+            divisor = scale.clone() if clip is None else (scale if plan.scaled else torch.ones_like(scale)) / clip
+            return grad_norm, divisor
+        if plan.our_pass is not None:
+            assert inv is not None  # the plan computes 1/scale wherever our pass runs
+            factor = None if plan.our_pass == "check" else (inv if clip is None else inv * clip)
+            check: OverflowMode | None = None if plan.our_pass == "multiply" else "inf_nan"
+            for grads in groups.values():
+                stages.unscale_(grads, found, factor, check)
+        return grad_norm, None
 
     def _apply(self, plan: StepPlan, groups: stages.Groups, found: torch.Tensor, found_inf: torch.Tensor,
                stepped: torch.Tensor, fused_divisor: torch.Tensor | None) -> None:
@@ -571,20 +548,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         else:
             stages.fused_step_(self.inner, fused_divisor, found)
 
-    def _step_fields(self, scale: torch.Tensor) -> dict[str, Any]:
+    def _advance(self, found: torch.Tensor, amax: torch.Tensor | None, scale: torch.Tensor) -> dict[str, Any]:
+        """The add-ons' fields for the result (read before they advance), the add-ons' update (per-layer
+        exponents), then the policy's; a FloorError names the step."""
         fields: dict[str, Any] = {}
         for add_on in self._add_ons:
             fields.update(add_on.step_fields(scale))
-        return fields
-
-    def _advance(self, found: torch.Tensor, amax: torch.Tensor | None, scale: torch.Tensor) -> None:
-        """The add-ons' update (per-layer exponents), then the policy's; a FloorError names the step."""
         try:
             for add_on in self._add_ons:
                 found = add_on.advance(found, scale)
             self._loss_scale.update(found, amax, self._run.loss_finite)
         except FloorError as err:
             raise FloorError(f"LossScaleOptimizer step {self._run.boundaries}: {err}") from None
+        return fields
 
     def _report_switch(self, precision: str | None) -> bool:
         """True once: on the first boundary whose step ran in the original precision after a low-precision one."""
