@@ -13,7 +13,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -52,8 +52,12 @@ def machine(device: str = "cpu") -> dict:
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     """``--device`` (default cpu): where the benchmark's tensors live and its steps run."""
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu); on CUDA every timed "
-                                                        "call is bracketed by torch.cuda.synchronize()")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device, e.g. cuda (default: cpu); on CUDA every timed "
+        "call is bracketed by torch.cuda.synchronize()",
+    )
 
 
 def checked_device(parser: argparse.ArgumentParser, device: str) -> str:
@@ -70,9 +74,12 @@ def synchronizer(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
 
-def alternate_samples(contenders: dict[str, Callable[[], None]], rounds: int,
-                      setup: Callable[[str], None] | None = None,
-                      sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+def alternate_samples(
+    contenders: dict[str, Callable[[], None]],
+    rounds: int,
+    setup: Callable[[str], None] | None = None,
+    sync: Callable[[], None] = lambda: None,
+) -> dict[str, list[float]]:
     """Seconds of every call, per contender: each round runs every contender once (same process, same
     tensors), starting one place later each round, so no contender always follows the same neighbour; the
     first round warms up and is dropped. ``samples[name][r]`` of two contenders come from the same round."""
@@ -92,8 +99,13 @@ def alternate_samples(contenders: dict[str, Callable[[], None]], rounds: int,
     return times
 
 
-def alternate(contenders: dict[str, Callable[[], None]], rounds: int, setup: Callable[[str], None] | None = None,
-              sync: Callable[[], None] = lambda: None, stat: str = "median") -> dict[str, float]:
+def alternate(
+    contenders: dict[str, Callable[[], None]],
+    rounds: int,
+    setup: Callable[[str], None] | None = None,
+    sync: Callable[[], None] = lambda: None,
+    stat: str = "median",
+) -> dict[str, float]:
     """Seconds per call of each contender (:func:`alternate_samples`): the median over rounds, or with
     ``stat="min"`` the fastest round (robust on a machine shared with other work, where slow rounds measure
     the neighbours)."""

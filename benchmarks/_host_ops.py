@@ -10,7 +10,8 @@ CUDA each of these ops is host time (a view) or a kernel launch. Counted, not ti
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -75,5 +76,6 @@ def kernel_tensors(fn: Callable[[], Any]) -> Counter:
 def growth_per_tensor(small: Counter, large: Counter, n_small: int, n_large: int) -> dict[str, float]:
     """Ops whose count grows with the number of tensors: name -> extra calls per extra tensor."""
     names = set(small) | set(large)
-    return {name: (large[name] - small[name]) / (n_large - n_small) for name in sorted(names)
-            if large[name] != small[name]}
+    return {
+        name: (large[name] - small[name]) / (n_large - n_small) for name in sorted(names) if large[name] != small[name]
+    }

@@ -10,8 +10,9 @@ elements touched / gradient elements. Used by the benchmarks (the "passes" colum
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -32,9 +32,9 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from dataclasses import dataclass
 
 import torch
-from dataclasses import dataclass
 
 __all__ = ["KINDS", "LOG2_LIMIT", "Outcome", "Stream", "make_stream", "run_policy", "run_torch_rule", "underflow_share"]
 

@@ -22,11 +22,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_device_argument, alternate_samples, checked_device, emit, machine,  # noqa: E402
-                     paired_ratio, summarize, synchronizer, table)
-
-from lossscale import DynamicScale, FixedScale, LossScaleOptimizer  # noqa: E402
-from lossscale.demo.train import QUICK, CharTransformer, batch, load_corpus  # noqa: E402
+from _common import (
+    add_device_argument,
+    alternate_samples,
+    checked_device,
+    emit,
+    machine,
+    paired_ratio,
+    summarize,
+    synchronizer,
+    table,
+)
+from lossscale import DynamicScale, FixedScale, LossScaleOptimizer
+from lossscale.demo.train import QUICK, CharTransformer, batch, load_corpus
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -54,9 +62,11 @@ def main(argv: list[str] | None = None) -> dict:
         return CharTransformer(cfg).to(device)
 
     setups = {}
-    for name, dtype, policy in [("fp32", None, FixedScale(1.0)),
-                                ("fp16 LossScaleOptimizer", torch.float16, DynamicScale()),
-                                ("bf16", torch.bfloat16, FixedScale(1.0))]:
+    for name, dtype, policy in [
+        ("fp32", None, FixedScale(1.0)),
+        ("fp16 LossScaleOptimizer", torch.float16, DynamicScale()),
+        ("bf16", torch.bfloat16, FixedScale(1.0)),
+    ]:
         model = build()
         opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), policy=policy)
         setups[name] = (model, opt, dtype)
@@ -75,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
             opt.zero_grad()
             opt.backward(loss)
             opt.step()
+
         return step
 
     def torch_fp16():
@@ -89,8 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
     contenders = {name: ours(name) for name in setups}
     contenders["fp16 torch.amp.GradScaler"] = torch_fp16
     samples = alternate_samples(contenders, 2 if args.tiny else args.rounds, sync=synchronizer(device))
-    payload = _report(summarize(samples), cfg, paired_ratio(samples, "fp16 LossScaleOptimizer",
-                                                             "fp16 torch.amp.GradScaler"), device)
+    payload = _report(
+        summarize(samples), cfg, paired_ratio(samples, "fp16 LossScaleOptimizer", "fp16 torch.amp.GradScaler"), device
+    )
     emit("end_to_end", payload, args.json)
     return payload
 
@@ -100,13 +112,17 @@ def _report(t: dict[str, float], cfg, paired: tuple[float, float, float], device
     fp16 LossScaleOptimizer step over torch's, per round (median, 95% interval)."""
     tokens = cfg.sequences * cfg.context
     ref = t["fp16 torch.amp.GradScaler"]
-    rows = [{"run": k, "ms per step": v * 1e3, "tokens/s": tokens / v, "vs fp32": v / t["fp32"],
-             "vs torch fp16": v / ref} for k, v in t.items()]
-    md = (f"Device: {device}. One micro-batch of {cfg.sequences} x {cfg.context} characters, {cfg.layers} layer(s), "
-          f"d_model {cfg.d_model}, {cfg.heads} heads, fused AdamW, torch threads {torch.get_num_threads()}; on CUDA "
-          f"each step is bracketed by torch.cuda.synchronize(). The fp16 LossScaleOptimizer step "
-          f"over torch's scaler's, per round: {paired[0]:.3f} (95% interval {paired[1]:.3f}-{paired[2]:.3f}).\n\n"
-          + table(rows, ["run", "ms per step", "tokens/s", "vs fp32", "vs torch fp16"]))
+    rows = [
+        {"run": k, "ms per step": v * 1e3, "tokens/s": tokens / v, "vs fp32": v / t["fp32"], "vs torch fp16": v / ref}
+        for k, v in t.items()
+    ]
+    md = (
+        f"Device: {device}. One micro-batch of {cfg.sequences} x {cfg.context} characters, {cfg.layers} layer(s), "
+        f"d_model {cfg.d_model}, {cfg.heads} heads, fused AdamW, torch threads {torch.get_num_threads()}; on CUDA "
+        f"each step is bracketed by torch.cuda.synchronize(). The fp16 LossScaleOptimizer step "
+        f"over torch's scaler's, per round: {paired[0]:.3f} (95% interval {paired[1]:.3f}-{paired[2]:.3f}).\n\n"
+        + table(rows, ["run", "ms per step", "tokens/s", "vs fp32", "vs torch fp16"])
+    )
     return {"machine": machine(device), "rows": rows, "paired": list(paired), "markdown": md}
 
 

@@ -22,16 +22,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_device_argument, alternate_samples, checked_device, emit, grad_restorer,  # noqa: E402
-                     machine, summarize, synchronizer, table)
-
-from lossscale import DynamicScale, GradScaler, LossScaleOptimizer  # noqa: E402
+from _common import (
+    add_device_argument,
+    alternate_samples,
+    checked_device,
+    emit,
+    grad_restorer,
+    machine,
+    summarize,
+    synchronizer,
+    table,
+)
+from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 
 SCALE = 2.0**16
 WARM_UP = 3
@@ -46,6 +54,7 @@ def _pipeline(kind: type, optimizer: torch.optim.Optimizer, params: list[torch.T
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         scaler.step(optimizer)
         scaler.update()
+
     return run
 
 
@@ -68,12 +77,14 @@ def replayed(step: Callable[[], object], restore: Callable[[str], None]) -> Call
 def contenders(params: list[torch.nn.Parameter], restore: Callable[[str], None], device: str) -> dict:
     """Eager and replayed steps; each front end's graph over its own scaler or wrapper, one shared optimizer."""
     shared = torch.optim.AdamW(params, lr=1e-9, fused=True, capturable=True)
-    flat = LossScaleOptimizer(shared, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9),
-                              clip_grad_norm=1.0, flat_grads=True)
+    flat = LossScaleOptimizer(
+        shared, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9), clip_grad_norm=1.0, flat_grads=True
+    )
 
     def lso() -> Callable[[], object]:
-        return LossScaleOptimizer(shared, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9),
-                                  clip_grad_norm=1.0).step
+        return LossScaleOptimizer(
+            shared, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9), clip_grad_norm=1.0
+        ).step
 
     def fresh(name: str) -> Callable[[], object]:
         if name == "bare":
@@ -114,15 +125,24 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name in NAMES:
         eager, graph = t[f"{name} eager"], t[f"{name} graph"]
-        rows.append({"step": name, "eager ms": eager * 1e3, "graph ms": graph * 1e3,
-                     "eager / bare eager": eager / t["bare eager"], "graph / bare eager": graph / t["bare eager"],
-                     "graph / eager": graph / eager})
-    md = (f"Device: {device}. {tensors} float32 tensors of {size} values, fused AdamW (capturable=True), "
-          f"global-norm clip 1.0; medians over {rounds} alternating rounds, every call bracketed by "
-          f"torch.cuda.synchronize(), the gradients restored before each call (outside the timing). bare = the "
-          f"optimizer step alone, torch = torch.amp.GradScaler + clip_grad_norm_, GS = lossscale.GradScaler driven "
-          f"the same way, LSO = LossScaleOptimizer(clip_grad_norm=1.0), LSO flat = the same with flat_grads=True.\n\n"
-          + table(rows, ["step", "eager ms", "graph ms", "eager / bare eager", "graph / bare eager", "graph / eager"]))
+        rows.append(
+            {
+                "step": name,
+                "eager ms": eager * 1e3,
+                "graph ms": graph * 1e3,
+                "eager / bare eager": eager / t["bare eager"],
+                "graph / bare eager": graph / t["bare eager"],
+                "graph / eager": graph / eager,
+            }
+        )
+    md = (
+        f"Device: {device}. {tensors} float32 tensors of {size} values, fused AdamW (capturable=True), "
+        f"global-norm clip 1.0; medians over {rounds} alternating rounds, every call bracketed by "
+        f"torch.cuda.synchronize(), the gradients restored before each call (outside the timing). bare = the "
+        f"optimizer step alone, torch = torch.amp.GradScaler + clip_grad_norm_, GS = lossscale.GradScaler driven "
+        f"the same way, LSO = LossScaleOptimizer(clip_grad_norm=1.0), LSO flat = the same with flat_grads=True.\n\n"
+        + table(rows, ["step", "eager ms", "graph ms", "eager / bare eager", "graph / bare eager", "graph / eager"])
+    )
     payload = {"machine": machine(device), "rows": rows, "markdown": md}
     emit("graphs", payload, args.json)
     return payload

@@ -18,16 +18,15 @@ import argparse
 import contextlib
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device_argument, checked_device, emit, machine, table  # noqa: E402
-
-import lossscale  # noqa: E402
-from lossscale import HostReadCounter, LossScaleOptimizer  # noqa: E402
+import lossscale
+from _common import add_device_argument, checked_device, emit, machine, table
+from lossscale import HostReadCounter, LossScaleOptimizer
 
 OPTIMIZERS = {
     "fused AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
@@ -109,8 +108,9 @@ def wrapper_reads(opt_name: str, skip_mode: str, clip: bool, device: str) -> tup
     error's first words where masked mode refuses its state."""
     m = model(device)
     try:
-        opt = LossScaleOptimizer(_optimizers(device)[opt_name](m.parameters()), skip_mode=skip_mode,
-                                 clip_grad_norm=1.0 if clip else None)
+        opt = LossScaleOptimizer(
+            _optimizers(device)[opt_name](m.parameters()), skip_mode=skip_mode, clip_grad_norm=1.0 if clip else None
+        )
     except ValueError:
         return None
     bare, bare_syncs = bare_reads(opt_name, device)
@@ -151,11 +151,21 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = torch.device(device).type == "cuda"
     rows = []
     for opt_name in _optimizers(device):
-        for label, cls in [("torch.amp.GradScaler", torch.amp.GradScaler), ("lossscale.GradScaler", lossscale.GradScaler)]:
+        for label, cls in [
+            ("torch.amp.GradScaler", torch.amp.GradScaler),
+            ("lossscale.GradScaler", lossscale.GradScaler),
+        ]:
             total, added, syncs = scaler_reads(cls, opt_name, device)
-            rows.append({"optimizer": opt_name, "loss scaling": label, "skip mode": "(torch's)",
-                         "reads per step": total, "added by loss scaling": added,
-                         "syncs added": syncs if cuda else "-"})
+            rows.append(
+                {
+                    "optimizer": opt_name,
+                    "loss scaling": label,
+                    "skip mode": "(torch's)",
+                    "reads per step": total,
+                    "added by loss scaling": added,
+                    "syncs added": syncs if cuda else "-",
+                }
+            )
         for skip_mode in ("fused", "host", "masked"):
             for clip in (False, True):
                 got = wrapper_reads(opt_name, skip_mode, clip, device)
@@ -163,17 +173,35 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 label = "LossScaleOptimizer" + (" + clip" if clip else "")
                 if isinstance(got, str):
-                    rows.append({"optimizer": opt_name, "loss scaling": label, "skip mode": skip_mode,
-                                 "reads per step": got, "added by loss scaling": "-", "syncs added": "-"})
+                    rows.append(
+                        {
+                            "optimizer": opt_name,
+                            "loss scaling": label,
+                            "skip mode": skip_mode,
+                            "reads per step": got,
+                            "added by loss scaling": "-",
+                            "syncs added": "-",
+                        }
+                    )
                     continue
-                rows.append({"optimizer": opt_name, "loss scaling": label, "skip mode": skip_mode,
-                             "reads per step": got[0], "added by loss scaling": got[1],
-                             "syncs added": got[2] if cuda else "-"})
-    md = (f"Device: {device}. Per step, averaged over {len(PATTERN)} steps of which {sum(PATTERN)} overflow; "
-          f"*syncs added*: host synchronisations of the loss-scaling calls beyond the bare step's (CUDA only, "
-          f"torch.cuda.set_sync_debug_mode).\n\n"
-          + table(rows, ["optimizer", "loss scaling", "skip mode", "reads per step", "added by loss scaling",
-                         "syncs added"]))
+                rows.append(
+                    {
+                        "optimizer": opt_name,
+                        "loss scaling": label,
+                        "skip mode": skip_mode,
+                        "reads per step": got[0],
+                        "added by loss scaling": got[1],
+                        "syncs added": got[2] if cuda else "-",
+                    }
+                )
+    md = (
+        f"Device: {device}. Per step, averaged over {len(PATTERN)} steps of which {sum(PATTERN)} overflow; "
+        f"*syncs added*: host synchronisations of the loss-scaling calls beyond the bare step's (CUDA only, "
+        f"torch.cuda.set_sync_debug_mode).\n\n"
+        + table(
+            rows, ["optimizer", "loss scaling", "skip mode", "reads per step", "added by loss scaling", "syncs added"]
+        )
+    )
     payload = {"machine": machine(device), "rows": rows, "markdown": md}
     emit("host_reads", payload, args.json)
     return payload

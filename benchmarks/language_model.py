@@ -35,21 +35,28 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device_argument, checked_device, emit, machine, paired_ratio, synchronizer, table  # noqa: E402
+from _common import add_device_argument, checked_device, emit, machine, paired_ratio, synchronizer, table
+from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale
+from lossscale.addons.layerwise import LayerScales
+from lossscale.demo.train import VOCAB, Config, batch, load_corpus
+from lossscale.ops.overflow import amax_kernel_module
 
-from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
-from lossscale.addons.layerwise import LayerScales  # noqa: E402
-from lossscale.demo.train import VOCAB, Config, batch, load_corpus  # noqa: E402
-from lossscale.ops.overflow import amax_kernel_module  # noqa: E402
-
-RUNS = ["float32", "torch GradScaler", "DynamicScale", "PredictiveScale", "DynamicScale flat", "PredictiveScale flat",
-        "per-layer", "per-block"]
+RUNS = [
+    "float32",
+    "torch GradScaler",
+    "DynamicScale",
+    "PredictiveScale",
+    "DynamicScale flat",
+    "PredictiveScale flat",
+    "per-layer",
+    "per-block",
+]
 REFERENCE = "torch GradScaler"
 #: PredictiveScale's runs, each against the DynamicScale run with the same gradients
 AGAINST_DYNAMIC = {"PredictiveScale": "DynamicScale", "PredictiveScale flat": "DynamicScale flat"}
@@ -59,9 +66,18 @@ def gpt2(args: argparse.Namespace, device: str) -> torch.nn.Module:
     import transformers  # the benchmark's own requirement, not the library's
 
     transformers.logging.set_verbosity_error()
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=args.context, n_embd=args.d_model,
-                                     n_layer=args.layers, n_head=args.heads, bos_token_id=0, eos_token_id=0,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=args.context,
+        n_embd=args.d_model,
+        n_layer=args.layers,
+        n_head=args.heads,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).to(device)
 
@@ -80,8 +96,7 @@ class Run:
     def __init__(self, name: str, args: argparse.Namespace, device: str) -> None:
         self.name, self.device = name, device
         self.model = gpt2(args, device)
-        inner = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=True)
+        inner = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         self.dtype = None if name == "float32" else torch.float16
         self.scaler = torch.amp.GradScaler(torch.device(device).type) if name == REFERENCE else None
         self.layers: LayerScales | None = None
@@ -92,16 +107,20 @@ class Run:
             body = self.model.transformer
             units = {"per-layer": self.model, "per-block": [body.wte, body.wpe, *body.h, body.ln_f]}.get(name)
             self.layers = None if units is None else LayerScales(units)
-            self.opt = LossScaleOptimizer(inner, policy=policy, layerwise=self.layers,
-                                          flat_grads=name.endswith(" flat"))
+            self.opt = LossScaleOptimizer(
+                inner, policy=policy, layerwise=self.layers, flat_grads=name.endswith(" flat")
+            )
         self.skipped, self.seconds = 0, []
         self.flushed: dict[str, list[int]] = {}  # layer -> [entries flushed, entries live], summed over measurements
         self.shares: dict[int, float] = {}  # measured step -> share of the live entries this run left zero
         self.last_result: Any = None
 
     def backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        autocast = (torch.autocast(torch.device(self.device).type, dtype=self.dtype) if self.dtype is not None
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(torch.device(self.device).type, dtype=self.dtype)
+            if self.dtype is not None
+            else contextlib.nullcontext()
+        )
         self.opt.zero_grad()
         with autocast:
             logits = self.model(x).logits
@@ -132,8 +151,9 @@ class Run:
     def measure_flushed(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
         """Entries a float32 backward of (x, y) has nonzero that this run's gradients (of the same batch) left zero."""
         names, params = zip(*self.model.named_parameters())
-        reference = torch.autograd.grad(F.cross_entropy(self.model(x).logits.float().view(-1, VOCAB), y.reshape(-1)),
-                                        params)
+        reference = torch.autograd.grad(
+            F.cross_entropy(self.model(x).logits.float().view(-1, VOCAB), y.reshape(-1)), params
+        )
         flushed = total = 0
         for name, p, r in zip(names, params, reference):
             live, zero = int((r != 0).sum()), int(((r != 0) & (p.grad == 0)).sum())
@@ -158,7 +178,7 @@ def train(args: argparse.Namespace, device: str) -> tuple[dict[str, Run], float]
     began = time.perf_counter()
     for step in range(args.steps):
         x, y = (t.to(device) for t in batch(corpus.train, cfg, step, 0))
-        order = RUNS[step % len(RUNS):] + RUNS[:step % len(RUNS)]
+        order = RUNS[step % len(RUNS) :] + RUNS[: step % len(RUNS)]
         for name in order:
             run = runs[name]
             sync()
@@ -192,7 +212,7 @@ def free_running(runs: dict[str, Run], args: argparse.Namespace, device: str) ->
     times: dict[str, list[float]] = {name: [] for name in names}
     skipped = {name: run.skipped for name, run in runs.items()}
     for r in range(args.free_rounds + 1):  # the first round warms up
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             run = runs[name]
             sync()
             start = time.perf_counter()
@@ -213,13 +233,23 @@ def rows_of(runs: dict[str, Run], free: dict[str, list[float]] | None = None) ->
     summary, by_layer = [], []
     for name, run in runs.items():
         ratio, low, high = paired_ratio(times, name, REFERENCE)
-        row: dict[str, Any] = {"run": name, "held-out loss": run.heldout, "skipped": run.skipped,
-                               "step ms": 1e3 * sorted(run.seconds)[len(run.seconds) // 2],
-                               "time / torch's": ratio, "95% CI": f"{low:.3f}-{high:.3f}"}
+        row: dict[str, Any] = {
+            "run": name,
+            "held-out loss": run.heldout,
+            "skipped": run.skipped,
+            "step ms": 1e3 * sorted(run.seconds)[len(run.seconds) // 2],
+            "time / torch's": ratio,
+            "95% CI": f"{low:.3f}-{high:.3f}",
+        }
         if free:
             free_ratio, free_low, free_high = paired_ratio(free, name, REFERENCE)
-            row.update({"free-running ms": 1e3 * sorted(free[name])[len(free[name]) // 2],
-                        "free-running / torch's": free_ratio, "free-running 95% CI": f"{free_low:.3f}-{free_high:.3f}"})
+            row.update(
+                {
+                    "free-running ms": 1e3 * sorted(free[name])[len(free[name]) // 2],
+                    "free-running / torch's": free_ratio,
+                    "free-running 95% CI": f"{free_low:.3f}-{free_high:.3f}",
+                }
+            )
         if name in AGAINST_DYNAMIC and AGAINST_DYNAMIC[name] in runs:
             against = AGAINST_DYNAMIC[name]
             row["time / DynamicScale's"] = paired_ratio(times, name, against)[0]
@@ -234,8 +264,9 @@ def rows_of(runs: dict[str, Run], free: dict[str, list[float]] | None = None) ->
         else:
             row["underflow, mean"] = "-"
         if run.last_result is not None and run.last_result.layer_scales:
-            exponents = [math.log2(float(s) / float(run.last_result.scale)) for s in
-                         run.last_result.layer_scales.values()]
+            exponents = [
+                math.log2(float(s) / float(run.last_result.scale)) for s in run.last_result.layer_scales.values()
+            ]
             row["unit factors"] = f"2**{min(exponents):.0f}..2**{max(exponents):.0f}"
         summary.append(row)
     return summary, by_layer
@@ -248,7 +279,10 @@ def amax_read(device: str) -> str:
     if amax_kernel_module() is None:
         return "PredictiveScale reads amax with torch's multi-tensor inf-norm (no triton, or LOSSSCALE_TRITON=0)."
     import triton
-    return f"PredictiveScale reads amax with lossscale.ops.amax_kernel (one Triton kernel; triton {triton.__version__})."
+
+    return (
+        f"PredictiveScale reads amax with lossscale.ops.amax_kernel (one Triton kernel; triton {triton.__version__})."
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -280,24 +314,26 @@ def main(argv: list[str] | None = None) -> dict:
     free = free_running(runs, args, device) if args.free_rounds > 0 else None
     summary, by_layer = rows_of(runs, free)
     parameters = sum(p.numel() for p in runs["float32"].model.parameters())
-    md = (f"Device: {device}. GPT-2 from a config ({args.layers} layers, width {args.d_model}, {args.heads} heads, "
-          f"context {args.context}, vocabulary {VOCAB}, {parameters / 1e6:.2f}M parameters, tied embeddings), "
-          f"characters of {args.files} standard-library modules, batch {args.sequences} x {args.context}, fused "
-          f"AdamW (lr {args.lr:g}), {args.steps} steps from the same weights; float16 autocast except the float32 "
-          f"run ({seconds:.0f} s in all). *underflow*: share of the gradient entries a float32 backward pass of the "
-          f"same batch has nonzero that the run's gradients left zero, at the steps named (0, 10, 100 and the last) "
-          f"and their mean over those steps. *time / torch's*: median over steps of the step's time over torch's "
-          f"scaler's in the same step, with its 95% interval (each step timed from an idle device); *time / "
-          f"DynamicScale's*: the same against the DynamicScale run with the same gradients (flat or not). *flat*: "
-          f"flat_grads=True. *free-running*: {args.free_steps} consecutive steps with no synchronisation between "
-          f"them, per step, median over {args.free_rounds} rounds, and the median of per-round ratios to torch's "
-          f"scaler's. *per-layer*: layerwise=model ({len(runs['per-layer'].layers.units)} units, every module "
-          f"that owns parameters); *per-block*: layerwise=[wte, wpe, *h, ln_f] "
-          f"({len(runs['per-block'].layers.units)} units; the head reads wte's tied weight outside wte's unit, which "
-          f"keeps wte at factor 1). {amax_read(device)}\n\n"
-          + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
-          + "\n\nUnderflow by layer (``wte``: the tied input and output embedding):\n\n"
-          + table(by_layer, list(by_layer[0])))
+    md = (
+        f"Device: {device}. GPT-2 from a config ({args.layers} layers, width {args.d_model}, {args.heads} heads, "
+        f"context {args.context}, vocabulary {VOCAB}, {parameters / 1e6:.2f}M parameters, tied embeddings), "
+        f"characters of {args.files} standard-library modules, batch {args.sequences} x {args.context}, fused "
+        f"AdamW (lr {args.lr:g}), {args.steps} steps from the same weights; float16 autocast except the float32 "
+        f"run ({seconds:.0f} s in all). *underflow*: share of the gradient entries a float32 backward pass of the "
+        f"same batch has nonzero that the run's gradients left zero, at the steps named (0, 10, 100 and the last) "
+        f"and their mean over those steps. *time / torch's*: median over steps of the step's time over torch's "
+        f"scaler's in the same step, with its 95% interval (each step timed from an idle device); *time / "
+        f"DynamicScale's*: the same against the DynamicScale run with the same gradients (flat or not). *flat*: "
+        f"flat_grads=True. *free-running*: {args.free_steps} consecutive steps with no synchronisation between "
+        f"them, per step, median over {args.free_rounds} rounds, and the median of per-round ratios to torch's "
+        f"scaler's. *per-layer*: layerwise=model ({len(runs['per-layer'].layers.units)} units, every module "
+        f"that owns parameters); *per-block*: layerwise=[wte, wpe, *h, ln_f] "
+        f"({len(runs['per-block'].layers.units)} units; the head reads wte's tied weight outside wte's unit, which "
+        f"keeps wte at factor 1). {amax_read(device)}\n\n"
+        + table(summary, list(dict.fromkeys(k for r in summary for k in r)))
+        + "\n\nUnderflow by layer (``wte``: the tied input and output embedding):\n\n"
+        + table(by_layer, list(by_layer[0]))
+    )
     payload = {"machine": machine(device), "rows": summary, "by_layer": by_layer, "markdown": md}
     emit("language_model", payload, args.json)
     return payload

@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device_argument, alternate, checked_device, emit, machine, synchronizer, table  # noqa: E402
-
-from lossscale.addons.layerwise import LayerScales  # noqa: E402
+from _common import add_device_argument, alternate, checked_device, emit, machine, synchronizer, table
+from lossscale.addons.layerwise import LayerScales
 
 
 class _Attenuate(torch.autograd.Function):
@@ -93,12 +92,20 @@ def measure(blocks: int, width: int, batch: int, rounds: int, device: str = "cpu
     unscale = alternate({"global": global_unscale, "LayerScales": layer_unscale}, rounds, setup=restore, sync=sync)
     units = len(layers.units)
     return [
-        {"part": "forward + backward", "global ms": passes["global"] * 1e3,
-         "LayerScales ms": passes["LayerScales"] * 1e3, "ratio": passes["LayerScales"] / passes["global"],
-         "units": units},
-        {"part": "unscale + check (+ update)", "global ms": unscale["global"] * 1e3,
-         "LayerScales ms": unscale["LayerScales"] * 1e3, "ratio": unscale["LayerScales"] / unscale["global"],
-         "units": units},
+        {
+            "part": "forward + backward",
+            "global ms": passes["global"] * 1e3,
+            "LayerScales ms": passes["LayerScales"] * 1e3,
+            "ratio": passes["LayerScales"] / passes["global"],
+            "units": units,
+        },
+        {
+            "part": "unscale + check (+ update)",
+            "global ms": unscale["global"] * 1e3,
+            "LayerScales ms": unscale["LayerScales"] * 1e3,
+            "ratio": unscale["LayerScales"] / unscale["global"],
+            "units": units,
+        },
     ]
 
 
@@ -116,9 +123,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tiny:
         args.width, args.blocks, args.batch, args.rounds = 16, 3, 8, 2
     rows = measure(args.blocks, args.width, args.batch, args.rounds, device)
-    md = (f"Device: {device}. {args.blocks} blocks of Linear({args.width}, {args.width}), LayerNorm, Tanh under "
-          f"float16 autocast, batch {args.batch}; median of {args.rounds} alternating rounds:\n\n"
-          + table(rows, list(rows[0])))
+    md = (
+        f"Device: {device}. {args.blocks} blocks of Linear({args.width}, {args.width}), LayerNorm, Tanh under "
+        f"float16 autocast, batch {args.batch}; median of {args.rounds} alternating rounds:\n\n"
+        + table(rows, list(rows[0]))
+    )
     payload = {"machine": machine(device), "rows": rows, "markdown": md}
     emit("layerwise", payload, args.json)
     return payload

@@ -29,11 +29,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_device_argument, alternate_samples, checked_device, emit, grad_restorer,  # noqa: E402
-                     machine, paired_ratio, summarize, synchronizer, table)
-from _host_ops import growth_per_tensor, host_ops  # noqa: E402
-
-from lossscale import DynamicScale, GradScaler, LossScaleOptimizer  # noqa: E402
+from _common import (
+    add_device_argument,
+    alternate_samples,
+    checked_device,
+    emit,
+    grad_restorer,
+    machine,
+    paired_ratio,
+    summarize,
+    synchronizer,
+    table,
+)
+from _host_ops import growth_per_tensor, host_ops
+from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 
 SCALE = 2.0**16
 OPTIMIZERS = {
@@ -48,8 +57,12 @@ def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> d
     """The timed callables over one shared optimizer."""
     device = str(params[0].device)
     shared = OPTIMIZERS[opt_name](params)
-    flat = LossScaleOptimizer(shared, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9),
-                              clip_grad_norm=1.0 if clip else None, flat_grads=True)
+    flat = LossScaleOptimizer(
+        shared,
+        policy=DynamicScale(init_scale=SCALE, growth_interval=10**9),
+        clip_grad_norm=1.0 if clip else None,
+        flat_grads=True,
+    )
 
     def scaler_of(kind: type):
         scaler = kind(device, init_scale=SCALE, growth_interval=10**9)
@@ -61,12 +74,19 @@ def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> d
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
             scaler.step(shared)
             scaler.update()
+
         return run
 
-    lso = LossScaleOptimizer(shared, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9),
-                             clip_grad_norm=1.0 if clip else None)
-    return {"bare": shared.step, "torch": scaler_of(torch.amp.GradScaler), "GS": scaler_of(GradScaler),
-            "LSO": lso.step, "LSO flat": flat.step}
+    lso = LossScaleOptimizer(
+        shared, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9), clip_grad_norm=1.0 if clip else None
+    )
+    return {
+        "bare": shared.step,
+        "torch": scaler_of(torch.amp.GradScaler),
+        "GS": scaler_of(GradScaler),
+        "LSO": lso.step,
+        "LSO flat": flat.step,
+    }
 
 
 def _layout(tensors: int, size: int, device: str) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
@@ -89,9 +109,10 @@ def counted_ops(tensors: int, size: int, opt_name: str, clip: bool, device: str)
             restore(name)
             counts.setdefault(name, []).append(host_ops(fn))
     small = max(2, tensors // 10)
-    return {name: {"ops": sum(large.values()),
-                   "per tensor": sum(growth_per_tensor(few, large, small, tensors).values())}
-            for name, (few, large) in counts.items()}
+    return {
+        name: {"ops": sum(large.values()), "per tensor": sum(growth_per_tensor(few, large, small, tensors).values())}
+        for name, (few, large) in counts.items()
+    }
 
 
 def measure(tensors: int, size: int, opt_name: str, clip: bool, rounds: int, device: str) -> dict:
@@ -117,9 +138,14 @@ def measure(tensors: int, size: int, opt_name: str, clip: bool, rounds: int, dev
 
 
 NAMES = ("bare", "torch", "GS", "LSO", "LSO flat")
-COLUMNS = (["layout", "optimizer", "clip"] + [f"{n} ms" for n in NAMES] + [f"{n} / bare" for n in NAMES[1:]]
-           + [f"{n} / torch{ci}" for n in NAMES[2:] for ci in ("", " 95% CI")] + [f"{n} host ops" for n in NAMES]
-           + [f"{n} ops per tensor" for n in NAMES])
+COLUMNS = (
+    ["layout", "optimizer", "clip"]
+    + [f"{n} ms" for n in NAMES]
+    + [f"{n} / bare" for n in NAMES[1:]]
+    + [f"{n} / torch{ci}" for n in NAMES[2:] for ci in ("", " 95% CI")]
+    + [f"{n} host ops" for n in NAMES]
+    + [f"{n} ops per tensor" for n in NAMES]
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -137,15 +163,16 @@ def main(argv: list[str] | None = None) -> dict:
     for opt_name, clip in ROWS:
         rows.append(measure(tensors, size, opt_name, clip, rounds, device))
         print(rows[-1], file=sys.stderr, flush=True)
-    md = (f"Device: {device}. One step over {tensors} float32 tensors of {size} values; medians over {rounds} "
-          f"alternating rounds, the gradients restored before each call (outside the timing); on CUDA each call is "
-          f"bracketed by torch.cuda.synchronize(). *x / bare*: time over the bare optimizer step; *x / torch*: the "
-          f"median of per-round ratios to torch's pipeline with its 95% interval. *host ops*: aten ops of one step "
-          f"outside torch's multi-tensor kernels (counted with the profiler, `_host_ops.py`); *ops per tensor*: how "
-          f"many more for each extra tensor (counted at this size and at a tenth of it). torch = torch.amp.GradScaler "
-          f"+ clip_grad_norm_, GS = lossscale.GradScaler driven the same way, LSO = LossScaleOptimizer, LSO flat = "
-          f"LossScaleOptimizer(flat_grads=True).\n\n"
-          + table(rows, COLUMNS))
+    md = (
+        f"Device: {device}. One step over {tensors} float32 tensors of {size} values; medians over {rounds} "
+        f"alternating rounds, the gradients restored before each call (outside the timing); on CUDA each call is "
+        f"bracketed by torch.cuda.synchronize(). *x / bare*: time over the bare optimizer step; *x / torch*: the "
+        f"median of per-round ratios to torch's pipeline with its 95% interval. *host ops*: aten ops of one step "
+        f"outside torch's multi-tensor kernels (counted with the profiler, `_host_ops.py`); *ops per tensor*: how "
+        f"many more for each extra tensor (counted at this size and at a tenth of it). torch = torch.amp.GradScaler "
+        f"+ clip_grad_norm_, GS = lossscale.GradScaler driven the same way, LSO = LossScaleOptimizer, LSO flat = "
+        f"LossScaleOptimizer(flat_grads=True).\n\n" + table(rows, COLUMNS)
+    )
     payload = {"machine": machine(device), "rows": rows, "markdown": md}
     emit("many_tensors", payload, args.json)
     return payload

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device_argument, checked_device, emit, machine, synchronizer, table  # noqa: E402
+from _common import add_device_argument, checked_device, emit, machine, synchronizer, table
 
 OPTIMIZERS = {
     "foreach Adam": lambda ps, gpu: torch.optim.Adam(ps, lr=1e-8, foreach=True, capturable=gpu),
@@ -47,8 +47,9 @@ def child(total: int, opt_name: str, way: str, steps: int, device: str = "cpu") 
     params = [torch.nn.Parameter(torch.randn(total // 100, device=device) * 0.02) for _ in range(100)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = LossScaleOptimizer(OPTIMIZERS[opt_name](params, gpu), policy=FixedScale(1.0),
-                             skip_mode="host" if way == "host" else "masked")
+    opt = LossScaleOptimizer(
+        OPTIMIZERS[opt_name](params, gpu), policy=FixedScale(1.0), skip_mode="host" if way == "host" else "masked"
+    )
     if way == "masked, whole":
         opt._masked = MaskedSkip(budget=None)
     sync = synchronizer(device)
@@ -66,8 +67,11 @@ def child(total: int, opt_name: str, way: str, steps: int, device: str = "cpu") 
         sync()
         times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated(device) if gpu else _peak_kib() * 1024
-    return {"grow_bytes": peak - start, "held": opt._masked.extra_bytes if way != "host" else 0,
-            "ms": statistics.median(times[2:]) * 1e3}
+    return {
+        "grow_bytes": peak - start,
+        "held": opt._masked.extra_bytes if way != "host" else 0,
+        "ms": statistics.median(times[2:]) * 1e3,
+    }
 
 
 def _peak_kib(reset: bool = False) -> int:
@@ -119,22 +123,36 @@ def main(argv: list[str] | None = None) -> dict:
     # --tiny (the test suite's run) checks the script's path, every skip way, with one optimizer, and the child
     # process once: each child costs the 15 s of importing torch and its compiler (torch's optimizers import it)
     for opt_name in list(OPTIMIZERS)[:1] if args.tiny else OPTIMIZERS:
-        got = {way: (child(total, opt_name, way, steps, device) if args.tiny and way != WAYS[0]
-                     else run_child(total, opt_name, way, steps, args.threads, device)) for way in WAYS}
+        got = {
+            way: (
+                child(total, opt_name, way, steps, device)
+                if args.tiny and way != WAYS[0]
+                else run_child(total, opt_name, way, steps, args.threads, device)
+            )
+            for way in WAYS
+        }
         for way in WAYS:
             extra = got[way]["grow_bytes"] - got["host"]["grow_bytes"]
-            rows.append({"optimizer": opt_name, "skip": way, "peak extra / params": extra / param_bytes,
-                         "snapshot held / params": got[way]["held"] / param_bytes, "ms per step": got[way]["ms"],
-                         "vs host": got[way]["ms"] / got["host"]["ms"]})
+            rows.append(
+                {
+                    "optimizer": opt_name,
+                    "skip": way,
+                    "peak extra / params": extra / param_bytes,
+                    "snapshot held / params": got[way]["held"] / param_bytes,
+                    "ms per step": got[way]["ms"],
+                    "vs host": got[way]["ms"] / got["host"]["ms"],
+                }
+            )
             print(rows[-1], file=sys.stderr, flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     peak = "device memory (max_memory_allocated)" if torch.device(device).type == "cuda" else "RSS"
-    md = (f"Device: {device}. {total / 1e6:g}M float32 parameters in 100 tensors ({param_bytes / 2**20:.0f} MiB). "
-          f"*peak extra* = peak {peak} growth over {steps} steps minus the host skip's, in the parameters' bytes; "
-          f"*snapshot held* = bytes the skip keeps (counted).\n\n"
-          + table(rows, ["optimizer", "skip", "peak extra / params", "snapshot held / params", "ms per step",
-                         "vs host"]))
+    md = (
+        f"Device: {device}. {total / 1e6:g}M float32 parameters in 100 tensors ({param_bytes / 2**20:.0f} MiB). "
+        f"*peak extra* = peak {peak} growth over {steps} steps minus the host skip's, in the parameters' bytes; "
+        f"*snapshot held* = bytes the skip keeps (counted).\n\n"
+        + table(rows, ["optimizer", "skip", "peak extra / params", "snapshot held / params", "ms per step", "vs host"])
+    )
     payload = {"machine": machine(device), "rows": rows, "markdown": md}
     emit("masked_memory", payload, args.json)
     return payload

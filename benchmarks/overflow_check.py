@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device_argument, alternate, checked_device, emit, machine, synchronizer, table  # noqa: E402
-
-from lossscale.ops.overflow import check_, unscale_and_check_  # noqa: E402
+from _common import add_device_argument, alternate, checked_device, emit, machine, synchronizer, table
+from lossscale.ops.overflow import check_, unscale_and_check_
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -57,17 +56,21 @@ def main(argv: list[str] | None = None) -> dict:
     read_floor = min(t["floor: _foreach_norm"], t["floor: per-tensor sum"])
     rows = []
     for name, secs in t.items():
-        rows.append({"pass": name, "ms": secs * 1e3, "GB/s": nbytes / secs / 1e9,
-                     "vs best read floor": read_floor / secs})
+        rows.append(
+            {"pass": name, "ms": secs * 1e3, "GB/s": nbytes / secs / 1e9, "vs best read floor": read_floor / secs}
+        )
     summary = {
         "saturation / inf_nan time": t["lossscale saturation check"] / t["lossscale inf_nan check"],
         "inf_nan check bandwidth / _foreach_norm floor": t["floor: _foreach_norm"] / t["lossscale inf_nan check"],
         "inf_nan check bandwidth / best read floor": read_floor / t["lossscale inf_nan check"],
         "saturation check bandwidth / best read floor": read_floor / t["lossscale saturation check"],
     }
-    md = (f"Device: {device}. {nbytes / 1e6:.0f} MB of float32 gradients in {args.tensors} tensors.\n\n"
-          + table(rows, ["pass", "ms", "GB/s", "vs best read floor"]) + "\n\n"
-          + table([{"ratio": k, "value": v} for k, v in summary.items()], ["ratio", "value"]))
+    md = (
+        f"Device: {device}. {nbytes / 1e6:.0f} MB of float32 gradients in {args.tensors} tensors.\n\n"
+        + table(rows, ["pass", "ms", "GB/s", "vs best read floor"])
+        + "\n\n"
+        + table([{"ratio": k, "value": v} for k, v in summary.items()], ["ratio", "value"])
+    )
     payload = {"machine": machine(device), "rows": rows, "summary": summary, "markdown": md}
     emit("overflow_check", payload, args.json)
     return payload

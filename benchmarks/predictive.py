@@ -26,11 +26,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _streams as streams  # noqa: E402
-from _common import (add_device_argument, alternate, checked_device, emit, grad_restorer, machine,  # noqa: E402
-                     synchronizer, table)
-
-from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
+import _streams as streams
+from _common import (
+    add_device_argument,
+    alternate,
+    checked_device,
+    emit,
+    grad_restorer,
+    machine,
+    synchronizer,
+    table,
+)
+from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale
 
 
 def stream_rows(steps: int, seeds: int) -> list[dict]:
@@ -41,13 +48,20 @@ def stream_rows(steps: int, seeds: int) -> list[dict]:
     for s, p in zip(runs, ours):
         t = streams.run_torch_rule(s)
         d = streams.run_policy(DynamicScale(), [s])[0]
-        rows.append({"stream": s.kind, "seed": s.seed, "steps": len(s),
-                     "skipped torch / DynamicScale / predictive": f"{t.skipped} / {d.skipped} / {p.skipped}",
-                     "skip ratio torch / predictive": round(t.skipped / max(p.skipped, 1), 1),
-                     "underflow torch": f"{t.underflow:.2e}", "underflow DynamicScale": f"{d.underflow:.2e}",
-                     "underflow predictive": f"{p.underflow:.2e}",
-                     "underflow ratio predictive / torch": round(p.underflow / t.underflow, 2),
-                     "final scale torch / predictive": f"2**{_log2(t.final_scale)} / 2**{_log2(p.final_scale)}"})
+        rows.append(
+            {
+                "stream": s.kind,
+                "seed": s.seed,
+                "steps": len(s),
+                "skipped torch / DynamicScale / predictive": f"{t.skipped} / {d.skipped} / {p.skipped}",
+                "skip ratio torch / predictive": round(t.skipped / max(p.skipped, 1), 1),
+                "underflow torch": f"{t.underflow:.2e}",
+                "underflow DynamicScale": f"{d.underflow:.2e}",
+                "underflow predictive": f"{p.underflow:.2e}",
+                "underflow ratio predictive / torch": round(p.underflow / t.underflow, 2),
+                "final scale torch / predictive": f"2**{_log2(t.final_scale)} / 2**{_log2(p.final_scale)}",
+            }
+        )
     return rows
 
 
@@ -61,8 +75,7 @@ def step_time(total: int, rounds: int, device: str = "cpu") -> dict[str, float]:
     base = [torch.randn_like(p) * 1e-3 * 2**16 for p in params]
     opts = {
         "DynamicScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True), policy=DynamicScale()),
-        "PredictiveScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True),
-                                              policy=PredictiveScale()),
+        "PredictiveScale": LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-9, fused=True), policy=PredictiveScale()),
     }
 
     restore = grad_restorer(params, base)
@@ -91,8 +104,10 @@ def demo_comparison(steps: int | None, quick: bool, device: str = "cpu") -> list
             return []
         with open(Path(out) / "results.json") as f:
             runs = json.load(f)["runs"]
-    return [{k: r.get(k) for k in ("name", "heldout_loss", "skipped_steps", "final_scale", "underflow", "seconds")}
-            for r in runs]
+    return [
+        {k: r.get(k) for k in ("name", "heldout_loss", "skipped_steps", "final_scale", "underflow", "seconds")}
+        for r in runs
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -110,23 +125,29 @@ def main(argv: list[str] | None = None) -> dict:
     device = checked_device(parser, args.device)
     rows = stream_rows(2_000 if args.tiny else args.stream_steps, 1 if args.tiny else args.seeds)
     t = step_time(20_000 if args.tiny else int(args.millions * 10**6), 2 if args.tiny else args.rounds, device)
-    timing = [{"policy": k, "LossScaleOptimizer.step ms": v * 1e3, "ratio to DynamicScale": v / t["DynamicScale"]}
-              for k, v in t.items()]
+    timing = [
+        {"policy": k, "LossScaleOptimizer.step ms": v * 1e3, "ratio to DynamicScale": v / t["DynamicScale"]}
+        for k, v in t.items()
+    ]
     demo = [] if args.tiny else demo_comparison(args.demo_steps, quick=not args.full_demo, device=device)
 
-    md = ("Seeded synthetic streams (`benchmarks/_streams.py`: a step overflows when its max |g| x scale >= 65504; "
-          "underflow = mean share of gradient values float16 rounds to zero on applied steps; torch's rule is "
-          "advanced by `torch._amp_update_scale_`). iid-max is the hard case: step maxima with no structure "
-          "to forecast.\n\n"
-          + table(rows, list(rows[0])) + "\n\n"
-          + f"Step time on {('20k' if args.tiny else f'{args.millions:g}M')} float32 parameters, fused AdamW, on "
-          f"{device}:\n\n"
-          + table(timing, list(timing[0])))
+    md = (
+        "Seeded synthetic streams (`benchmarks/_streams.py`: a step overflows when its max |g| x scale >= 65504; "
+        "underflow = mean share of gradient values float16 rounds to zero on applied steps; torch's rule is "
+        "advanced by `torch._amp_update_scale_`). iid-max is the hard case: step maxima with no structure "
+        "to forecast.\n\n"
+        + table(rows, list(rows[0]))
+        + "\n\n"
+        + f"Step time on {('20k' if args.tiny else f'{args.millions:g}M')} float32 parameters, fused AdamW, on "
+        f"{device}:\n\n" + table(timing, list(timing[0]))
+    )
     if demo:
         quick = "" if args.full_demo else " --quick"
-        md += ("\n\nThe demo model (`lossscale demo --runs fp16-dynamic,fp16-predictive"
-               f"{quick} --steps {args.demo_steps}`; fp16-dynamic is DynamicScale(init_scale=2**32, "
-               "growth_interval=20), fp16-predictive PredictiveScale(init_scale=2**32)):\n\n")
+        md += (
+            "\n\nThe demo model (`lossscale demo --runs fp16-dynamic,fp16-predictive"
+            f"{quick} --steps {args.demo_steps}`; fp16-dynamic is DynamicScale(init_scale=2**32, "
+            "growth_interval=20), fp16-predictive PredictiveScale(init_scale=2**32)):\n\n"
+        )
         md += table(demo, list(demo[0]))
     payload = {"machine": machine(device), "rows": rows, "timing": timing, "demo": demo, "markdown": md}
     emit("predictive", payload, args.json)

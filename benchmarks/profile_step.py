@@ -33,19 +33,18 @@ import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device_argument, checked_device, synchronizer  # noqa: E402
-
-from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale  # noqa: E402
-from lossscale.ops.gather import largest  # noqa: E402
-from lossscale.ops.overflow import amax_kernel_module  # noqa: E402
-from lossscale.demo.train import QUICK, CharTransformer, batch, load_corpus  # noqa: E402
+from _common import add_device_argument, checked_device, synchronizer
+from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale
+from lossscale.demo.train import QUICK, CharTransformer, batch, load_corpus
+from lossscale.ops.gather import largest
+from lossscale.ops.overflow import amax_kernel_module
 
 
 def contenders(cfg, device: str) -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
@@ -76,16 +75,16 @@ def contenders(cfg, device: str) -> dict[str, tuple[Callable[[], None], Callable
         scaler.update()
 
     out["torch.amp.GradScaler"] = (torch_backward, torch_step)
-    for name, policy, layerwise in (("LossScaleOptimizer, DynamicScale", DynamicScale(), None),
-                                    ("LossScaleOptimizer, PredictiveScale", PredictiveScale(), None),
-                                    ("LossScaleOptimizer, PredictiveScale op by op", PredictiveScale(cuda_graph=False),
-                                     None),
-                                    ("LossScaleOptimizer, per-layer", DynamicScale(), "model"),
-                                    ("LossScaleOptimizer, per-block", DynamicScale(), "blocks")):
+    for name, policy, layerwise in (
+        ("LossScaleOptimizer, DynamicScale", DynamicScale(), None),
+        ("LossScaleOptimizer, PredictiveScale", PredictiveScale(), None),
+        ("LossScaleOptimizer, PredictiveScale op by op", PredictiveScale(cuda_graph=False), None),
+        ("LossScaleOptimizer, per-layer", DynamicScale(), "model"),
+        ("LossScaleOptimizer, per-block", DynamicScale(), "blocks"),
+    ):
         m = model()
         units = {"model": m, "blocks": [m.token, m.position, *m.blocks, m.ln, m.head]}.get(layerwise)
-        lso = LossScaleOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), policy=policy,
-                                 layerwise=units)
+        lso = LossScaleOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), policy=policy, layerwise=units)
 
         def backward(m=m, lso=lso):
             lso.zero_grad()
@@ -95,14 +94,15 @@ def contenders(cfg, device: str) -> dict[str, tuple[Callable[[], None], Callable
     return out
 
 
-def measure(calls: dict[str, tuple[Callable[[], None], Callable[[], None]]], rounds: int, device: str
-            ) -> dict[str, tuple[float, float, float]]:
+def measure(
+    calls: dict[str, tuple[Callable[[], None], Callable[[], None]]], rounds: int, device: str
+) -> dict[str, tuple[float, float, float]]:
     """name -> (median ms of a whole step, median ms of the optimizer step, median host ms of its call)."""
     sync = synchronizer(device)
     samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in calls}
     names = list(calls)
     for r in range(rounds + 1):  # the first round warms up
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             backward, step = calls[name]
             sync()
             start = time.perf_counter()
@@ -115,8 +115,10 @@ def measure(calls: dict[str, tuple[Callable[[], None], Callable[[], None]]], rou
             done = time.perf_counter()
             if r:
                 samples[name].append((done - start, done - stepping, returned - stepping))
-    return {name: tuple(1e3 * statistics.median(s[i] for s in rows) for i in range(3))  # type: ignore[misc]
-            for name, rows in samples.items()}
+    return {
+        name: tuple(1e3 * statistics.median(s[i] for s in rows) for i in range(3))  # type: ignore[misc]
+        for name, rows in samples.items()
+    }
 
 
 def profiled(backward: Callable[[], None], step: Callable[[], None], steps: int, device: str, top: int) -> str:
@@ -139,8 +141,9 @@ def profiled(backward: Callable[[], None], step: Callable[[], None], steps: int,
     return "\n".join(parts)
 
 
-def call_ops(backward: Callable[[], None], step: Callable[[], None], steps: int, device: str
-             ) -> dict[str, tuple[float, float]]:
+def call_ops(
+    backward: Callable[[], None], step: Callable[[], None], steps: int, device: str
+) -> dict[str, tuple[float, float]]:
     """op -> (calls, self host µs) per optimizer call, with only the call under the profiler (the backward and the
     device's work before it outside)."""
     sync = synchronizer(device)
@@ -164,8 +167,10 @@ def compared_calls(ops: dict[str, dict[str, tuple[float, float]]], base: str, ot
     a, b = ops[base], ops[other]
     rows = sorted(set(a) | set(b), key=lambda op: b.get(op, (0, 0))[1] - a.get(op, (0, 0))[1], reverse=True)
     short_a, short_b = base.split(", ")[-1], other.split(", ")[-1]
-    lines = [f"| op | calls, {short_a} | µs, {short_a} | calls, {short_b} | µs, {short_b} | µs more |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"| op | calls, {short_a} | µs, {short_a} | calls, {short_b} | µs, {short_b} | µs more |",
+        "|---|---|---|---|---|---|",
+    ]
     totals = {name: tuple(sum(v[i] for v in x.values()) for i in (0, 1)) for name, x in (("a", a), ("b", b))}
     rows_of = [(op, a.get(op, (0, 0.0)), b.get(op, (0, 0.0))) for op in rows[:top]]
     for op, (ca, ta), (cb, tb) in rows_of + [("all ops", totals["a"], totals["b"])]:
@@ -181,11 +186,13 @@ def overflow_passes(cfg, device: str, rounds: int) -> tuple[int, dict[str, float
     found, one = torch.zeros((), device=device), torch.ones((), device=device)
     inf = float("inf")
     passes = {
-        "fused overflow check (DynamicScale)":
-            lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
+        "fused overflow check (DynamicScale)": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, found, one
+        ),
         "inf-norm alone": lambda: torch._foreach_norm(grads, ord=inf),
-        "inf-norm + ops.gather.largest (PredictiveScale without triton)":
-            lambda: largest(torch._foreach_norm(grads, ord=inf)),
+        "inf-norm + ops.gather.largest (PredictiveScale without triton)": lambda: largest(
+            torch._foreach_norm(grads, ord=inf)
+        ),
         "inf-norm + torch.stack + max": lambda: torch.stack(torch._foreach_norm(grads, ord=inf)).max(),
     }
     kernel = amax_kernel_module() if torch.device(device).type == "cuda" else None
@@ -223,9 +230,11 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, float]]
         args.rounds, args.profiled, args.top = 2, 1, 5
     calls = contenders(cfg, device)
     times = measure(calls, args.rounds, device)
-    print(f"Device {device} ({torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}), torch "
-          f"{torch.__version__}; model {cfg.layers} layers, d_model {cfg.d_model}, batch {cfg.sequences} x "
-          f"{cfg.context}; medians over {args.rounds} rounds, each call from an idle device.\n")
+    print(
+        f"Device {device} ({torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}), torch "
+        f"{torch.__version__}; model {cfg.layers} layers, d_model {cfg.d_model}, batch {cfg.sequences} x "
+        f"{cfg.context}; medians over {args.rounds} rounds, each call from an idle device.\n"
+    )
     print("| contender | step ms | optimizer step ms | host ms of the optimizer step's call |\n|---|---|---|---|")
     for name, (whole, step, host) in times.items():
         print(f"| {name} | {whole:.3f} | {step:.3f} | {host:.3f} |")
@@ -234,13 +243,17 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, float]]
         print(profiled(backward, step, args.profiled, device, args.top))
     base, other = "LossScaleOptimizer, DynamicScale", "LossScaleOptimizer, PredictiveScale"
     ops = {name: call_ops(*calls[name], 2 * args.profiled, device) for name in (base, other)}
-    print(f"\n== The optimizer call alone under the profiler ({2 * args.profiled} calls each): the ops whose self host "
-          f"time per call differs most, {other.split(', ')[1]} over {base.split(', ')[1]} (the profiler's own cost "
-          f"inflates every op alike)\n")
+    print(
+        f"\n== The optimizer call alone under the profiler ({2 * args.profiled} calls each): the ops whose self host "
+        f"time per call differs most, {other.split(', ')[1]} over {base.split(', ')[1]} (the profiler's own cost "
+        f"inflates every op alike)\n"
+    )
     print(compared_calls(ops, base, other, args.top))
     count, passes = overflow_passes(cfg, device, 5 * args.rounds)
-    print(f"\n== The overflow pass alone over {count} gradients of the model's shapes: host ms of the call, median "
-          f"over {5 * args.rounds} calls\n\n| pass | host ms |\n|---|---|")
+    print(
+        f"\n== The overflow pass alone over {count} gradients of the model's shapes: host ms of the call, median "
+        f"over {5 * args.rounds} calls\n\n| pass | host ms |\n|---|---|"
+    )
     for name, ms in passes.items():
         print(f"| {name} | {ms:.3f} |")
     return times

@@ -35,11 +35,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_device_argument, alternate_samples, checked_device, emit, grad_restorer,  # noqa: E402
-                     machine, paired_ratio, summarize, synchronizer, table)
-from _passes import count_passes, passes_text  # noqa: E402
-
-from lossscale import DynamicScale, GradScaler, LossScaleOptimizer  # noqa: E402
+from _common import (
+    add_device_argument,
+    alternate_samples,
+    checked_device,
+    emit,
+    grad_restorer,
+    machine,
+    paired_ratio,
+    summarize,
+    synchronizer,
+    table,
+)
+from _passes import count_passes, passes_text
+from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 
 SCALE = 2.0**16
 STAT = "median"  # or "min" (--stat)
@@ -55,8 +64,24 @@ OPTIMIZERS = {
 def _transformer_shapes(total: int) -> list[tuple[int, ...]]:
     """12 blocks of 16 tensors (layer norms, q/k/v/o, two MLP matrices, all with biases), ~total params."""
     d = max(8, int(math.sqrt(total / 144)))
-    block = [(d,), (d,), (d, d), (d,), (d, d), (d,), (d, d), (d,), (d, d), (d,), (d,), (d,),
-             (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    block = [
+        (d,),
+        (d,),
+        (d, d),
+        (d,),
+        (d, d),
+        (d,),
+        (d, d),
+        (d,),
+        (d, d),
+        (d,),
+        (d,),
+        (d,),
+        (4 * d, d),
+        (4 * d,),
+        (d, 4 * d),
+        (d,),
+    ]
     return block * 12
 
 
@@ -89,8 +114,9 @@ def _ready(scaler_type, device: str):
 
 def _lso(opt: torch.optim.Optimizer, clip: bool) -> LossScaleOptimizer:
     """A LossScaleOptimizer with torch's rule at SCALE, never growing (as :func:`_ready`'s scalers)."""
-    return LossScaleOptimizer(opt, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9),
-                              clip_grad_norm=1.0 if clip else None)
+    return LossScaleOptimizer(
+        opt, policy=DynamicScale(init_scale=SCALE, growth_interval=10**9), clip_grad_norm=1.0 if clip else None
+    )
 
 
 def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> dict:
@@ -108,10 +134,16 @@ def contenders(params: list[torch.nn.Parameter], opt_name: str, clip: bool) -> d
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
             s.step(opt)
             s.update()
+
         return run
 
-    fns = {"bare": shared.step, "torch": pipeline(scaler, shared), "LSO": lso.step,
-           "GS": pipeline(ours_gs, shared), "_skip_mode": lso.skip_mode}
+    fns = {
+        "bare": shared.step,
+        "torch": pipeline(scaler, shared),
+        "LSO": lso.step,
+        "GS": pipeline(ours_gs, shared),
+        "_skip_mode": lso.skip_mode,
+    }
     if getattr(shared, "_step_supports_amp_scaling", False):
         fns["kernel"] = _kernel_unscaling(shared, device)
     else:
@@ -142,6 +174,7 @@ def _kernel_unscaling(opt: torch.optim.Optimizer, device: str):
             opt.step()
         finally:
             del opt.grad_scale, opt.found_inf
+
     return run
 
 
@@ -163,17 +196,24 @@ def measure(total: int, layout: str, opt_name: str, clip: bool, rounds: int, dev
     for name in ("bare", "torch", "LSO", "GS"):
         restore(name)
         counts[name] = count_passes(params, fns[name])
-    row = {"params": f"{n / 1e6:.3g}M", "layout": layout, "optimizer": opt_name,
-           "clip": "global norm" if clip else "none", "skip mode": skip_mode,
-           "floor ms": floor * 1e3, "bare ms": t["bare"] * 1e3}
+    row = {
+        "params": f"{n / 1e6:.3g}M",
+        "layout": layout,
+        "optimizer": opt_name,
+        "clip": "global norm" if clip else "none",
+        "skip mode": skip_mode,
+        "floor ms": floor * 1e3,
+        "bare ms": t["bare"] * 1e3,
+    }
     for name in ("torch", "LSO", "GS"):
         row[f"{name} passes"] = passes_text(counts[name], n, counts["bare"])
         row[f"{name} ops"] = counts[name].calls - counts["bare"].calls
         row[f"{name} ms"] = t[name] * 1e3
-        row[f"{name} floors"] = floors(lambda r: samples[name][r] - samples["bare"][r])
+        row[f"{name} floors"] = floors(lambda r, name=name: samples[name][r] - samples["bare"][r])
     for name in ("torch", "LSO"):
-        row[f"{name} alone floors"] = floors(lambda r: samples[f"{name} alone"][r]) if f"{name} alone" in samples \
-            else "-"
+        row[f"{name} alone floors"] = (
+            floors(lambda r, name=name: samples[f"{name} alone"][r]) if f"{name} alone" in samples else "-"
+        )
     kernel = samples.get("kernel")
     row["kernel unscale floors"] = floors(lambda r: kernel[r] - samples["bare"][r]) if kernel else "-"
     row["LSO floors net"] = floors(lambda r: samples["LSO"][r] - kernel[r]) if kernel else "-"
@@ -194,14 +234,40 @@ def _round_floors(samples: dict[str, list[float]]):
 
     def in_floors(extra) -> float:
         return statistics.median(extra(r) / floor[r] for r in rounds)
+
     return in_floors
 
 
-COLUMNS = ["params", "layout", "optimizer", "clip", "floor ms", "bare ms", "torch passes", "torch ops", "torch ms",
-           "torch floors", "kernel unscale floors", "LSO passes", "LSO ops", "LSO ms", "LSO total", "LSO total 95% CI",
-           "LSO overhead", "torch alone floors", "LSO alone floors",
-           "LSO floors", "LSO floors net", "GS passes",
-           "GS ops", "GS ms", "GS total", "GS total 95% CI", "GS overhead", "GS floors"]
+COLUMNS = [
+    "params",
+    "layout",
+    "optimizer",
+    "clip",
+    "floor ms",
+    "bare ms",
+    "torch passes",
+    "torch ops",
+    "torch ms",
+    "torch floors",
+    "kernel unscale floors",
+    "LSO passes",
+    "LSO ops",
+    "LSO ms",
+    "LSO total",
+    "LSO total 95% CI",
+    "LSO overhead",
+    "torch alone floors",
+    "LSO alone floors",
+    "LSO floors",
+    "LSO floors net",
+    "GS passes",
+    "GS ops",
+    "GS ms",
+    "GS total",
+    "GS total 95% CI",
+    "GS overhead",
+    "GS floors",
+]
 
 
 MORE_ROUNDS_BELOW = 20 * 10**6
@@ -219,14 +285,18 @@ def plan(args: argparse.Namespace) -> list[tuple[int, str, str, bool]]:
     fused AdamW in the other layouts at ``--layout-size``."""
     if args.tiny:
         return [(20_000, "100 tensors", o, c) for o in ("fused AdamW", "SGD momentum") for c in (True, False)] + [
-            (20_000, "transformer", "fused AdamW", True)]
+            (20_000, "transformer", "fused AdamW", True)
+        ]
     sizes = [int(float(s) * 10**6) for s in args.sizes.split(",")]
     layouts = args.layouts.split(",")
     rows = [(s, layouts[0], o, c) for s in sizes for o in args.optimizers.split(",") for c in (True, False)]
     scaling = [int(float(s) * 10**6) for s in args.scaling_sizes.split(",") if s]
     rows += [(s, layouts[0], o, c) for s in scaling for o in args.scaling_optimizers.split(",") for c in (True, False)]
-    rows += [(int(float(args.layout_size) * 10**6), layout, "fused AdamW", c) for layout in layouts[1:]
-             for c in (True, False)]
+    rows += [
+        (int(float(args.layout_size) * 10**6), layout, "fused AdamW", c)
+        for layout in layouts[1:]
+        for c in (True, False)
+    ]
     return rows
 
 
@@ -254,30 +324,35 @@ def main(argv: list[str] | None = None) -> dict:
     for total, layout, opt_name, clip in plan(args):
         row = measure(total, layout, opt_name, clip, 2 if args.tiny else rounds_for(total, args.rounds), device)
         rows.append(row)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-              file=sys.stderr, flush=True)
-    md = (f"Device: {device}. Times in ms, {STAT}s over {2 if args.tiny else args.rounds} alternating rounds "
-          f"({MORE_ROUNDS_BELOW // 10**6}M "
-          f"parameters and more; smaller rows get proportionally more, up to {MAX_ROUND_FACTOR}x: 1M rows take a "
-          "few ms a step and their fixed cost is what they measure). Every contender steps one shared optimizer "
-          "(one optimizer state in one place in memory: twins over optimizers of their own differ by up to 3.4% at "
-          "1M), and LSO runs torch's rule (`DynamicScale`, never growing, as the scalers here). "
-          "Contenders run in turn in every round, starting one place later each round. *total* = the median "
-          "over rounds of time / torch's time in the same round (calls moments apart, so the VM's drift moves "
-          "both alike), with its 95% confidence interval (sign test): a row is above torch's where the whole "
-          "interval is above 1; *overhead* = (time - bare) / "
-          "(torch - bare); *floors* = (time - bare) / floor, per round and "
-          "then the median, where the floor is the faster of one per-tensor sum and one `_foreach_norm` over the "
-          "gradients in that round; *floor ms* its median. *kernel unscale floors* (fused optimizers): the bare "
-          "step handed `grad_scale` = 1, less the bare step, in floors: torch's fused CPU kernel divides every "
-          "gradient and stores it back, a write no scaler that unscales in the kernel avoids; *LSO floors net* "
-          "= LSO's floors less that. *alone floors* (non-fused optimizers): the scaler's pipeline around an "
-          "optimizer whose step does nothing, in floors: its own passes and ops, without the optimizer step's "
-          "jitter (which at 100M with foreach Adam is about a floor per call). Passes beyond the bare step, "
-          "counted by a dispatch "
-          "mode: R = one read of every gradient, W = one write; *ops* = aten calls beyond the bare step (the "
-          "fixed cost per step). LSO = LossScaleOptimizer, GS = "
-          "lossscale.GradScaler.\n\n" + table(rows, COLUMNS))
+        print(
+            " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+            file=sys.stderr,
+            flush=True,
+        )
+    md = (
+        f"Device: {device}. Times in ms, {STAT}s over {2 if args.tiny else args.rounds} alternating rounds "
+        f"({MORE_ROUNDS_BELOW // 10**6}M "
+        f"parameters and more; smaller rows get proportionally more, up to {MAX_ROUND_FACTOR}x: 1M rows take a "
+        "few ms a step and their fixed cost is what they measure). Every contender steps one shared optimizer "
+        "(one optimizer state in one place in memory: twins over optimizers of their own differ by up to 3.4% at "
+        "1M), and LSO runs torch's rule (`DynamicScale`, never growing, as the scalers here). "
+        "Contenders run in turn in every round, starting one place later each round. *total* = the median "
+        "over rounds of time / torch's time in the same round (calls moments apart, so the VM's drift moves "
+        "both alike), with its 95% confidence interval (sign test): a row is above torch's where the whole "
+        "interval is above 1; *overhead* = (time - bare) / "
+        "(torch - bare); *floors* = (time - bare) / floor, per round and "
+        "then the median, where the floor is the faster of one per-tensor sum and one `_foreach_norm` over the "
+        "gradients in that round; *floor ms* its median. *kernel unscale floors* (fused optimizers): the bare "
+        "step handed `grad_scale` = 1, less the bare step, in floors: torch's fused CPU kernel divides every "
+        "gradient and stores it back, a write no scaler that unscales in the kernel avoids; *LSO floors net* "
+        "= LSO's floors less that. *alone floors* (non-fused optimizers): the scaler's pipeline around an "
+        "optimizer whose step does nothing, in floors: its own passes and ops, without the optimizer step's "
+        "jitter (which at 100M with foreach Adam is about a floor per call). Passes beyond the bare step, "
+        "counted by a dispatch "
+        "mode: R = one read of every gradient, W = one write; *ops* = aten calls beyond the bare step (the "
+        "fixed cost per step). LSO = LossScaleOptimizer, GS = "
+        "lossscale.GradScaler.\n\n" + table(rows, COLUMNS)
+    )
     payload = {"machine": machine(device), "rows": rows, "markdown": md}
     emit("step_overhead", payload, args.json)
     return payload

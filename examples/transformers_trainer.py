@@ -32,20 +32,31 @@ class RandomTokens(torch.utils.data.Dataset):
 
 def main(output_dir: str) -> list[dict[str, float]]:
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
-                        eos_token_id=0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
     on_cpu = not torch.cuda.is_available()
-    args = TrainingArguments(output_dir=output_dir, fp16=True, use_cpu=on_cpu, max_steps=12,
-                             per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=2,
-                             save_strategy="no", report_to="none", disable_tqdm=True)
-    trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=RandomTokens(),
-                      callbacks=[LossScaleCallback()])                # adds loss_scale, skipped_steps to the logs
-    use_lossscale(trainer, fp16_on_cpu=on_cpu, growth_interval=4)     # before train(); GradScaler's arguments
+    args = TrainingArguments(
+        output_dir=output_dir,
+        fp16=True,
+        use_cpu=on_cpu,
+        max_steps=12,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=2,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=GPT2LMHeadModel(config), args=args, train_dataset=RandomTokens(), callbacks=[LossScaleCallback()]
+    )  # adds loss_scale, skipped_steps to the logs
+    use_lossscale(trainer, fp16_on_cpu=on_cpu, growth_interval=4)  # before train(); GradScaler's arguments
     trainer.train()
     steps = [log for log in trainer.state.log_history if "loss" in log]
     for log in steps:
-        print(f"step {log['step']:3d}  loss {log['loss']:.4f}  lr {log['learning_rate']:.2e}  "
-              f"loss_scale {log['loss_scale']:8.0f}  skipped_steps {log['skipped_steps']}")
+        print(
+            f"step {log['step']:3d}  loss {log['loss']:.4f}  lr {log['learning_rate']:.2e}  "
+            f"loss_scale {log['loss_scale']:8.0f}  skipped_steps {log['skipped_steps']}"
+        )
     return steps
 
 

@@ -32,6 +32,7 @@ NAN = float("nan")
 
 # --- the pool (parent side) ----------------------------------------------------------------------
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,8 +59,15 @@ class RankPool:
         port = free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_serve, args=(r, self.world_size, port, self._tasks[r], self._results),
-                                   daemon=True, name=f"gloo-rank-{r}") for r in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_serve,
+                args=(r, self.world_size, port, self._tasks[r], self._results),
+                daemon=True,
+                name=f"gloo-rank-{r}",
+            )
+            for r in range(self.world_size)
+        ]
         for p in self._procs:
             p.start()
 
@@ -75,8 +83,11 @@ class RankPool:
             try:
                 rank, ok, payload = self._results.get(timeout=1.0)
             except queue.Empty:
-                dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self._procs)
-                        if not p.is_alive() and r not in answers]
+                dead = [
+                    f"rank {r} (exit code {p.exitcode})"
+                    for r, p in enumerate(self._procs)
+                    if not p.is_alive() and r not in answers
+                ]
                 late = time.monotonic() > deadline
                 if dead or late:
                     self.close()
@@ -112,8 +123,9 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> N
     """A rank's loop: join the group as torchrun would have it, then run scenarios until told to stop."""
     warnings.simplefilter("error")  # as pyproject's filterwarnings = ["error"] in the parent
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     try:
         try:
             from lossscale.ops.distributed import init_from_env
@@ -139,6 +151,7 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> N
 
 
 # --- shared pieces (rank side) ------------------------------------------------------------------
+
 
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
@@ -222,8 +235,9 @@ def helpers(rank: int, world_size: int) -> dict:
 
     out: dict[str, Any] = {"init_again": ld.init_from_env(), "main": ld.is_main_process(), "active": ld.active()}
     # reduce_found_inf: a 0/1 flag on every rank, whatever the local counts.
-    out["found"] = [float(ld.reduce_found_inf(torch.tensor(v))) for v in ([0.0, 2.0][rank], [0.0, 0.0][rank],
-                                                                              [3.0, 1.0][rank])]
+    out["found"] = [
+        float(ld.reduce_found_inf(torch.tensor(v))) for v in ([0.0, 2.0][rank], [0.0, 0.0][rank], [3.0, 1.0][rank])
+    ]
     alone = own_group(rank, world_size)
     out["found_alone"] = float(ld.reduce_found_inf(torch.tensor([2.0, 0.0][rank]), alone))
     out["amax"] = float(stages.agree_amax_(torch.tensor([3.0, 5.0][rank])))
@@ -269,8 +283,7 @@ def scaler_plain(rank: int, world_size: int, opt_name: str, unscale_first: bool)
         reduces.append(calls[0])
         if not stepped[-1] and not torch.equal(flat(model), before):
             raise AssertionError(f"step {step}: skipped, yet the parameters changed")
-    return {"stepped": stepped, "scales": scales, "host_reads": reads, "all_reduces": reduces,
-            "params": flat(model)}
+    return {"stepped": stepped, "scales": scales, "host_reads": reads, "all_reduces": reduces, "params": flat(model)}
 
 
 # DDP runs: (rank, value) written into a gradient after backward (DDP has averaged it already), and
@@ -280,8 +293,9 @@ DDP_INPUT = {8: 1}
 DDP_SKIPPED = sorted(set(DDP_AFTER) | set(DDP_INPUT))
 
 
-def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str | None, agree: bool,
-            flat_grads: bool = False) -> dict:
+def lso_ddp(
+    rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str | None, agree: bool, flat_grads: bool = False
+) -> dict:
     """DDP + LossScaleOptimizer for 20 steps with rank-local overflows. ``agree=False`` reduces
     found_inf over a one-rank group: the control showing what the reduction prevents. ``flat_grads``: also
     whether the gradients were still views of the buffer after each step (DDP wrote into them in place)."""
@@ -292,12 +306,20 @@ def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str
 
     model = DDP(make_model())
     inner = OPTIMIZERS[opt_name](model.parameters())
-    clips = {None: {}, "norm": {"clip_grad_norm": 0.3}, "value": {"clip_grad_value": 0.05},
-             "per_param": {"add_ons": [KerasArguments(inner, clipnorm=0.2, weight_decay=None)]}}[clip]
-    opt = LossScaleOptimizer(inner,
-                             policy=DynamicScale(init_scale=2.0**10, growth_interval=3), skip_mode=skip_mode,
-                             process_group=None if agree else own_group(rank, world_size), flat_grads=flat_grads,
-                             **clips)
+    clips = {
+        None: {},
+        "norm": {"clip_grad_norm": 0.3},
+        "value": {"clip_grad_value": 0.05},
+        "per_param": {"add_ons": [KerasArguments(inner, clipnorm=0.2, weight_decay=None)]},
+    }[clip]
+    opt = LossScaleOptimizer(
+        inner,
+        policy=DynamicScale(init_scale=2.0**10, growth_interval=3),
+        skip_mode=skip_mode,
+        process_group=None if agree else own_group(rank, world_size),
+        flat_grads=flat_grads,
+        **clips,
+    )
     stepped, scales, reduces, reads, attached = [], [], [], [], []
     for step in range(20):
         opt.zero_grad()
@@ -318,8 +340,15 @@ def lso_ddp(rank: int, world_size: int, opt_name: str, skip_mode: str, clip: str
             attached.append(opt._flat.attached(list(model.parameters())))
         if not stepped[-1] and not torch.equal(flat(model), before):
             raise AssertionError(f"step {step}: skipped, yet the parameters changed")
-    return {"stepped": stepped, "scales": scales, "all_reduces": reduces, "host_reads": reads,
-            "params": flat(model), "skip_mode": opt.skip_mode, "attached": attached}
+    return {
+        "stepped": stepped,
+        "scales": scales,
+        "all_reduces": reduces,
+        "host_reads": reads,
+        "params": flat(model),
+        "skip_mode": opt.skip_mode,
+        "attached": attached,
+    }
 
 
 def accumulation(rank: int, world_size: int) -> dict:
@@ -333,11 +362,20 @@ def accumulation(rank: int, world_size: int) -> dict:
     size = world_size * micro * per
     model, reference = DDP(make_model()), make_model()
     policy = DynamicScale(init_scale=2.0**10, growth_interval=2)
-    opt = LossScaleOptimizer(OPTIMIZERS["fused_adamw"](model.parameters()), policy=policy, clip_grad_norm=0.3,
-                             accumulation_steps=micro)
+    opt = LossScaleOptimizer(
+        OPTIMIZERS["fused_adamw"](model.parameters()), policy=policy, clip_grad_norm=0.3, accumulation_steps=micro
+    )
     ref = LossScaleOptimizer(OPTIMIZERS["fused_adamw"](reference.parameters()), policy=policy, clip_grad_norm=0.3)
-    out: dict[str, list] = {"stepped": [], "ref_stepped": [], "norms": [], "ref_norms": [], "scales": [],
-                            "ref_scales": [], "micro_all_reduces": [], "boundary_all_reduces": []}
+    out: dict[str, list] = {
+        "stepped": [],
+        "ref_stepped": [],
+        "norms": [],
+        "ref_norms": [],
+        "scales": [],
+        "ref_scales": [],
+        "micro_all_reduces": [],
+        "boundary_all_reduces": [],
+    }
     for boundary in range(6):
         x, y = batch(boundary, size=size)
         opt.zero_grad()
@@ -385,10 +423,13 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
     opt_name = "adamw" if kind in ("lso_host", "lso_per_param", "lso_masked") else "fused_adamw"
     policy = DynamicScale(init_scale=2.0**10, growth_interval=3)
     poison = 1e5 if kind == "lso_saturation" else INF  # finite but saturated once scaled
-    lso_args = {"lso_fused": dict(clip_grad_norm=0.3), "lso_host": dict(clip_grad_norm=0.3, skip_mode="host"),
-                "lso_saturation": dict(clip_grad_norm=0.3, overflow_mode="saturation"),
-                "lso_per_param": {},
-                "lso_masked": dict(clip_grad_norm=0.3, skip_mode="masked")}.get(kind)
+    lso_args = {
+        "lso_fused": dict(clip_grad_norm=0.3),
+        "lso_host": dict(clip_grad_norm=0.3, skip_mode="host"),
+        "lso_saturation": dict(clip_grad_norm=0.3, overflow_mode="saturation"),
+        "lso_per_param": {},
+        "lso_masked": dict(clip_grad_norm=0.3, skip_mode="masked"),
+    }.get(kind)
 
     def trainer(module: torch.nn.Module) -> Any:
         inner = OPTIMIZERS[opt_name](module.parameters())
@@ -494,14 +535,25 @@ def checkpoint(rank: int, world_size: int, kind: str, path: str) -> dict:
     train(objs, range(5), resumed)
     scaler_state = (scaler or opt).state_dict()
     if rank == 0:
-        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
-                    "scaler": scaler.state_dict() if scaler else None}, path)
+        torch.save(
+            {
+                "model": model.module.state_dict(),
+                "opt": opt.state_dict(),
+                "scaler": scaler.state_dict() if scaler else None,
+            },
+            path,
+        )
     dist.barrier()
     objs = build(torch.load(path))
     train(objs, range(5, 10), resumed)
     policy_states = gathered(scaler_state["policy_state"], world_size)
-    return {"straight": straight, "resumed": resumed, "straight_params": straight_params,
-            "resumed_params": flat(objs[0]), "policy_states_agree": policy_states[0] == policy_states[1]}
+    return {
+        "straight": straight,
+        "resumed": resumed,
+        "straight_params": straight_params,
+        "resumed_params": flat(objs[0]),
+        "policy_states_agree": policy_states[0] == policy_states[1],
+    }
 
 
 class _Attenuate(torch.autograd.Function):
@@ -566,8 +618,12 @@ def layerwise(rank: int, world_size: int, kind: str) -> dict:
         opt.backward(torch.nn.functional.mse_loss(out.float(), y[rows]))
         stepped.append(bool(opt.step().stepped))
         exponents.append(opt.state_dict()["layerwise"]["exponent"])
-        errors.append(max(float((full(p.grad) - q.grad).norm() / q.grad.norm())
-                          for p, q in zip(model.parameters(), ref.parameters())))
+        errors.append(
+            max(
+                float((full(p.grad) - q.grad).norm() / q.grad.norm())
+                for p, q in zip(model.parameters(), ref.parameters())
+            )
+        )
     return {"exponents": exponents, "errors": errors, "stepped": stepped, "params": flat(model)}
 
 
@@ -599,5 +655,7 @@ def layerwise_uneven(rank: int, world_size: int) -> dict:
     return {"error": None}
 
 
-SCENARIOS = {f.__name__: f for f in (helpers, scaler_plain, lso_ddp, accumulation, fsdp2, checkpoint, layerwise,
-                                     layerwise_uneven)}
+SCENARIOS = {
+    f.__name__: f
+    for f in (helpers, scaler_plain, lso_ddp, accumulation, fsdp2, checkpoint, layerwise, layerwise_uneven)
+}

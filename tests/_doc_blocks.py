@@ -66,10 +66,11 @@ def blocks(page: str) -> list[Block]:
         before = lines[i - 1].strip() if i else ""
         m = MARK.match(before)
         mark, note = (m.group(1), m.group(2) or "") if m else (None, "")
-        code = "\n".join(lines[i + 1:end])
+        code = "\n".join(lines[i + 1 : end])
         if mark == "output":
             assert found and found[-1].lang == "python" and found[-1].output is None, (
-                f"{page}:{i + 1}: an <!-- output --> block must follow a python block")
+                f"{page}:{i + 1}: an <!-- output --> block must follow a python block"
+            )
             found[-1] = dataclasses.replace(found[-1], output=code)
         else:
             found.append(Block(page, i + 1, mark, note, lang, code))

@@ -37,8 +37,13 @@ class Tiny(pl.LightningModule):
     True: per-layer scales on its network).
     ``own_backward``: in manual optimization call ``self.optimizers().backward(loss)`` (through Lightning's proxy)."""
 
-    def __init__(self, inf_at: set[tuple[int, int]] = INF_AT, manual: bool = False, wrap: dict | None = None,
-                 own_backward: bool = False) -> None:
+    def __init__(
+        self,
+        inf_at: set[tuple[int, int]] = INF_AT,
+        manual: bool = False,
+        wrap: dict | None = None,
+        own_backward: bool = False,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -91,8 +96,14 @@ class Recorder(pl.Callback):
             self.results.append(result)
 
 
-def fit(plugin: Any, module: Tiny | None = None, ckpt: str | None = None, manual: bool = False,
-        epochs: int = 2, **trainer_args: Any) -> tuple[Tiny, Recorder, pl.Trainer]:
+def fit(
+    plugin: Any,
+    module: Tiny | None = None,
+    ckpt: str | None = None,
+    manual: bool = False,
+    epochs: int = 2,
+    **trainer_args: Any,
+) -> tuple[Tiny, Recorder, pl.Trainer]:
     module = module or Tiny(manual=manual)
     recorder = Recorder()
     auto = {} if manual else dict(accumulate_grad_batches=2, gradient_clip_val=1.0)

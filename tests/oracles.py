@@ -31,10 +31,23 @@ class DynamicOracle:
     two float32 values taken in double and rounded once equals the float32 operation (53 >= 2*24 + 2).
     """
 
-    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                 hysteresis=1, hysteresis_mode="consecutive", refill_after_backoff=True,
-                 min_scale=SMALLEST_NORMAL, max_scale=FLOAT32_MAX, at_floor="skip", arithmetic="float64",
-                 backoff_divisor=None, growth_guard="result", growth_delay=0):
+    def __init__(
+        self,
+        init_scale=2.0**16,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=2000,
+        hysteresis=1,
+        hysteresis_mode="consecutive",
+        refill_after_backoff=True,
+        min_scale=SMALLEST_NORMAL,
+        max_scale=FLOAT32_MAX,
+        at_floor="skip",
+        arithmetic="float64",
+        backoff_divisor=None,
+        growth_guard="result",
+        growth_delay=0,
+    ):
         self.scale = f32(init_scale)
         self.growth_factor, self.backoff_factor, self.divisor = growth_factor, backoff_factor, backoff_divisor
         self.interval, self.H = growth_interval, hysteresis
@@ -120,8 +133,9 @@ class PredictiveOracle:
 
     def step(self, overflow: bool, amax: float, loss_finite: bool | None = None) -> float:
         p = self.p
-        fault = overflow and (loss_finite is False or (math.isfinite(amax) and amax < self.limit * 2.0**-p.fault_gap
-                                                         and self.run > 0))
+        fault = overflow and (
+            loss_finite is False or (math.isfinite(amax) and amax < self.limit * 2.0**-p.fault_gap and self.run > 0)
+        )
         evidence = overflow and not fault
         missed = evidence and self.observed > 0
         if not overflow and math.isfinite(amax) and amax > 0:
@@ -138,8 +152,11 @@ class PredictiveOracle:
         self.extra = max(self.extra - 1.0 / p.forget_interval, 0.0) + (1.0 if missed and p.learn_margin else 0.0)
         w = self.observed / (self.observed + 50)
         width = w * self.excess / 0.1 + (1 - w) * 0.3
-        self.pre = math.log2(self.limit) - self.level - (self.threshold + width * math.log(0.1 * p.target_interval)
-                                                         + self.extra + p.margin)
+        self.pre = (
+            math.log2(self.limit)
+            - self.level
+            - (self.threshold + width * math.log(0.1 * p.target_interval) + self.extra + p.margin)
+        )
         forecast = 2.0 ** min(max(math.floor(self.pre), -126), 127)
         if fault:
             new = self.scale

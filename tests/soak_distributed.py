@@ -27,14 +27,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.runs):
             start = time.monotonic()
-            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                   "tests/test_distributed.py"], cwd=ROOT, capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_distributed.py"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             output = proc.stdout + proc.stderr
             aborted = proc.returncode != 0 or "terminate called" in output
             aborts += aborted
             summary = output.strip().splitlines()[-1] if output.strip() else ""
-            print(f"run {i + 1}/{args.runs}: {'ABORT' if aborted else 'ok'} in {time.monotonic() - start:.0f} s: "
-                  f"{summary}", flush=True)
+            print(
+                f"run {i + 1}/{args.runs}: {'ABORT' if aborted else 'ok'} in {time.monotonic() - start:.0f} s: "
+                f"{summary}",
+                flush=True,
+            )
             if aborted:
                 print(output[-3000:], flush=True)
     finally:

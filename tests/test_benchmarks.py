@@ -38,9 +38,20 @@ def start_tiny_runs() -> tuple[subprocess.Popen, Path]:
     folder it writes RESULTS.md, each benchmark's JSON, profile_step's output and its own stdout and stderr to."""
     folder = Path(tempfile.mkdtemp(prefix="lossscale-benchmarks-"))
     with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", TINY_RUNS, str(BENCH), str(folder / "RESULTS.md"), str(folder),
-                                 str(folder / "profile_step.txt")], stdout=out, stderr=err,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                TINY_RUNS,
+                str(BENCH),
+                str(folder / "RESULTS.md"),
+                str(folder),
+                str(folder / "profile_step.txt"),
+            ],
+            stdout=out,
+            stderr=err,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     return proc, folder
 
 
@@ -92,7 +103,7 @@ def test_host_read_counts_are_what_the_docs_claim(tiny_run):
 def test_alternate_samples_rotates_the_order_and_drops_the_warm_up_round():
     calls = []
     samples = _common.alternate_samples({n: (lambda n=n: calls.append(n)) for n in "abc"}, rounds=4)
-    rounds = [calls[i:i + 3] for i in range(0, len(calls), 3)]
+    rounds = [calls[i : i + 3] for i in range(0, len(calls), 3)]
     assert rounds == [list("abc"), list("bca"), list("cab"), list("abc"), list("bca")]
     assert {n: len(ts) for n, ts in samples.items()} == {"a": 4, "b": 4, "c": 4}
 
@@ -113,9 +124,14 @@ def test_paired_ratio_is_the_median_of_per_round_ratios_with_the_sign_test_inter
 def test_the_step_profiler_times_and_profiles_every_contender(tiny_run):
     """benchmarks/profile_step.py, a diagnostic outside RESULTS.md, at its tiny size."""
     printed = tiny_run[2]
-    names = ["torch.amp.GradScaler", "LossScaleOptimizer, DynamicScale", "LossScaleOptimizer, PredictiveScale",
-             "LossScaleOptimizer, PredictiveScale op by op", "LossScaleOptimizer, per-layer",
-             "LossScaleOptimizer, per-block"]
+    names = [
+        "torch.amp.GradScaler",
+        "LossScaleOptimizer, DynamicScale",
+        "LossScaleOptimizer, PredictiveScale",
+        "LossScaleOptimizer, PredictiveScale op by op",
+        "LossScaleOptimizer, per-layer",
+        "LossScaleOptimizer, per-block",
+    ]
     for name in names:
         row = next(line for line in printed.splitlines() if line.startswith(f"| {name} |"))
         whole, step, host = (float(v) for v in row.strip("| ").split(" | ")[1:])
@@ -141,8 +157,9 @@ def test_the_free_running_measure_reads_nothing_back():
         import language_model as lm
     finally:
         sys.path.remove(str(BENCH))
-    args = argparse.Namespace(layers=1, d_model=16, heads=2, context=16, sequences=2, files=4, steps=0, lr=1e-3,
-                              free_rounds=1, free_steps=2)
+    args = argparse.Namespace(
+        layers=1, d_model=16, heads=2, context=16, sequences=2, files=4, steps=0, lr=1e-3, free_rounds=1, free_steps=2
+    )
     runs = {name: lm.Run(name, args, "cpu") for name in (lm.REFERENCE, "PredictiveScale")}
     with HostReadCounter() as reads:
         times = lm.free_running(runs, args, "cpu")

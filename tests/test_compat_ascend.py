@@ -41,8 +41,9 @@ def test_npu_optimizer_steps_and_skips_like_an_fp32_control_and_the_manager_foll
     model, data = model_and_data()
     control = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(control.parameters(), lr=0.1, momentum=0.9)
-    manager = ExponentialUpdateLossScaleManager(init_loss_scale=2.0**12, incr_every_n_steps=2,
-                                                decr_every_n_nan_or_inf=1, decr_ratio=0.5)
+    manager = ExponentialUpdateLossScaleManager(
+        init_loss_scale=2.0**12, incr_every_n_steps=2, decr_every_n_nan_or_inf=1, decr_ratio=0.5
+    )
     opt = NPULossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), manager)
     inject = {2, 3, 7}
     for i, (x, y) in enumerate(data):
@@ -68,8 +69,9 @@ def test_saturation_mode_catches_clamped_gradients_that_inf_nan_mode_misses():
     results = {}
     for mode in ("inf_nan", "saturation"):
         model, data = model_and_data(1)
-        opt = NPULossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), FixedLossScaleManager(1024),
-                                    overflow_mode=mode)
+        opt = NPULossScaleOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), FixedLossScaleManager(1024), overflow_mode=mode
+        )
         x, y = data[0]
         opt.backward(torch.nn.functional.mse_loss(model(x), y))
         model[0].weight.grad[0, 0] = 65504.0  # the scaled gradient clamped to float16's max: no inf on the device
@@ -80,8 +82,9 @@ def test_saturation_mode_catches_clamped_gradients_that_inf_nan_mode_misses():
 def test_is_distributed_needs_a_process_group():
     model, _ = model_and_data(1)
     with pytest.raises(ValueError, match=r"NPULossScaleOptimizer\(is_distributed=True\): .*init_process_group"):
-        NPULossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), FixedLossScaleManager(8),
-                              is_distributed=True)
+        NPULossScaleOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), FixedLossScaleManager(8), is_distributed=True
+        )
 
 
 def test_load_state_dict_restores_the_managers_scale():
@@ -113,26 +116,39 @@ def test_facades_are_not_exported_at_the_top():
 
 # --- issue 14: update_loss_scale(finite_grads) ------------------------------------------------------------
 
+
 def _manager():
-    return ExponentialUpdateLossScaleManager(init_loss_scale=1024, incr_every_n_steps=1, decr_every_n_nan_or_inf=1,
-                                             decr_ratio=0.5)
+    return ExponentialUpdateLossScaleManager(
+        init_loss_scale=1024, incr_every_n_steps=1, decr_every_n_nan_or_inf=1, decr_ratio=0.5
+    )
 
 
-@pytest.mark.parametrize("finite_grads, expected", [
-    (True, 2048.0), (False, 512.0),
-    (torch.tensor(True), 2048.0), (torch.tensor(False), 512.0), (torch.tensor([True]), 2048.0),
-    # an NPU float status: 0 means no overflow, anything else (or NaN) means overflow
-    (torch.tensor(0.0), 2048.0), (torch.tensor([0.0]), 2048.0), (torch.tensor(1.0), 512.0),
-    (torch.tensor(-3.0), 512.0), (torch.tensor(math.nan), 512.0), (torch.tensor(0.0, dtype=torch.float16), 2048.0),
-])
+@pytest.mark.parametrize(
+    "finite_grads, expected",
+    [
+        (True, 2048.0),
+        (False, 512.0),
+        (torch.tensor(True), 2048.0),
+        (torch.tensor(False), 512.0),
+        (torch.tensor([True]), 2048.0),
+        # an NPU float status: 0 means no overflow, anything else (or NaN) means overflow
+        (torch.tensor(0.0), 2048.0),
+        (torch.tensor([0.0]), 2048.0),
+        (torch.tensor(1.0), 512.0),
+        (torch.tensor(-3.0), 512.0),
+        (torch.tensor(math.nan), 512.0),
+        (torch.tensor(0.0, dtype=torch.float16), 2048.0),
+    ],
+)
 def test_update_loss_scale_reads_bools_and_float_statuses(finite_grads, expected):
     m = _manager()
     m.update_loss_scale(finite_grads)
     assert m.get_loss_scale().shape == () and float(m.get_loss_scale()) == expected
 
 
-@pytest.mark.parametrize("finite_grads", [torch.tensor([True, False]), torch.zeros(2), torch.zeros(0, dtype=torch.bool),
-                                          torch.zeros(8)])
+@pytest.mark.parametrize(
+    "finite_grads", [torch.tensor([True, False]), torch.zeros(2), torch.zeros(0, dtype=torch.bool), torch.zeros(8)]
+)
 def test_update_loss_scale_refuses_more_than_one_value(finite_grads):
     m = _manager()
     with pytest.raises(ValueError, match=r"update_loss_scale\(finite_grads=.*one value.*got shape"):

@@ -127,14 +127,26 @@ def test_apply_to_some_variables_and_learning_rate():
 
 
 def test_accepts_exactly_the_documented_base_arguments():
-    assert sorted(BASE_KWARGS) == sorted(["weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema",
-                                          "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
-                                          "gradient_accumulation_steps", "name"])
+    assert sorted(BASE_KWARGS) == sorted(
+        [
+            "weight_decay",
+            "clipnorm",
+            "clipvalue",
+            "global_clipnorm",
+            "use_ema",
+            "ema_momentum",
+            "ema_overwrite_frequency",
+            "loss_scale_factor",
+            "gradient_accumulation_steps",
+            "name",
+        ]
+    )
     with pytest.raises(TypeError, match=r"LossScaleOptimizer\(momentum=...\): unexpected keyword argument"):
         setup(momentum=0.9)
 
 
 # --- issue 14: Keras's (and R's) documented arguments ---------------------------------------------------
+
 
 def test_name_is_accepted_and_kept():
     _, opt = setup(name="lso")
@@ -150,9 +162,18 @@ def test_name_must_be_a_string(name):
 
 
 def test_r_null_defaults_mean_kerass_defaults():
-    _, opt = setup(use_ema=None, ema_momentum=None, ema_overwrite_frequency=None, weight_decay=None, clipnorm=None,
-                   clipvalue=None, global_clipnorm=None, loss_scale_factor=None, gradient_accumulation_steps=None,
-                   name=None)
+    _, opt = setup(
+        use_ema=None,
+        ema_momentum=None,
+        ema_overwrite_frequency=None,
+        weight_decay=None,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name=None,
+    )
     assert opt.use_ema is False and opt.ema is None and opt.ema_momentum == 0.99
     _, with_ema = setup(use_ema=True, ema_momentum=None)
     assert with_ema.ema_momentum == 0.99 and with_ema.ema.momentum == 0.99
@@ -166,11 +187,23 @@ def test_ema_momentum_one_keeps_the_first_applied_weights():
     assert v.detach().tolist() == [2.0] and opt.ema.shadow[0].tolist() == [0.5]
 
 
-@pytest.mark.parametrize("momentum, error", [(1.0000001, ValueError), (-0.1, ValueError), (math.nan, ValueError),
-                                             (math.inf, ValueError), (True, TypeError), ("0.9", TypeError)])
+@pytest.mark.parametrize(
+    "momentum, error",
+    [
+        (1.0000001, ValueError),
+        (-0.1, ValueError),
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        (True, TypeError),
+        ("0.9", TypeError),
+    ],
+)
 def test_ema_momentum_outside_zero_one_is_refused(momentum, error):
-    with pytest.raises(error, match=r"LossScaleOptimizer\(ema_momentum=.*ema_momentum must be None or a "
-                                    r"number in \[0, 1\]; got"):
+    with pytest.raises(
+        error,
+        match=r"LossScaleOptimizer\(ema_momentum=.*ema_momentum must be None or a "
+        r"number in \[0, 1\]; got",
+    ):
         setup(use_ema=True, ema_momentum=momentum)
 
 
@@ -184,8 +217,11 @@ def test_scale_loss_accepts_python_and_numpy_scalars(loss):
 @pytest.mark.parametrize("loss", ["2.0", None, True, [1.0]])
 def test_scale_loss_refuses_what_is_not_a_loss(loss):
     _, opt = setup()
-    with pytest.raises(TypeError, match=r"LossScaleOptimizer.scale_loss\(loss=.*loss must be a tensor or a real "
-                                        r"number; got"):
+    with pytest.raises(
+        TypeError,
+        match=r"LossScaleOptimizer.scale_loss\(loss=.*loss must be a tensor or a real "
+        r"number; got",
+    ):
         opt.scale_loss(loss)
 
 

@@ -68,8 +68,7 @@ def test_train_one_step_steps_on_clean_data_and_skips_on_overflow():
 
 def test_returned_loss_is_the_unscaled_network_output():
     network = WithLoss()
-    train = TrainOneStepWithLossScaleCell(network, torch.optim.SGD(network.parameters(), lr=0.0),
-                                          torch.tensor(1024.0))
+    train = TrainOneStepWithLossScaleCell(network, torch.optim.SGD(network.parameters(), lr=0.0), torch.tensor(1024.0))
     x, y = data(1)[0]
     loss, overflow, used = train(x, y)
     assert torch.equal(loss, network(x, y).detach()) and not bool(overflow) and float(used) == 1024.0
@@ -77,8 +76,9 @@ def test_returned_loss_is_the_unscaled_network_output():
 
 def test_tensor_scale_sense_is_fixed_and_set_sense_scale_changes_it():
     network = WithLoss()
-    train = TrainOneStepWithLossScaleCell(network, torch.optim.SGD(network.parameters(), lr=0.1),
-                                          torch.tensor([1024.0]))
+    train = TrainOneStepWithLossScaleCell(
+        network, torch.optim.SGD(network.parameters(), lr=0.1), torch.tensor([1024.0])
+    )
     x, y = data(1)[0]
     bad = x.clone()
     bad[0, 0] = math.nan
@@ -89,7 +89,7 @@ def test_tensor_scale_sense_is_fixed_and_set_sense_scale_changes_it():
     train.set_sense_scale(torch.tensor([8.0]))
     _, overflow, used = train(x, y)
     assert not bool(overflow) and float(used) == 8.0
-    with pytest.raises(TypeError, match="set_sense_scale.*sens must be a 1-element tensor"):
+    with pytest.raises(TypeError, match=r"set_sense_scale.*sens must be a 1-element tensor"):
         train.set_sense_scale(8.0)
 
 
@@ -137,8 +137,11 @@ def test_dynamic_manager_raises_after_a_thousand_overflows_in_a_row_and_grows_at
     m = DynamicLossScaleManager(init_loss_scale=2.0**4, scale_window=2000)
     for _ in range(1000):
         m.update_loss_scale(True)
-    with pytest.raises(RuntimeError, match=r"update_loss_scale\(overflow=True\): 1001 overflows in a row exceed "
-                                           r"MindSpore's limit of 1000"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"update_loss_scale\(overflow=True\): 1001 overflows in a row exceed "
+        r"MindSpore's limit of 1000",
+    ):
         m.update_loss_scale(True)
     assert m.get_loss_scale() == 1.0
     m.update_loss_scale(False)  # MindSpore did not advance its step counter: the growth test passes at once
@@ -157,8 +160,9 @@ def test_fixed_manager():
 def test_train_one_step_with_a_managers_update_cell():
     network = WithLoss()
     manager = DynamicLossScaleManager(init_loss_scale=2.0**8, scale_window=1)
-    train = TrainOneStepWithLossScaleCell(network, torch.optim.SGD(network.parameters(), lr=0.01),
-                                          manager.get_update_cell())
+    train = TrainOneStepWithLossScaleCell(
+        network, torch.optim.SGD(network.parameters(), lr=0.01), manager.get_update_cell()
+    )
     x, y = data(1)[0]
     train(x, y)
     assert float(train.scale_sense) == 512.0
@@ -166,14 +170,18 @@ def test_train_one_step_with_a_managers_update_cell():
 
 # --- issue 14: the update cell's loss_scale is MindSpore's float32 Parameter -------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float16, torch.float64, torch.bfloat16, torch.bool])
 def test_update_cell_refuses_a_loss_scale_that_is_not_float32(dtype):
     cell = DynamicLossScaleUpdateCell(loss_scale_value=3, scale_factor=3, scale_window=2)
     loss_scale = torch.tensor(3, dtype=dtype) if dtype != torch.bool else torch.tensor(True)
     before = loss_scale.clone()
     counters = cell.scale_state
-    with pytest.raises(TypeError, match=rf"DynamicLossScaleUpdateCell\(loss_scale, overflow\): loss_scale must "
-                                        rf"be a float32 tensor.*got {dtype}"):
+    with pytest.raises(
+        TypeError,
+        match=rf"DynamicLossScaleUpdateCell\(loss_scale, overflow\): loss_scale must "
+        rf"be a float32 tensor.*got {dtype}",
+    ):
         cell(loss_scale, torch.tensor(True))
     assert torch.equal(loss_scale, before) and cell.scale_state is counters
 

@@ -39,8 +39,14 @@ def test_accum_grad_4_equals_one_large_batch():
         k = next(it) % 4
         current["x"], current["y"] = xs[k], ys[k]
 
-    updater = DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=2.0**-10), lambda: sum_loss(
-        model, current["x"], current["y"]), data_feeder=feeder, scale=2.0**6, accum_grad=4, N=1)
+    updater = DynamicLossScalingUpdater(
+        torch.optim.SGD(model.parameters(), lr=2.0**-10),
+        lambda: sum_loss(model, current["x"], current["y"]),
+        data_feeder=feeder,
+        scale=2.0**6,
+        accum_grad=4,
+        N=1,
+    )
     ref_opt = torch.optim.SGD(big.parameters(), lr=2.0**-10)
     for _ in range(3):
         updater.update()
@@ -61,9 +67,12 @@ def test_overflow_halves_and_reruns_the_whole_step_on_the_next_batch():
         fed.append(next(batches))
 
     x = torch.ones(1, 5)
-    updater = DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        lambda: sum_loss(model, x * fed[-1], torch.zeros(1, 2)),
-                                        data_feeder=feeder, scale=64.0)
+    updater = DynamicLossScalingUpdater(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda: sum_loss(model, x * fed[-1], torch.zeros(1, 2)),
+        data_feeder=feeder,
+        scale=64.0,
+    )
     before = [p.detach().clone() for p in model.parameters()]
     updater.update()
     assert fed == [math.inf, math.inf, 1.0]  # two overflowing attempts, then the step on fresh data
@@ -75,9 +84,12 @@ def test_overflow_halves_and_reruns_the_whole_step_on_the_next_batch():
 def test_gives_up_silently_after_a_hundred_retries():
     model = linear()
     calls = []
-    updater = DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        lambda: sum_loss(model, torch.full((1, 5), math.inf), torch.zeros(1, 2)),
-                                        data_feeder=lambda: calls.append(1), scale=2.0**120)
+    updater = DynamicLossScalingUpdater(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda: sum_loss(model, torch.full((1, 5), math.inf), torch.zeros(1, 2)),
+        data_feeder=lambda: calls.append(1),
+        scale=2.0**120,
+    )
     before = [p.detach().clone() for p in model.parameters()]
     updater.update()  # returns without raising
     assert len(calls) == MAX_RETRIES + 1 == 101
@@ -88,8 +100,12 @@ def test_gives_up_silently_after_a_hundred_retries():
 def test_weight_decay_is_nnablas_l2_on_the_unscaled_gradients():
     xs, ys = integer_data(1)
     model, ref = linear(), linear()
-    updater = DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=2.0**-8, momentum=0.5),
-                                        lambda: sum_loss(model, xs[0], ys[0]), scale=2.0**10, weight_decay=2.0**-4)
+    updater = DynamicLossScalingUpdater(
+        torch.optim.SGD(model.parameters(), lr=2.0**-8, momentum=0.5),
+        lambda: sum_loss(model, xs[0], ys[0]),
+        scale=2.0**10,
+        weight_decay=2.0**-4,
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=2.0**-8, momentum=0.5, weight_decay=2.0**-4)  # torch's is L2 too
     for _ in range(3):
         updater.update()
@@ -113,8 +129,13 @@ def test_comm_sums_the_listed_gradients_before_the_overflow_check(monkeypatch):
     model = linear()
     group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)  # one rank, never initialized
     x, y = torch.ones(1, 5), torch.zeros(1, 2)
-    updater = DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.0), lambda: sum_loss(model, x, y),
-                                        scale=8.0, comm=group, grads=[model.weight])
+    updater = DynamicLossScalingUpdater(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        lambda: sum_loss(model, x, y),
+        scale=8.0,
+        comm=group,
+        grads=[model.weight],
+    )
     updater.update()
     assert len(calls) == 2 and all(c[0] is group for c in calls)  # the first attempt overflowed through the sum
     assert updater.scale == 4.0
@@ -123,8 +144,9 @@ def test_comm_sums_the_listed_gradients_before_the_overflow_check(monkeypatch):
 
 def test_scale_attribute_reads_and_assigns():
     model = linear()
-    updater = DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        lambda: model(torch.ones(1, 5)).sum())
+    updater = DynamicLossScalingUpdater(
+        torch.optim.SGD(model.parameters(), lr=0.1), lambda: model(torch.ones(1, 5)).sum()
+    )
     assert updater.scale == 8.0
     updater.scale = 1024.0
     assert updater.scale == 1024.0 and float(updater.scale_state.scale) == 1024.0
@@ -137,6 +159,7 @@ def test_rejects_non_callables():
 
 # --- issue 14: facade defects found porting nnabla's examples -------------------------------------------
 
+
 def test_weight_decay_is_added_after_the_overflow_check():
     # nnabla checks the scaled gradients, unscales, then adds weight_decay * param. Adding it to the scaled
     # gradients first (2**14 * 2**120 = 2**134 > float32 max) reads as an overflow nnabla never sees.
@@ -144,8 +167,13 @@ def test_weight_decay_is_added_after_the_overflow_check():
     ref = torch.nn.Parameter(w.detach().clone())
     x = torch.tensor([1.0, -2.0])
     attempts = []
-    updater = DynamicLossScalingUpdater(torch.optim.SGD([w], lr=2.0**-10), lambda: (w * x).sum(),
-                                        data_feeder=lambda: attempts.append(1), scale=2.0**14, weight_decay=1.0)
+    updater = DynamicLossScalingUpdater(
+        torch.optim.SGD([w], lr=2.0**-10),
+        lambda: (w * x).sum(),
+        data_feeder=lambda: attempts.append(1),
+        scale=2.0**14,
+        weight_decay=1.0,
+    )
     updater.update()
     ref_opt = torch.optim.SGD([ref], lr=2.0**-10, weight_decay=1.0)
     (ref * x).sum().backward()
@@ -168,14 +196,14 @@ def test_weight_decay_leaves_the_solver_unhooked_between_updates():
 def test_weight_decay_refuses_the_fused_skip_mode():
     w = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match=r"weight_decay=0.1.*skip_mode='fused'"):
-        DynamicLossScalingUpdater(torch.optim.SGD([w], lr=0.5), lambda: w.sum(), weight_decay=0.1,
-                                  skip_mode="fused")
+        DynamicLossScalingUpdater(torch.optim.SGD([w], lr=0.5), lambda: w.sum(), weight_decay=0.1, skip_mode="fused")
 
 
 def test_grads_none_means_no_gradients_to_all_reduce():
     model = linear()
-    updater = DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        lambda: model(torch.ones(1, 5)).sum(), grads=None)
+    updater = DynamicLossScalingUpdater(
+        torch.optim.SGD(model.parameters(), lr=0.1), lambda: model(torch.ones(1, 5)).sum(), grads=None
+    )
     before = model.weight.detach().clone()
     updater.update()
     assert updater.grads == [] and not torch.equal(model.weight, before)
@@ -185,13 +213,13 @@ def test_grads_none_means_no_gradients_to_all_reduce():
 def test_comm_must_be_a_process_group(comm):
     model = linear()
     with pytest.raises(TypeError, match=r"DynamicLossScalingUpdater\(comm=.*ProcessGroup.*got"):
-        DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.1), lambda: model.weight.sum(),
-                                  comm=comm, grads=[model.weight])
+        DynamicLossScalingUpdater(
+            torch.optim.SGD(model.parameters(), lr=0.1), lambda: model.weight.sum(), comm=comm, grads=[model.weight]
+        )
 
 
 def test_comm_without_grads_is_refused():
     model = linear()
     group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
     with pytest.raises(ValueError, match=r"DynamicLossScalingUpdater\(comm=.*grads=\[\]\)"):
-        DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.1), lambda: model.weight.sum(),
-                                  comm=group)
+        DynamicLossScalingUpdater(torch.optim.SGD(model.parameters(), lr=0.1), lambda: model.weight.sum(), comm=group)

@@ -79,19 +79,23 @@ def test_loss_normalizer_leaves_float32_training_unchanged():
     plain, divided = train_run("fp32", plain_cfg, corpus), train_run("fp32", TINY, corpus)
     assert divided["curves"]["train_loss"] == pytest.approx(plain["curves"]["train_loss"], rel=1e-5)
     assert [v for _, v in divided["curves"]["heldout_loss"]] == pytest.approx(
-        [v for _, v in plain["curves"]["heldout_loss"]], rel=1e-5)
+        [v for _, v in plain["curves"]["heldout_loss"]], rel=1e-5
+    )
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--runs", "fp32,fp8"], "argument --runs: got 'fp32,fp8'; name runs once each, from fp32, fp16-noscale,"),
-    (["--steps", "0"], "argument --steps: must be an integer >= 1; got '0'"),
-    (["--jobs", "two"], "argument --jobs: must be an integer >= 1; got 'two'"),
-    (["--d-model", "9"], "argument --d-model: must be a multiple of the 2 heads; got 9"),
-    (["--device", "nonsense"], "argument --device: 'nonsense' is not usable here"),
-    (["--out", "FILE/sub"], "argument --out: cannot make directory '"),
-    (["--context", "100000000"], "too few characters for --context 100000000; read more --files"),
-    (["--bogus"], "unrecognized arguments: --bogus"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--runs", "fp32,fp8"], "argument --runs: got 'fp32,fp8'; name runs once each, from fp32, fp16-noscale,"),
+        (["--steps", "0"], "argument --steps: must be an integer >= 1; got '0'"),
+        (["--jobs", "two"], "argument --jobs: must be an integer >= 1; got 'two'"),
+        (["--d-model", "9"], "argument --d-model: must be a multiple of the 2 heads; got 9"),
+        (["--device", "nonsense"], "argument --device: 'nonsense' is not usable here"),
+        (["--out", "FILE/sub"], "argument --out: cannot make directory '"),
+        (["--context", "100000000"], "too few characters for --context 100000000; read more --files"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     (tmp_path / "FILE").write_text("")
     args = [a.replace("FILE", str(tmp_path / "FILE")) for a in args]
@@ -99,7 +103,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
         cli.main(["--out", str(tmp_path / "out"), *args])
     captured = capsys.readouterr()
     assert exited.value.code == 2 and captured.out == ""
-    assert captured.err.count("\n") == 1 and captured.err.startswith("lossscale demo: error: ") and message in captured.err
+    assert (
+        captured.err.count("\n") == 1 and captured.err.startswith("lossscale demo: error: ") and message in captured.err
+    )
 
 
 def test_missing_matplotlib_or_tqdm_is_one_error_naming_the_extra(monkeypatch):
@@ -125,6 +131,8 @@ def test_docs_state_the_sizes_of_the_quick_and_the_default_run():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "demo.md").read_text()
     for flag, cfg in (("`--quick`", QUICK), ("default", DEFAULT)):
         per_step = cfg.accumulation * cfg.sequences * cfg.context
-        line = (f"- {flag}: {cfg.steps} updates x {cfg.accumulation} micro-batches x {cfg.sequences} sequences x "
-                f"{cfg.context} characters ({per_step:,} characters per step)")
+        line = (
+            f"- {flag}: {cfg.steps} updates x {cfg.accumulation} micro-batches x {cfg.sequences} sequences x "
+            f"{cfg.context} characters ({per_step:,} characters per step)"
+        )
         assert line in " ".join(docs.split()), line

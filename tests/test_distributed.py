@@ -51,8 +51,9 @@ def example_script() -> str:
 def torchrun_example(request, tmp_path_factory):
     """The docs' example under ``torchrun --standalone --nproc_per_node=2``, started when the module starts (when
     its test is selected) so that its three processes import torch while the other tests run; killed if unread."""
-    if not any(item.name == DOCS_TEST and getattr(item, "module", None) is request.module
-               for item in request.session.items):
+    if not any(
+        item.name == DOCS_TEST and getattr(item, "module", None) is request.module for item in request.session.items
+    ):
         yield None
         return
     where = tmp_path_factory.mktemp("torchrun")
@@ -61,8 +62,9 @@ def torchrun_example(request, tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     # its own session: the launcher and its two workers can be stopped together
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=where,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=where, start_new_session=True
+    )
     try:
         yield cmd, proc
     finally:
@@ -91,6 +93,7 @@ def same_everywhere(results, key):
 
 
 # --- multi-process ---------------------------------------------------------------------------------
+
 
 @pytest.mark.distributed
 def test_helpers_on_two_ranks(ranks):
@@ -125,8 +128,12 @@ def test_scaler_without_ddp_skips_on_every_rank_when_one_overflows(ranks, opt_na
         assert out["host_reads"] == [0 if opt_name.startswith("fused") else 1] * 8
 
 
-DDP_CASES = [("fused_adamw", "auto", "norm"), ("sgd", "host", None), ("adam", "masked", "value"),
-             ("adamw", "host", "per_param")]
+DDP_CASES = [
+    ("fused_adamw", "auto", "norm"),
+    ("sgd", "host", None),
+    ("adam", "masked", "value"),
+    ("adamw", "host", "per_param"),
+]
 
 
 @pytest.mark.distributed
@@ -181,7 +188,9 @@ def test_per_layer_scales_refuse_ranks_that_ran_different_units_in_the_first_ste
     for result in ranks.run("layerwise_uneven"):
         assert result["error"] is not None and re.search(
             r"the ranks ran different units \(1 ran on some ranks only: 'extra'\).*mixture-of-experts layer\) one "
-            r"unit", result["error"]), result["error"]
+            r"unit",
+            result["error"],
+        ), result["error"]
 
 
 def test_accumulation_on_two_ranks_equals_one_process_on_the_concatenated_batch(ranks):
@@ -201,8 +210,9 @@ def test_accumulation_on_two_ranks_equals_one_process_on_the_concatenated_batch(
 
 @pytest.mark.distributed
 @FSDP2_ON_CPU
-@pytest.mark.parametrize("kind", ["lso_fused", "lso_host", "lso_saturation", "lso_per_param", "lso_masked",
-                                  "scaler_fused"])
+@pytest.mark.parametrize(
+    "kind", ["lso_fused", "lso_host", "lso_saturation", "lso_per_param", "lso_masked", "scaler_fused"]
+)
 def test_fsdp2_every_rank_skips_and_clips_by_the_global_norm(ranks, kind):
     results = ranks.run("fsdp2", kind)
     same_everywhere(results, "params")
@@ -252,6 +262,7 @@ def test_docs_example_runs_under_torchrun(torchrun_example):
 
 
 # --- one process -----------------------------------------------------------------------------------
+
 
 def test_outside_torch_distributed_the_helpers_are_local():
     assert not dist.is_initialized()

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+
 import pytest
 import torch
 
-from _doc_blocks import KINDS, ROOT, python_blocks, promises, same_output
+from _doc_blocks import KINDS, ROOT, promises, python_blocks, same_output
 
 #: Pages being written or rewritten elsewhere; each comes off this list once its blocks are marked.
 NOT_YET = {
     "docs/architecture.md": "being rewritten",
 }
-PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")
-                               if str(p.relative_to(ROOT)) not in NOT_YET)
+PAGES = ["README.md"] + sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md") if str(p.relative_to(ROOT)) not in NOT_YET
+)
 RUNNABLE_PAGES = [page for page in PAGES if any(b.mark == "runnable" for b in python_blocks(page))]
 
 
@@ -26,7 +28,9 @@ def test_every_python_block_is_marked_and_an_excerpt_still_parses(page):
     for block in python_blocks(page):
         assert block.mark in KINDS, (
             f"{block.where}: a ```python block needs a mark on the line before its fence, one of "
-            + ", ".join(f"<!-- {k} -->" for k in KINDS) + f" (tests/_doc_blocks.py); got {block.mark!r}")
+            + ", ".join(f"<!-- {k} -->" for k in KINDS)
+            + f" (tests/_doc_blocks.py); got {block.mark!r}"
+        )
         if block.mark == "excerpt":
             compile(block.code, block.where, "exec")  # pasted, it is at least Python
         if block.mark == "example":
@@ -44,15 +48,15 @@ def test_runnable_blocks_run_on_cpu_and_print_what_the_page_says(page, tmp_path,
             continue
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            exec(compile(block.code, block.where, "exec"), namespace)  # noqa: S102 - the docs are ours
+            exec(compile(block.code, block.where, "exec"), namespace)
         printed = out.getvalue()
         if block.output is not None:
             assert same_output(printed, block.output), (
-                f"{block.where}: printed\n{printed}\nthe page shows\n{block.output}")
+                f"{block.where}: printed\n{printed}\nthe page shows\n{block.output}"
+            )
         promised = promises(block.code)
         if promised:
             lines = printed.splitlines()
             assert len(lines) == len(promised), (block.where, lines, promised)
             for text, got in zip(promised, lines):
                 assert got.startswith(text), f"{block.where}: printed {got!r}, the comment says {text!r}"
-

@@ -19,11 +19,13 @@ SKIPPED = ("lossscale.demo", "lossscale.integrations", "lossscale.__main__", "lo
 
 
 def modules_with_examples() -> list[str]:
-    names = [m.name for m in pkgutil.walk_packages(lossscale.__path__, "lossscale.")
-             if not m.name.startswith(SKIPPED)]
+    names = [m.name for m in pkgutil.walk_packages(lossscale.__path__, "lossscale.") if not m.name.startswith(SKIPPED)]
     finder = doctest.DocTestFinder()
-    return sorted(name for name in ["lossscale", *names]
-                  if any(test.examples for test in finder.find(importlib.import_module(name))))
+    return sorted(
+        name
+        for name in ["lossscale", *names]
+        if any(test.examples for test in finder.find(importlib.import_module(name)))
+    )
 
 
 MODULES = modules_with_examples()
@@ -32,7 +34,8 @@ MODULES = modules_with_examples()
 def test_the_documented_modules_have_examples():
     """A guard against a walk that finds nothing: the policies, the owner and the facades show examples."""
     assert {"lossscale.policies.dynamic", "lossscale.state", "lossscale.validation", "lossscale.compat.ascend"} <= set(
-        MODULES)
+        MODULES
+    )
 
 
 @pytest.mark.parametrize("name", MODULES)

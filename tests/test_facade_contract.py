@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -22,8 +23,25 @@ import torch
 from lossscale import HostReadCounter
 from lossscale.compat import ascend, keras, mindspore, nnabla
 
-PATTERN = [False, True, False, False, True, True, False, False, False, True, False, False, False, False, True,
-           False, False]
+PATTERN = [
+    False,
+    True,
+    False,
+    False,
+    True,
+    True,
+    False,
+    False,
+    False,
+    True,
+    False,
+    False,
+    False,
+    False,
+    True,
+    False,
+    False,
+]
 SPLIT = 7  # where the checkpoint is taken
 
 
@@ -59,7 +77,7 @@ def _npu_step(opt, overflow):
 
 
 def _keras():
-    w, x, sgd = _weight()
+    _w, x, sgd = _weight()
     opt = keras.LossScaleOptimizer(sgd, initial_scale=2.0**10, dynamic_growth_steps=2)
     opt.test_input = x
     return opt
@@ -67,8 +85,9 @@ def _keras():
 
 def _train_cell():
     w, x, sgd = _weight()
-    train = mindspore.TrainOneStepWithLossScaleCell(lambda x: (w * x).sum(), sgd,
-                                                    mindspore.DynamicLossScaleUpdateCell(2.0**10, 2, 2))
+    train = mindspore.TrainOneStepWithLossScaleCell(
+        lambda x: (w * x).sum(), sgd, mindspore.DynamicLossScaleUpdateCell(2.0**10, 2, 2)
+    )
     train.test_input = x
     return train
 
@@ -95,26 +114,53 @@ def _cell_step(cell, overflow):
 
 
 SUBJECTS = [
-    Subject("ascend.ExponentialUpdateLossScaleManager", True,
-            lambda: ascend.ExponentialUpdateLossScaleManager(2.0**10, 2),
-            lambda m, o: m.update_loss_scale(torch.tensor(not o))),
-    Subject("ascend.FixedLossScaleManager", True, lambda: ascend.FixedLossScaleManager(128.0),
-            lambda m, o: m.update_loss_scale(not o)),
-    Subject("mindspore.DynamicLossScaleUpdateCell", True, lambda: mindspore.DynamicLossScaleUpdateCell(2.0**10, 2, 2),
-            _cell_step),
-    Subject("mindspore.FixedLossScaleUpdateCell", True, lambda: mindspore.FixedLossScaleUpdateCell(128.0),
-            _cell_step),
-    Subject("mindspore.DynamicLossScaleManager", True, lambda: mindspore.DynamicLossScaleManager(2.0**10, 2, 2),
-            lambda m, o: m.update_loss_scale(o)),
-    Subject("mindspore.FixedLossScaleManager", True, lambda: mindspore.FixedLossScaleManager(),
-            lambda m, o: m.update_loss_scale(o)),
+    Subject(
+        "ascend.ExponentialUpdateLossScaleManager",
+        True,
+        lambda: ascend.ExponentialUpdateLossScaleManager(2.0**10, 2),
+        lambda m, o: m.update_loss_scale(torch.tensor(not o)),
+    ),
+    Subject(
+        "ascend.FixedLossScaleManager",
+        True,
+        lambda: ascend.FixedLossScaleManager(128.0),
+        lambda m, o: m.update_loss_scale(not o),
+    ),
+    Subject(
+        "mindspore.DynamicLossScaleUpdateCell",
+        True,
+        lambda: mindspore.DynamicLossScaleUpdateCell(2.0**10, 2, 2),
+        _cell_step,
+    ),
+    Subject("mindspore.FixedLossScaleUpdateCell", True, lambda: mindspore.FixedLossScaleUpdateCell(128.0), _cell_step),
+    Subject(
+        "mindspore.DynamicLossScaleManager",
+        True,
+        lambda: mindspore.DynamicLossScaleManager(2.0**10, 2, 2),
+        lambda m, o: m.update_loss_scale(o),
+    ),
+    Subject(
+        "mindspore.FixedLossScaleManager",
+        True,
+        lambda: mindspore.FixedLossScaleManager(),
+        lambda m, o: m.update_loss_scale(o),
+    ),
     Subject("ascend.NPULossScaleOptimizer", False, _npu, _npu_step),
-    Subject("keras.LossScaleOptimizer", False, _keras,
-            lambda opt, o: opt.apply([opt.scale_loss(opt.test_input.fill_(math.inf if o else 1.0))])),
-    Subject("mindspore.TrainOneStepWithLossScaleCell", False, _train_cell,
-            lambda t, o: t(t.test_input.fill_(math.inf if o else 1.0))),
-    Subject("nnabla.DynamicLossScalingUpdater", False, _nnabla, _nnabla_step,
-            reads=lambda overflow: 2 if overflow else 1),  # the retry decides on the host, once per attempt
+    Subject(
+        "keras.LossScaleOptimizer",
+        False,
+        _keras,
+        lambda opt, o: opt.apply([opt.scale_loss(opt.test_input.fill_(math.inf if o else 1.0))]),
+    ),
+    Subject(
+        "mindspore.TrainOneStepWithLossScaleCell",
+        False,
+        _train_cell,
+        lambda t, o: t(t.test_input.fill_(math.inf if o else 1.0)),
+    ),
+    Subject(
+        "nnabla.DynamicLossScalingUpdater", False, _nnabla, _nnabla_step, reads=lambda overflow: 2 if overflow else 1
+    ),  # the retry decides on the host, once per attempt
 ]
 
 
@@ -136,7 +182,11 @@ def test_every_facade_class_is_under_contract():
     for module in (ascend, mindspore, nnabla, keras):
         for name in module.__all__:
             obj = getattr(module, name)
-            if isinstance(obj, type) and name not in ("ExperimentalConfig", "TellMeStepOrLossHook", "KerasArguments"):  # no scale
+            if isinstance(obj, type) and name not in (
+                "ExperimentalConfig",
+                "TellMeStepOrLossHook",
+                "KerasArguments",
+            ):  # no scale
                 assert f"{module.__name__.split('.')[-1]}.{name}" in named, name
 
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from lossscale import presets
-from lossscale.validation import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
 from lossscale.policies.base import ScaleState
+from lossscale.validation import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
 from oracles import DynamicOracle, f32
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -34,8 +34,15 @@ import golden_data  # noqa: E402
 
 #: The preset each recorded peer is replayed against.
 PRESET_OF = {
-    "keras": "keras", "tf_keras2": "tf_keras2", "tf_v1": "tf_v1", "mindspore": "mindspore", "nnabla": "nnabla",
-    "tf1_contrib": "ascend", "deepspeed": "deepspeed", "megatron": "megatron", "paddle": "paddle",
+    "keras": "keras",
+    "tf_keras2": "tf_keras2",
+    "tf_v1": "tf_v1",
+    "mindspore": "mindspore",
+    "nnabla": "nnabla",
+    "tf1_contrib": "ascend",
+    "deepspeed": "deepspeed",
+    "megatron": "megatron",
+    "paddle": "paddle",
 }
 #: Recorder config keys that are the preset's argument under another name, and keys that are not arguments.
 CONFIG_ALIASES = {"loss_scale_value": "init_loss_scale"}
@@ -49,8 +56,12 @@ DOCS = {peer: golden_data.load(peer) for peer in golden_data.peers()}
 
 
 def _params(key: str = "cases", peers=None):
-    return [pytest.param(peer, case, id=f"{peer}/{case['name']}")
-            for peer, doc in DOCS.items() if peers is None or peer in peers for case in doc.get(key, [])]
+    return [
+        pytest.param(peer, case, id=f"{peer}/{case['name']}")
+        for peer, doc in DOCS.items()
+        if peers is None or peer in peers
+        for case in doc.get(key, [])
+    ]
 
 
 def preset_for(peer: str, config: dict):
@@ -101,10 +112,13 @@ def oracle_chain(policy, overflow: list[bool]) -> tuple[ScaleState, ScaleState]:
         oracle.step(o)
     rows.append((oracle.scale, oracle.tracker, oracle.left, oracle.floor_hits))
     cols = list(zip(*rows))
-    full = ScaleState(torch.tensor(cols[0], dtype=torch.float32),
-                      *(torch.tensor(c, dtype=torch.int32) for c in cols[1:]))
-    return (ScaleState(*(getattr(full, f.name)[:-1] for f in dataclasses.fields(full))),
-            ScaleState(*(getattr(full, f.name)[1:] for f in dataclasses.fields(full))))
+    full = ScaleState(
+        torch.tensor(cols[0], dtype=torch.float32), *(torch.tensor(c, dtype=torch.int32) for c in cols[1:])
+    )
+    return (
+        ScaleState(*(getattr(full, f.name)[:-1] for f in dataclasses.fields(full))),
+        ScaleState(*(getattr(full, f.name)[1:] for f in dataclasses.fields(full))),
+    )
 
 
 def replay_batched(policy, overflow: list[bool]) -> tuple[list, list, list]:
@@ -117,7 +131,8 @@ def replay_batched(policy, overflow: list[bool]) -> tuple[list, list, list]:
     for f in dataclasses.fields(ours):
         got, want = getattr(ours, f.name), getattr(proposed, f.name)
         assert got.dtype == want.dtype and torch.equal(got, want), (
-            f"{f.name} differs from the chained state at step {int((got != want).nonzero()[0])}")
+            f"{f.name} differs from the chained state at step {int((got != want).nonzero()[0])}"
+        )
     raised = (ours.floor_hits > start.floor_hits).tolist()
     return start.scale.tolist(), ours.scale.tolist(), raised
 
@@ -203,11 +218,12 @@ def drive_train_one_step(case, steps):
     from lossscale.compat.mindspore import DynamicLossScaleUpdateCell, TrainOneStepWithLossScaleCell
 
     w, x, _ = _linear(1.0)
-    train = TrainOneStepWithLossScaleCell(lambda x: (w * x).sum(), torch.optim.SGD([w], lr=1e-3),
-                                          DynamicLossScaleUpdateCell(**case["config"]))
+    train = TrainOneStepWithLossScaleCell(
+        lambda x: (w * x).sum(), torch.optim.SGD([w], lr=1e-3), DynamicLossScaleUpdateCell(**case["config"])
+    )
     before, after = [], []
     for o in case["overflow"][:steps]:
-        loss, overflow, used = train(x.fill_(math.inf if o else 1.0))
+        _loss, overflow, used = train(x.fill_(math.inf if o else 1.0))
         assert bool(overflow) == o
         before.append(float(used))
         after.append(float(train.scale_sense))
@@ -232,17 +248,42 @@ def drive_keras(case, steps):
 
 #: peer -> (driver, {case name: steps to run, None for all}); a name missing from the recording fails.
 FACADES = {
-    "tf1_contrib": [(drive_npu_optimizer, {"bursts-w3_n3": None, "random_p0.5-w2_r3_half": None,
-                                           "cap-init2p120_w2": 60})],
+    "tf1_contrib": [
+        (drive_npu_optimizer, {"bursts-w3_n3": None, "random_p0.5-w2_r3_half": None, "cap-init2p120_w2": 60})
+    ],
     "mindspore": [
-        (drive_mindspore_cell, {c: FACADE_STEPS for c in ("bursts-w1", "bursts-w2", "bursts-w3", "bursts-w5",
-                                                          "bursts-w3_f3", "random_p0.5-default", "random_p0.5-w3_f3",
-                                                          "cap-init2p120_w2", "after_inf_recover-init2p120_w2")}
-         | {"all_overflow-default": None}),
+        (
+            drive_mindspore_cell,
+            dict.fromkeys(
+                (
+                    "bursts-w1",
+                    "bursts-w2",
+                    "bursts-w3",
+                    "bursts-w5",
+                    "bursts-w3_f3",
+                    "random_p0.5-default",
+                    "random_p0.5-w3_f3",
+                    "cap-init2p120_w2",
+                    "after_inf_recover-init2p120_w2",
+                ),
+                FACADE_STEPS,
+            )
+            | {"all_overflow-default": None},
+        ),
         (drive_train_one_step, {"bursts-w2": None, "random_p0.5-w3_f3": FACADE_STEPS, "cap-init2p120_w2": 60}),
     ],
-    "keras": [(drive_keras, {"bursts-w3": None, "random_p0.5-w1": FACADE_STEPS, "all_overflow-default": 160,
-                             "cap-init2p120_w2": 60, "after_inf_recover-init2p120_w2": None})],
+    "keras": [
+        (
+            drive_keras,
+            {
+                "bursts-w3": None,
+                "random_p0.5-w1": FACADE_STEPS,
+                "all_overflow-default": 160,
+                "cap-init2p120_w2": 60,
+                "after_inf_recover-init2p120_w2": None,
+            },
+        )
+    ],
 }
 
 
@@ -302,8 +343,14 @@ def test_mindspore_manager_replays_recorded_trajectory(peer, case):
     assert raised == case.get("raised", [False] * len(case["overflow"]))[:steps]
 
 
-@pytest.mark.parametrize("peer,case", [p for p in _params(peers={"nnabla"}) if p.values[1]["name"] in
-                                       ("bursts-N1", "random_p0.5-N3_f3", "cap-init2p120_N2", "retry_limit-N3")])
+@pytest.mark.parametrize(
+    "peer,case",
+    [
+        p
+        for p in _params(peers={"nnabla"})
+        if p.values[1]["name"] in ("bursts-N1", "random_p0.5-N3_f3", "cap-init2p120_N2", "retry_limit-N3")
+    ],
+)
 def test_nnabla_updater_replays_recorded_attempts(peer, case):
     """One ``update()`` call re-runs until a clean attempt (at most 101 attempts), as recorded per attempt."""
     from lossscale.compat.nnabla import DynamicLossScalingUpdater

@@ -22,9 +22,14 @@ def capture(monkeypatch):
         monkeypatch.setattr(module, "capturing", lambda tensor: True)
 
 
-@pytest.mark.parametrize("policy", [DynamicScale(init_scale=1024.0, growth_interval=2),
-                                    DynamicScale(init_scale=1024.0, growth_interval=2, hysteresis=2),
-                                    PredictiveScale(init_scale=1024.0)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        DynamicScale(init_scale=1024.0, growth_interval=2),
+        DynamicScale(init_scale=1024.0, growth_interval=2, hysteresis=2),
+        PredictiveScale(init_scale=1024.0),
+    ],
+)
 def test_under_capture_the_state_advances_in_its_own_tensors_as_it_would_replaced(capture, policy):
     flags = [True, False, False, True, True, False, False, False]
     reference = LossScale(policy)
@@ -51,8 +56,9 @@ def test_outside_capture_the_tensors_read_before_an_update_keep_their_values():
 
 def test_under_capture_a_step_result_holds_the_scale_its_step_used(capture):
     params = [torch.nn.Parameter(torch.ones(4))]
-    opt = LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-3, fused=True),
-                             policy=DynamicScale(init_scale=1024.0), clip_grad_norm=1.0)
+    opt = LossScaleOptimizer(
+        torch.optim.AdamW(params, lr=1e-3, fused=True), policy=DynamicScale(init_scale=1024.0), clip_grad_norm=1.0
+    )
     params[0].grad = torch.full((4,), float("inf"))
     result = opt.step()
     assert (bool(result.stepped), float(result.scale), float(result.next_scale)) == (False, 1024.0, 512.0)

@@ -17,7 +17,7 @@ import lossscale.ops.gather
 from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from _host_ops import dispatched_ops, growth_per_tensor, host_ops, kernel_tensors  # noqa: E402
+from _host_ops import dispatched_ops, growth_per_tensor, host_ops, kernel_tensors
 
 SMALL, LARGE = 10, 200
 OPTIMIZERS = {
@@ -37,12 +37,17 @@ def _counted(contender: str, opt_name: str, n: int, clip: bool, skip_mode: str =
     if contender == "bare":
         run = opt.step
     elif contender.startswith("LossScaleOptimizer"):
-        run = LossScaleOptimizer(opt, policy=DynamicScale(init_scale=256.0, growth_interval=10**9),
-                                 clip_grad_norm=1.0 if clip else None, skip_mode=skip_mode,
-                                 flat_grads=contender.endswith("flat")).step
+        run = LossScaleOptimizer(
+            opt,
+            policy=DynamicScale(init_scale=256.0, growth_interval=10**9),
+            clip_grad_norm=1.0 if clip else None,
+            skip_mode=skip_mode,
+            flat_grads=contender.endswith("flat"),
+        ).step
     else:
-        scaler = (torch.amp.GradScaler if contender == "torch" else GradScaler)("cpu", init_scale=256.0,
-                                                                                growth_interval=10**9)
+        scaler = (torch.amp.GradScaler if contender == "torch" else GradScaler)(
+            "cpu", init_scale=256.0, growth_interval=10**9
+        )
         scaler.scale(torch.ones(()))
 
         def run():
@@ -66,12 +71,23 @@ def _counted(contender: str, opt_name: str, n: int, clip: bool, skip_mode: str =
     return count(run)
 
 
-def _extra_growth(contender: str, opt_name: str, clip: bool, skip_mode: str = "auto",
-                  sizes: tuple[int, int] = (SMALL, LARGE), count=host_ops) -> dict[str, float]:
+def _extra_growth(
+    contender: str,
+    opt_name: str,
+    clip: bool,
+    skip_mode: str = "auto",
+    sizes: tuple[int, int] = (SMALL, LARGE),
+    count=host_ops,
+) -> dict[str, float]:
     """Ops (or what ``count`` counts) per extra tensor that ``contender`` adds to the bare optimizer step."""
+
     def growth(who):
-        return growth_per_tensor(_counted(who, opt_name, sizes[0], clip, skip_mode, count),
-                                 _counted(who, opt_name, sizes[1], clip, skip_mode, count), *sizes)
+        return growth_per_tensor(
+            _counted(who, opt_name, sizes[0], clip, skip_mode, count),
+            _counted(who, opt_name, sizes[1], clip, skip_mode, count),
+            *sizes,
+        )
+
     ours, bare = growth(contender), growth("bare")
     extra = {name: ours.get(name, 0.0) - bare.get(name, 0.0) for name in set(ours) | set(bare)}
     return {name: rate for name, rate in extra.items() if rate}
@@ -93,7 +109,7 @@ def test_loss_scale_optimizer_adds_fewer_ops_per_tensor_than_torchs_pipeline(opt
     assert sum(ours.values()) <= sum(torchs.values())
     # With a clip: the squared norm of the scaled gradients stacks the per-tensor norms of one _foreach_norm (a
     # view per tensor, no launch); torch's clip_grad_norm_ does the same and adds a .to() per norm.
-    assert ours == ({name: 1.0 for name in STACK_VIEWS} if clip else {})
+    assert ours == (dict.fromkeys(STACK_VIEWS, 1.0) if clip else {})
 
 
 @pytest.mark.parametrize("opt_name", ["fused AdamW", "foreach Adam"])
@@ -128,8 +144,11 @@ def test_with_flat_gradients_the_optimizer_adds_nothing_per_tensor(opt_name, cli
     assert _extra_growth("LossScaleOptimizer flat", opt_name, clip, count=kernel_tensors) == own
     # Without the buffer the same step hands its kernels every gradient (and stacks per-tensor norms), as torch's
     # pipeline does with one more pass.
-    per_gradient = {"aten._foreach_norm": 1.0, "aten.stack": 1.0} if clip else {
-        "aten._amp_foreach_non_finite_check_and_unscale_": 1.0}
+    per_gradient = (
+        {"aten._foreach_norm": 1.0, "aten.stack": 1.0}
+        if clip
+        else {"aten._amp_foreach_non_finite_check_and_unscale_": 1.0}
+    )
     if clip and opt_name == "foreach Adam":
         per_gradient["aten._foreach_mul_"] = 1.0  # the unscale x clip pass (a fused kernel folds it in)
     assert _extra_growth("LossScaleOptimizer", opt_name, clip, count=kernel_tensors) == {**per_gradient, **own}
@@ -140,8 +159,9 @@ def _layer_unscale(units: int, per_unit: int, count):
     from lossscale.addons.layerwise import LayerScales
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(per_unit)])
-                                  for _ in range(units)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(per_unit)]) for _ in range(units)]
+    )
     layers = LayerScales(list(model))
     scale = torch.tensor(256.0)
     for step in range(3):  # the factors move from the first backward on; the last backward is the one counted
@@ -162,7 +182,7 @@ def test_per_layer_unscale_adds_no_op_per_tensor(monkeypatch, gather_on_cpu):
         monkeypatch.setattr(lossscale.ops.gather, "STACK_ON", frozenset())
     tensors = (4 * 2 * 5, 4 * 2 * 50)  # 4 units of 5 and 50 Linear layers (weight and bias)
     ops = growth_per_tensor(_layer_unscale(4, 5, host_ops), _layer_unscale(4, 50, host_ops), *tensors)
-    assert ops == ({} if gather_on_cpu else {name: 1.0 for name in STACK_VIEWS})
+    assert ops == ({} if gather_on_cpu else dict.fromkeys(STACK_VIEWS, 1.0))
     handed = growth_per_tensor(_layer_unscale(4, 5, kernel_tensors), _layer_unscale(4, 50, kernel_tensors), *tensors)
     assert handed["aten._foreach_mul_"] == 1.0 and handed["aten._foreach_norm"] == 1.0
     calls = _layer_unscale(4, 50, dispatched_ops)

@@ -72,8 +72,17 @@ def train(model, steps, *, half=True, layerwise=False, lr=0.05, policy=None, lay
     state = policy.init()
     if layerwise and layers is None:
         layers = LayerScales(model)
-    groups = [{"params": list(model[4 * b: 4 * b + 4].parameters()),  # block b's gradients are 2**(4 * (11 - b))
-               "lr": lr * 2.0 ** (4 * (BLOCKS - 1 - b))} for b in range(BLOCKS)] if compensate else model.parameters()
+    groups = (
+        [
+            {
+                "params": list(model[4 * b : 4 * b + 4].parameters()),  # block b's gradients are 2**(4 * (11 - b))
+                "lr": lr * 2.0 ** (4 * (BLOCKS - 1 - b)),
+            }
+            for b in range(BLOCKS)
+        ]
+        if compensate
+        else model.parameters()
+    )
     opt = torch.optim.SGD(groups, lr=lr)
     skipped = 0
     for step in range(steps):
@@ -114,8 +123,10 @@ def zero_shares(model, grads, step):
     for p in ref.parameters():
         p.grad = None
     loss_of(ref, step, half=False).backward()
-    return [float(((g == 0) & (p.grad != 0)).float().sum() / (p.grad != 0).float().sum().clamp_min(1))
-            for g, p in zip(grads, ref.parameters())]
+    return [
+        float(((g == 0) & (p.grad != 0)).float().sum() / (p.grad != 0).float().sum().clamp_min(1))
+        for g, p in zip(grads, ref.parameters())
+    ]
 
 
 def model_before_step(model, grads, step):
@@ -148,8 +159,13 @@ def calibrated():
         fresh_layers.load_state_dict(layers_state)
         return fresh, fresh_layers
 
-    return {"scale": scale, "skipped": skipped, "shares": shares, "exponent": layers.exponent.clone(),
-            "rebuild": rebuild}
+    return {
+        "scale": scale,
+        "skipped": skipped,
+        "shares": shares,
+        "exponent": layers.exponent.clone(),
+        "rebuild": rebuild,
+    }
 
 
 def test_one_global_scale_leaves_the_first_blocks_without_gradient():
@@ -178,8 +194,10 @@ def test_parameters_track_the_float32_run_more_closely():
         model = deep_net()
         for _ in train(model, steps, layerwise=layerwise, compensate=True):
             pass
-        per_param = [float(((a - b).norm() / (b - s).norm()).detach()) for a, b, s in
-                     zip(model.parameters(), ref.parameters(), start.parameters())]
+        per_param = [
+            float(((a - b).norm() / (b - s).norm()).detach())
+            for a, b, s in zip(model.parameters(), ref.parameters(), start.parameters())
+        ]
         distances[layerwise] = per_param  # 1.0: did not move at all; 0: on the float32 trajectory
     assert max(distances[False][:8]) == 1.0 and max(distances[True][:8]) < 0.5, distances
     assert sum(distances[True]) < 0.5 * sum(distances[False]), distances
@@ -203,7 +221,7 @@ def test_an_overflow_is_attributed_to_the_unit_nearest_the_loss_and_backs_off_on
     before = layers.exponent.clone()
     culprit = 10  # an inf spreads upstream in backward: units 0..10 overflow, 10 is where it began
     found = torch.zeros(len(layers.units), dtype=torch.bool)
-    found[:culprit + 1] = True
+    found[: culprit + 1] = True
     amax = torch.full((len(layers.units),), float("inf"))
     global_found = layers.update(found, amax, scale)
     assert not bool(global_found)  # unit 10 carries a factor: the global scale is not to blame
@@ -292,8 +310,11 @@ def test_wrong_wiring_is_a_clear_error():
         LayerScales([])
     with pytest.raises(ValueError, match="search_step must be an integer >= 1"):
         LayerScales(torch.nn.Linear(2, 2), search_step=0)
-    with pytest.raises(TypeError, match=r"LayerScales\(process_group='world'\): process_group must be None \(the "
-                                        r"world\) or a torch.distributed.ProcessGroup.*got str"):
+    with pytest.raises(
+        TypeError,
+        match=r"LayerScales\(process_group='world'\): process_group must be None \(the "
+        r"world\) or a torch.distributed.ProcessGroup.*got str",
+    ):
         LayerScales(torch.nn.Linear(2, 2), process_group="world")
 
     first, twice = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
@@ -347,9 +368,13 @@ def test_residual_blocks_as_units():
 
 # --- through LossScaleOptimizer(layerwise=...) ------------------------------------------------------
 
+
 def _train(model, steps, layerwise, policy=None):
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), policy=policy or DynamicScale(),
-                             layerwise=model if layerwise else None)
+    opt = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        policy=policy or DynamicScale(),
+        layerwise=model if layerwise else None,
+    )
     skipped, scales = 0, []
     for step in range(steps):
         opt.zero_grad()
@@ -405,16 +430,20 @@ def test_checkpoint_mid_run_continues_the_same_trajectory():
 
 def test_an_optimizer_with_no_parameter_in_any_unit_is_refused():
     model, other = deep_net(), deep_net(seed=1)
-    with pytest.raises(ValueError, match=r"layerwise=Sequential\): none of the inner optimizer's 48 parameters "
-                                         r"belongs to a unit.*pass the model whose parameters the optimizer updates"):
+    with pytest.raises(
+        ValueError,
+        match=r"layerwise=Sequential\): none of the inner optimizer's 48 parameters "
+        r"belongs to a unit.*pass the model whose parameters the optimizer updates",
+    ):
         LossScaleOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), layerwise=model)
 
 
 @pytest.mark.parametrize("skip_mode", ["host", "masked"])
 def test_an_overflow_skips_the_step_exactly_with_clipping_and_each_skip_mode(skip_mode):
     model = deep_net()
-    opt = LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), layerwise=model, clip_grad_norm=0.5,
-                             skip_mode=skip_mode)
+    opt = LossScaleOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-3), layerwise=model, clip_grad_norm=0.5, skip_mode=skip_mode
+    )
     for step in range(3):
         opt.zero_grad()
         opt.backward(loss_of(model, step, half=True))
@@ -432,12 +461,13 @@ def test_an_overflow_skips_the_step_exactly_with_clipping_and_each_skip_mode(ski
 
 # --- the first backward pass sets the factors --------------------------------------------------------
 
+
 def test_every_unit_has_its_gradient_from_the_first_step():
     """The first backward sets each factor as the gradient reaches its unit, so no step is spent calibrating: from
     step 0 every parameter's unscaled gradient is nonzero and close to float32's (once each unit's factor rose
     from the global scale step by step, and the first three blocks had all-zero gradients for four steps)."""
     model = deep_net()
-    for step, grads, skipped, layers, _ in train(model, 5, layerwise=True):
+    for step, grads, skipped, layers, _ in train(model, 5, layerwise=True):  # noqa: B007  # the last step's count is read after the loop
         ref = model_before_step(model, grads, step)
         for p in ref.parameters():
             p.grad = None
@@ -518,7 +548,7 @@ def test_steps_a_precision_schedule_does_not_scale_get_the_plain_backwards_gradi
         schedule.update(step)
         x, y = batch(step)
 
-        def loss(m):
+        def loss(m, x=x, y=y):
             with schedule.autocast("cpu"):
                 out = m(x)
             return (out.float() - y).pow(2).mean()
@@ -581,9 +611,12 @@ def test_activation_checkpointing_with_reentrance_is_a_clear_error():
     x, y = batch(0)
     with torch.autocast("cpu", dtype=torch.float16):
         loss = (model(x.requires_grad_()).float() - y).pow(2).mean()
-    with pytest.raises(RuntimeError, match=r"unit 'net.\d+' ran inside a backward pass without having run with "
-                                           r"gradients enabled in the forward.*use_reentrant=True.*"
-                                           r"Checkpoint with use_reentrant=False"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"unit 'net.\d+' ran inside a backward pass without having run with "
+        r"gradients enabled in the forward.*use_reentrant=True.*"
+        r"Checkpoint with use_reentrant=False",
+    ):
         opt.backward(loss)
 
 
@@ -646,9 +679,18 @@ def gpt2(n_layer=2):
     """A tiny GPT-2 (transformers, random init): the input and output embeddings are one parameter."""
     import transformers  # a dev dependency: a missing package fails here, loudly
 
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=DIM, n_layer=n_layer, n_head=2,
-                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=CONTEXT,
+        n_embd=DIM,
+        n_layer=n_layer,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -659,10 +701,19 @@ def hf_llama(n_layer=2):
     """A tiny Llama (transformers, random init) with tied input and output embeddings."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
-                                      num_hidden_layers=n_layer, num_attention_heads=2, num_key_value_heads=2,
-                                      max_position_embeddings=CONTEXT, tie_word_embeddings=True, bos_token_id=0,
-                                      eos_token_id=0, pad_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        intermediate_size=2 * DIM,
+        num_hidden_layers=n_layer,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -796,8 +847,9 @@ def unscales_exactly(case):
     for name, exponent in (("apart", lambda i: float(1 + (7 * i) % 23)), ("ones", lambda i: 0.0)):
         model = build()
         layers = LayerScales(units_of(model))
-        layers.load_state_dict({**layers.state_dict(), "calibrated": True,
-                                "exponent": [exponent(i) for i in range(len(layers.units))]})
+        layers.load_state_dict(
+            {**layers.state_dict(), "calibrated": True, "exponent": [exponent(i) for i in range(len(layers.units))]}
+        )
         grads = []
         for step in range(2):  # the first backward reads the wiring; the second runs on it
             for p in model.parameters():
@@ -905,8 +957,10 @@ def test_a_list_of_units_warns_once_where_the_backward_pass_starts_from_a_loss_i
             lm_loss(model, lm_batch(step)).backward()
     ours = [str(w.message) for w in caught if "LayerScales" in str(w.message)]
     assert len(ours) == 1, ours
-    assert ours[0].startswith("LayerScales (a list of units): this backward pass started from a loss it was not "
-                              "given") and "layers.backward_from(loss)" in ours[0]
+    assert (
+        ours[0].startswith("LayerScales (a list of units): this backward pass started from a loss it was not given")
+        and "layers.backward_from(loss)" in ours[0]
+    )
     model = gpt2()
     layers = LayerScales(list(model.transformer.h))
     layers.backward_from(lm_loss(model, lm_batch(0))).backward()  # given: no warning (the suite's are errors)
@@ -914,17 +968,25 @@ def test_a_list_of_units_warns_once_where_the_backward_pass_starts_from_a_loss_i
         layers.backward_from(1.0)
 
 
-@pytest.mark.parametrize("case,flat", [("gpt2", False), ("gpt2, blocks only", False), ("llama", False),
-                                       ("gpt2", True), ("gpt2, checkpointed", False), ("gpt2, per block", False),
-                                       ("hf llama, per block", False)])
+@pytest.mark.parametrize(
+    "case,flat",
+    [
+        ("gpt2", False),
+        ("gpt2, blocks only", False),
+        ("llama", False),
+        ("gpt2", True),
+        ("gpt2, checkpointed", False),
+        ("gpt2, per block", False),
+        ("hf llama, per block", False),
+    ],
+)
 def test_language_models_through_the_optimizer_stay_within_a_percent_of_float32(case, flat):
     """Float16 autocast, AdamW, per-layer scales on the whole model (tied embeddings) or on the blocks only (the
     embeddings, final norm and head at the global scale): every parameter's unscaled gradient within 1% of the
     float32 backward's at the same weights, at every step; also with the gradients in one buffer (flat_grads)."""
     build, units_of = LANGUAGE_MODELS[case]
     model, ref = build(), build()
-    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), layerwise=units_of(model),
-                             flat_grads=flat)
+    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), layerwise=units_of(model), flat_grads=flat)
     compared = 0
     for step in range(5):
         ids = lm_batch(step)
@@ -945,9 +1007,12 @@ def test_language_models_through_the_optimizer_stay_within_a_percent_of_float32(
 
 def test_update_refuses_measurements_of_another_shape():
     layers = LayerScales(deep_net())
-    with pytest.raises(ValueError, match=r"LayerScales.update\(found_inf, amax\): both must hold one entry per unit "
-                                         r"\(24\), or 25 with the parameters outside the units last.*got shapes "
-                                         r"\(3,\) and \(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"LayerScales.update\(found_inf, amax\): both must hold one entry per unit "
+        r"\(24\), or 25 with the parameters outside the units last.*got shapes "
+        r"\(3,\) and \(3,\)",
+    ):
         layers.update(torch.zeros(3, dtype=torch.bool), torch.zeros(3))
 
 
@@ -983,8 +1048,11 @@ def test_a_change_of_wiring_between_steps_is_read_again():
 
     model, ref = Dropping(), Dropping()
     layers = LayerScales(model)
-    state = {**layers.state_dict(), "calibrated": True,
-             "exponent": [float(3 * i % 11 + 1) for i in range(len(layers.units))]}
+    state = {
+        **layers.state_dict(),
+        "calibrated": True,
+        "exponent": [float(3 * i % 11 + 1) for i in range(len(layers.units))],
+    }
     layers.load_state_dict(state)
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0))
     for step in range(4):
@@ -1029,8 +1097,11 @@ def test_a_change_of_wiring_without_a_change_of_order_is_refused():
     x = torch.ones(2, 4)
     for _ in range(2):
         model(x, leak=False).backward()
-    with pytest.raises(RuntimeError, match=r"the wiring around unit 'second' changed while the units ran in "
-                                           r"their usual order \(its input 0 is no longer read by it alone\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"the wiring around unit 'second' changed while the units ran in "
+        r"their usual order \(its input 0 is no longer read by it alone\)",
+    ):
         model(x, leak=True).backward()
 
 
@@ -1044,8 +1115,9 @@ def test_independent_overflows_are_each_attributed_to_their_own_unit():
     n = len(names)
     layers.load_state_dict({**layers.state_dict(), "calibrated": True, "exponent": [3.0] * n})
     (lm_loss(model, lm_batch(0), half=True) * 2.0**8).backward()  # reads the wiring
-    first, second, reader = (names.index(f"transformer.h.{name}") for name in ("0.attn.c_attn", "1.mlp.c_fc",
-                                                                              "0.attn.c_proj"))
+    first, second, reader = (
+        names.index(f"transformer.h.{name}") for name in ("0.attn.c_attn", "1.mlp.c_fc", "0.attn.c_proj")
+    )
     for overflowing, lowered in (([first, second], [first, second]), ([first, reader], [reader])):
         before = layers.exponent.clone()
         found = torch.zeros(n, dtype=torch.bool)
@@ -1065,8 +1137,12 @@ def test_the_add_on_hooks_run_the_same_steps_as_driving_it_by_hand():
     from lossscale.addons.base import AddOn, Host
 
     def same(a, b):  # bit for bit, NaN where NaN
-        return a.dtype == b.dtype and a.device == b.device and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) \
+        return (
+            a.dtype == b.dtype
+            and a.device == b.device
+            and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
             and torch.equal(a.isnan(), b.isnan())
+        )
 
     def build():
         torch.manual_seed(0)
@@ -1096,8 +1172,9 @@ def test_the_add_on_hooks_run_the_same_steps_as_driving_it_by_hand():
         assert same(unscaled.amax, amax_u.max())
         fields = add_on.step_fields(scale)
         assert list(fields) == ["layer_scales"]
-        assert all(torch.equal(v, w) for v, w in zip(fields["layer_scales"].values(),
-                                                     by_hand.layer_scales(scale).values()))
+        assert all(
+            torch.equal(v, w) for v, w in zip(fields["layer_scales"].values(), by_hand.layer_scales(scale).values())
+        )
         want = by_hand.update(found_u, amax_u, scale)
         got = add_on.advance(torch.zeros((), dtype=torch.bool), scale)
         assert torch.equal(got, want) and bool(got) == (step == 2)
@@ -1113,8 +1190,11 @@ def test_attach_takes_the_front_ends_is_scaled_and_process_group_and_refuses_par
 
     model, other = deep_net(), deep_net(seed=1)
     layers = LayerScales(model)
-    with pytest.raises(ValueError, match=r"^Front\(layerwise=Sequential\): none of the inner optimizer's 48 "
-                                         r"parameters belongs to a unit.*pass the model whose parameters"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Front\(layerwise=Sequential\): none of the inner optimizer's 48 "
+        r"parameters belongs to a unit.*pass the model whose parameters",
+    ):
         layers.attach(Host("Front", params=tuple(other.parameters())))
     host = Host("Front", params=tuple(model.parameters()), is_scaled=lambda: False)
     layers.attach(host)

@@ -8,15 +8,25 @@ import math
 import pytest
 import torch
 
-from lossscale.ops.clip import (PerTensorClip, clip_per_tensor_, global_clip_coefficient, global_norm_squared,
-                               squared_norms)
+from lossscale.ops.clip import (
+    PerTensorClip,
+    clip_per_tensor_,
+    global_clip_coefficient,
+    global_norm_squared,
+    squared_norms,
+)
 
 
 def test_squared_norms_are_each_tensors_in_order_as_float64_gives_them():
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(70000, generator=gen), torch.randn(9, generator=gen),
-             torch.randn(300, 400, generator=gen).t(), torch.randn(66000, generator=gen) * 1e3,
-             torch.randn(5, generator=gen), torch.randn(300, 250, generator=gen)]
+    grads = [
+        torch.randn(70000, generator=gen),
+        torch.randn(9, generator=gen),
+        torch.randn(300, 400, generator=gen).t(),
+        torch.randn(66000, generator=gen) * 1e3,
+        torch.randn(5, generator=gen),
+        torch.randn(300, 250, generator=gen),
+    ]
     expected = [float(g.double().square().sum()) for g in grads]
     got = squared_norms(grads)
     assert got.dtype == torch.float32 and got.tolist() == pytest.approx(expected, rel=2e-6)
@@ -25,8 +35,11 @@ def test_squared_norms_are_each_tensors_in_order_as_float64_gives_them():
 
 def test_global_norm_squared_is_torchs_norm_squared():
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen).double(),
-             torch.randn(4, 4, generator=gen).t()]
+    grads = [
+        torch.randn(5, 3, generator=gen),
+        torch.randn(7, generator=gen).double(),
+        torch.randn(4, 4, generator=gen).t(),
+    ]
     expected = torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in grads])) ** 2
     for sharded in (None, False, True):  # outside torch.distributed a "shard" is the whole tensor
         got = global_norm_squared(grads, sharded=sharded)

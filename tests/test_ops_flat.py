@@ -14,17 +14,20 @@ from lossscale.ops.flat import FlatGrads
 
 def _params():
     torch.manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(3, 4)),
-            torch.nn.Parameter(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)),
-            torch.nn.Parameter(torch.randn(5, 3).t()),  # transposed: dense, not contiguous
-            torch.nn.Parameter(torch.randn(4, dtype=torch.float64)),
-            torch.nn.Parameter(torch.randn(6), requires_grad=False)]
+    return [
+        torch.nn.Parameter(torch.randn(3, 4)),
+        torch.nn.Parameter(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)),
+        torch.nn.Parameter(torch.randn(5, 3).t()),  # transposed: dense, not contiguous
+        torch.nn.Parameter(torch.randn(4, dtype=torch.float64)),
+        torch.nn.Parameter(torch.randn(6), requires_grad=False),
+    ]
 
 
 def _backward(params, seed):
     gen = torch.Generator().manual_seed(seed)
-    sum((p.double() * torch.randn(p.shape, generator=gen, dtype=torch.float64)).sum()
-        for p in params if p.requires_grad).backward()
+    sum(
+        (p.double() * torch.randn(p.shape, generator=gen, dtype=torch.float64)).sum() for p in params if p.requires_grad
+    ).backward()
 
 
 def test_gradients_are_views_of_one_buffer_per_dtype_with_their_parameters_layout():
@@ -86,16 +89,19 @@ def test_gradients_present_at_construction_are_kept_and_a_new_participant_gets_a
 
 def test_parameters_a_buffer_cannot_hold_are_refused_by_name():
     gapped = torch.nn.Parameter(torch.randn(4, 4)[:, ::2])
-    with pytest.raises(ValueError, match=r"test\(flat_grads=True\): param_groups\[0\]\[1\] is not dense in memory "
-                                         r"\(shape \(4, 2\), strides \(4, 2\)\).*flat_grads=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"test\(flat_grads=True\): param_groups\[0\]\[1\] is not dense in memory "
+        r"\(shape \(4, 2\), strides \(4, 2\)\).*flat_grads=False",
+    ):
         FlatGrads([torch.nn.Parameter(torch.ones(2)), gapped], "test", ["param_groups[0][0]", "param_groups[0][1]"])
-    with pytest.raises(ValueError, match="parameter 0 has layout torch.sparse_coo"):
+    with pytest.raises(ValueError, match=r"parameter 0 has layout torch.sparse_coo"):
         FlatGrads([torch.nn.Parameter(torch.randn(3, 3).to_sparse())], "test")
 
     class Shard(torch.Tensor):  # what FSDP2's DTensor parameters look like to the check: a tensor subclass
         pass
 
-    with pytest.raises(ValueError, match="parameter 0 is a Shard; flat gradients need dense torch.Tensor"):
+    with pytest.raises(ValueError, match=r"parameter 0 is a Shard; flat gradients need dense torch.Tensor"):
         FlatGrads([torch.nn.Parameter(torch.randn(3).as_subclass(Shard))], "test")
 
 

@@ -15,7 +15,7 @@ import torch
 from lossscale.ops import gather
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from _host_ops import dispatched_ops  # noqa: E402
+from _host_ops import dispatched_ops
 
 
 @pytest.fixture

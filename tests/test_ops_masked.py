@@ -104,7 +104,7 @@ class DeviceCrossings(TorchDispatchMode):
             source, target = args[0].device, torch.device("cpu")
         else:
             return func(*args, **kwargs)
-        if source != target or name == "_local_scalar_dense" and source.type != "cpu":
+        if source != target or (name == "_local_scalar_dense" and source.type != "cpu"):
             self.seen.append((name, str(source), str(target)))
         return func(*args, **kwargs)
 
@@ -119,6 +119,7 @@ def _on(device: str, n: int = 6) -> list[torch.nn.Parameter]:
 # The meta device stands in for an accelerator here: its values never reach the host, as a CUDA tensor's reach it
 # only through a synchronisation. The same rule on a real GPU, counted with torch.cuda.set_sync_debug_mode:
 # tests/cuda/test_syncs.py.
+
 
 @pytest.mark.parametrize("budget", [0.25, None])
 def test_state_on_the_flags_device_is_restored_without_moving_the_flag(budget):
@@ -140,8 +141,13 @@ def test_a_step_counter_in_host_memory_beside_an_accelerators_flag_is_refused_be
         MaskedSkip(budget).step(opt, torch.ones((), device="meta"))
     assert crossings.seen == []
     message = str(err.value)
-    for needle in ("skip_mode='masked'", "Adam keeps state 'step' of param_groups[0][0] in host memory (cpu)",
-                   "found_inf is on meta", "capturable=True", "skip_mode='host'"):
+    for needle in (
+        "skip_mode='masked'",
+        "Adam keeps state 'step' of param_groups[0][0] in host memory (cpu)",
+        "found_inf is on meta",
+        "capturable=True",
+        "skip_mode='host'",
+    ):
         assert needle in message, needle
 
 

@@ -191,6 +191,7 @@ def test_the_largest_magnitude_takes_the_same_kernels_for_20_or_200_tensors_on_a
 def fresh_kernel_choice():
     """lossscale.ops.overflow.amax_kernel_module() decides afresh in the test and after it."""
     from lossscale.ops.overflow import amax_kernel_module
+
     amax_kernel_module.cache_clear()
     yield amax_kernel_module
     amax_kernel_module.cache_clear()
@@ -198,7 +199,7 @@ def fresh_kernel_choice():
 
 def test_a_bad_lossscale_triton_setting_is_refused_naming_the_variable(fresh_kernel_choice, monkeypatch):
     monkeypatch.setenv("LOSSSCALE_TRITON", "yes")
-    with pytest.raises(ValueError, match="LOSSSCALE_TRITON must be '0' .* or '1' .*; got 'yes'"):
+    with pytest.raises(ValueError, match=r"LOSSSCALE_TRITON must be '0' .* or '1' .*; got 'yes'"):
         fresh_kernel_choice()
 
 
@@ -216,5 +217,5 @@ def test_a_triton_that_fails_to_import_says_how_to_turn_the_kernel_off(fresh_ker
     monkeypatch.setitem(sys.modules, "triton", None)  # installed, but its import fails
     monkeypatch.delitem(sys.modules, "lossscale.ops.amax_kernel", raising=False)
     monkeypatch.delattr("lossscale.ops.amax_kernel", raising=False)
-    with pytest.raises(RuntimeError, match="triton is installed but its import failed .* Set LOSSSCALE_TRITON=0"):
+    with pytest.raises(RuntimeError, match=r"triton is installed but its import failed .* Set LOSSSCALE_TRITON=0"):
         fresh_kernel_choice()

@@ -14,10 +14,18 @@ import random
 import pytest
 import torch
 
+from lossscale import (
+    EMA,
+    DynamicScale,
+    FixedScale,
+    FloorError,
+    HostReadCounter,
+    LossScale,
+    LossScaleOptimizer,
+    PredictiveScale,
+    StepResult,
+)
 from lossscale.compat.keras import KerasArguments
-
-from lossscale import (EMA, DynamicScale, FixedScale, FloorError, HostReadCounter, LossScale, LossScaleOptimizer,
-                       PredictiveScale, StepResult)
 from lossscale.stages import NoGradientsError
 
 INF, NAN = math.inf, math.nan
@@ -42,8 +50,12 @@ def loss_fn(model, x, y):
 
 
 def state_tensors(opt) -> dict:
-    return {(k, n): v.clone() for k, s in opt.state_dict()["state"].items() for n, v in s.items()
-            if isinstance(v, torch.Tensor)}
+    return {
+        (k, n): v.clone()
+        for k, s in opt.state_dict()["state"].items()
+        for n, v in s.items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def run_steps(opt, model, data, inject=(), start=0) -> list[tuple]:
@@ -60,15 +72,22 @@ def run_steps(opt, model, data, inject=(), start=0) -> list[tuple]:
 
 # --- against an fp32 control and torch's clipping -------------------------------------------------------
 
-@pytest.mark.parametrize("make_opt,skip_mode", [(SGD, "host"), (SGD, "masked"), (FUSED_SGD, "fused"),
-                                                (ADAM, "masked"), (FUSED_ADAMW, "fused")])
+
+@pytest.mark.parametrize(
+    "make_opt,skip_mode",
+    [(SGD, "host"), (SGD, "masked"), (FUSED_SGD, "fused"), (ADAM, "masked"), (FUSED_ADAMW, "fused")],
+)
 @pytest.mark.parametrize("flat", [False, True])
 def test_twin_run_equals_an_fp32_control_that_skips_by_hand(make_opt, skip_mode, flat):
     control, data = model_and_data()
     model = copy.deepcopy(control)
     ref_opt = make_opt(control.parameters())
-    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=DynamicScale(init_scale=2.0**8, growth_interval=3),
-                             skip_mode=skip_mode, flat_grads=flat)
+    opt = LossScaleOptimizer(
+        make_opt(model.parameters()),
+        policy=DynamicScale(init_scale=2.0**8, growth_interval=3),
+        skip_mode=skip_mode,
+        flat_grads=flat,
+    )
     assert opt.skip_mode == skip_mode
     stepped, scales = [], []
     for i, (x, y) in enumerate(data):
@@ -97,8 +116,9 @@ def test_clipping_equals_clip_grad_norm_on_the_control(make_opt, skip_mode, flat
     control, data = model_and_data(3)
     model = copy.deepcopy(control)
     ref_opt = make_opt(control.parameters())
-    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=FixedScale(2.0**10), clip_grad_norm=0.05,
-                             flat_grads=flat)
+    opt = LossScaleOptimizer(
+        make_opt(model.parameters()), policy=FixedScale(2.0**10), clip_grad_norm=0.05, flat_grads=flat
+    )
     assert opt.skip_mode == skip_mode
     for x, y in data[:10]:
         ref_opt.zero_grad()
@@ -120,10 +140,11 @@ def test_accumulation_of_four_micro_batches_equals_one_batch_of_the_mean(make_op
     control, data = model_and_data(5)
     model = copy.deepcopy(control)
     ref_opt = make_opt(control.parameters())
-    opt = LossScaleOptimizer(make_opt(model.parameters()), policy=FixedScale(2.0**12), accumulation_steps=4,
-                             flat_grads=flat)
+    opt = LossScaleOptimizer(
+        make_opt(model.parameters()), policy=FixedScale(2.0**12), accumulation_steps=4, flat_grads=flat
+    )
     for k in range(3):
-        batch = data[4 * k:4 * k + 4]
+        batch = data[4 * k : 4 * k + 4]
         ref_opt.zero_grad()
         loss_fn(control, torch.cat([x for x, _ in batch]), torch.cat([y for _, y in batch])).backward()
         ref_opt.step()
@@ -139,8 +160,10 @@ def test_accumulation_of_four_micro_batches_equals_one_batch_of_the_mean(make_op
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("make_opt,skip_mode", [(ADAM, "masked"), (ADAM, "host"), (FUSED_ADAMW, "fused"),
-                                                (SGD, "masked"), (FUSED_ADAMW, "masked")])
+@pytest.mark.parametrize(
+    "make_opt,skip_mode",
+    [(ADAM, "masked"), (ADAM, "host"), (FUSED_ADAMW, "fused"), (SGD, "masked"), (FUSED_ADAMW, "masked")],
+)
 @pytest.mark.parametrize("flat", [False, True])
 def test_random_overflows_skip_exactly_the_poisoned_steps_and_never_corrupt(make_opt, skip_mode, flat):
     """With clipping, hysteresis, EMA and weight decay: an inf or NaN at a random place of a quarter of the inputs."""
@@ -148,9 +171,15 @@ def test_random_overflows_skip_exactly_the_poisoned_steps_and_never_corrupt(make
     model, _ = model_and_data(11)
     ema = EMA(0.9)
     inner = make_opt(model.parameters())
-    opt = LossScaleOptimizer(inner, policy=DynamicScale(init_scale=2.0**20, growth_interval=5, hysteresis=2),
-                             skip_mode=skip_mode, clip_grad_norm=1.0, ema=ema,
-                             add_ons=[KerasArguments(inner, clipnorm=None, weight_decay=0.01)], flat_grads=flat)
+    opt = LossScaleOptimizer(
+        inner,
+        policy=DynamicScale(init_scale=2.0**20, growth_interval=5, hysteresis=2),
+        skip_mode=skip_mode,
+        clip_grad_norm=1.0,
+        ema=ema,
+        add_ons=[KerasArguments(inner, clipnorm=None, weight_decay=0.01)],
+        flat_grads=flat,
+    )
     gen = torch.Generator().manual_seed(0)
     poisoned, skipped = [], []
     for _ in range(80):
@@ -182,8 +211,9 @@ def test_a_step_that_several_checks_find_overflowing_is_skipped_by_the_fused_ker
     write NaN into the weights and Adam's moments."""
     model, data = model_and_data()
     policy = PredictiveScale() if observes_amax else FixedScale(2.0**4)
-    opt = LossScaleOptimizer(FUSED_ADAMW(model.parameters()), policy=policy, overflow_mode="saturation",
-                             clip_grad_norm=1.0)
+    opt = LossScaleOptimizer(
+        FUSED_ADAMW(model.parameters()), policy=policy, overflow_mode="saturation", clip_grad_norm=1.0
+    )
     assert opt.skip_mode == "fused"
     for batch, bad in [(0, None), (1, NAN), (2, INF), (3, 1e5)]:  # 1e5: saturated, finite
         opt.zero_grad()
@@ -230,6 +260,7 @@ def test_a_sparse_embedding_steps_as_with_torchs_scaler(coalesce):
 
 # --- host reads ----------------------------------------------------------------------------------------
 
+
 def own_reads(make_opt) -> int:
     """Host reads of the bare optimizer's step (CPU Adam reads its step counts)."""
     model, data = model_and_data()
@@ -241,9 +272,17 @@ def own_reads(make_opt) -> int:
     return reads.count
 
 
-@pytest.mark.parametrize("make_opt,skip_mode,clip,added", [
-    (FUSED_ADAMW, "fused", None, 0), (FUSED_ADAMW, "fused", 1.0, 0), (ADAM, "masked", None, 0),
-    (ADAM, "masked", 1.0, 0), (SGD, "masked", 1.0, 0), (SGD, "host", None, 1)])
+@pytest.mark.parametrize(
+    "make_opt,skip_mode,clip,added",
+    [
+        (FUSED_ADAMW, "fused", None, 0),
+        (FUSED_ADAMW, "fused", 1.0, 0),
+        (ADAM, "masked", None, 0),
+        (ADAM, "masked", 1.0, 0),
+        (SGD, "masked", 1.0, 0),
+        (SGD, "host", None, 1),
+    ],
+)
 def test_host_reads_added_by_the_wrapper(make_opt, skip_mode, clip, added):
     model, data = model_and_data()
     opt = LossScaleOptimizer(make_opt(model.parameters()), skip_mode=skip_mode, clip_grad_norm=clip)
@@ -266,13 +305,19 @@ def test_host_reads_added_by_the_wrapper(make_opt, skip_mode, clip, added):
 
 # --- what rides on the step: EMA, weight decay, the policy, attribution ---------------------------------
 
+
 def test_ema_and_weight_decay_only_on_applied_steps():
     model, data = model_and_data()
     p0 = [p.detach().clone() for p in model.parameters()]
     ema = EMA(momentum=0.5)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt = LossScaleOptimizer(inner, policy=FixedScale(1.0), ema=ema, skip_mode="masked",
-                             add_ons=[KerasArguments(inner, clipnorm=None, weight_decay=0.5)])
+    opt = LossScaleOptimizer(
+        inner,
+        policy=FixedScale(1.0),
+        ema=ema,
+        skip_mode="masked",
+        add_ons=[KerasArguments(inner, clipnorm=None, weight_decay=0.5)],
+    )
     opt.zero_grad()
     opt.backward(loss_fn(model, *data[0]))
     for p in model.parameters():
@@ -301,8 +346,9 @@ def test_ema_overwrite_every_copies_the_average_into_the_parameters():
 
 def test_a_floor_error_names_the_step_the_floor_and_the_cause():
     model, data = model_and_data()
-    opt = LossScaleOptimizer(SGD(model.parameters()), policy=DynamicScale(init_scale=4.0, min_scale=1.0,
-                                                                        at_floor="raise"))
+    opt = LossScaleOptimizer(
+        SGD(model.parameters()), policy=DynamicScale(init_scale=4.0, min_scale=1.0, at_floor="raise")
+    )
     x = data[0][0].clone()
     x[0, 0] = NAN
     with pytest.raises(FloorError, match=r"step 3: .*min_scale=1.0.*NaN or inf in the data"):
@@ -351,6 +397,7 @@ def test_saturation_mode_skips_saturated_scaled_gradients_that_inf_nan_mode_appl
 
 # --- the scale and its owner ---------------------------------------------------------------------------
 
+
 def test_set_scale_keeps_the_counters_without_a_host_read():
     model, data = model_and_data()
     opt = LossScaleOptimizer(SGD(model.parameters()), policy=DynamicScale(init_scale=2.0**8, growth_interval=3))
@@ -385,6 +432,7 @@ def test_an_inner_step_that_raises_leaves_the_scale_as_it_was(skip_mode):
 
     def fail(*_):
         raise RuntimeError("inner step failed")
+
     inner.register_step_pre_hook(fail)
     before = opt.loss_scale.state_dict()
     with pytest.raises(RuntimeError, match="inner step failed"):
@@ -408,12 +456,14 @@ def test_a_scale_or_rule_set_during_the_inner_step_is_what_the_policy_advances(s
 
     def hook(*_):
         change(opt.loss_scale)
+
     inner.register_step_pre_hook(hook)
     assert bool(opt.step().stepped)
     assert float(opt.loss_scale.scale) == expected
 
 
 # --- a torch optimizer: hooks, schedulers, closures, proxies ------------------------------------------
+
 
 def test_param_groups_state_and_defaults_are_the_inner_optimizers_and_lr_schedulers_drive_them():
     model, data = model_and_data()
@@ -432,8 +482,13 @@ def test_the_step_returns_a_step_result_and_keeps_it():
     opt.backward(loss_fn(model, *data[0]))
     r = opt.step()
     assert isinstance(r, StepResult) and opt.last_result is r
-    assert (bool(r.stepped), bool(r.found_inf), float(r.scale), r.step, r.accumulating) == (True, False, 65536.0, 0,
-                                                                                             False)
+    assert (bool(r.stepped), bool(r.found_inf), float(r.scale), r.step, r.accumulating) == (
+        True,
+        False,
+        65536.0,
+        0,
+        False,
+    )
     assert float(r.next_scale) == 65536.0 and float(r.grad_norm) > 0
 
 
@@ -449,19 +504,29 @@ def test_step_hooks_run_in_torchs_order_with_torchs_arguments():
     def closure():
         opt.backward(loss_fn(model, *data[0]))
         return "replaced"
-    opt.register_step_pre_hook(lambda o, args, kwargs: (seen.append(("pre", args[0] is o, len(args))),
-                                                         ((o, closure), {}))[1])
+
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: (seen.append(("pre", args[0] is o, len(args))), ((o, closure), {}))[1]
+    )
     opt.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", args[1] is closure)))
-    handles = [register_optimizer_step_pre_hook(lambda o, a, k: seen.append(("global pre", type(o).__name__))),
-               register_optimizer_step_post_hook(lambda o, a, k: seen.append(("global post", type(o).__name__)))]
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: seen.append(("global pre", type(o).__name__))),
+        register_optimizer_step_post_hook(lambda o, a, k: seen.append(("global post", type(o).__name__))),
+    ]
     try:
         result = opt.step()
     finally:
         for handle in handles:
             handle.remove()
     assert result.loss == "replaced" and bool(result.stepped)
-    assert seen == [("global pre", "LossScaleOptimizer"), ("pre", True, 1), ("global pre", "SGD"),
-                    ("global post", "SGD"), ("post", True), ("global post", "LossScaleOptimizer")]
+    assert seen == [
+        ("global pre", "LossScaleOptimizer"),
+        ("pre", True, 1),
+        ("global pre", "SGD"),
+        ("global post", "SGD"),
+        ("post", True),
+        ("global post", "LossScaleOptimizer"),
+    ]
 
 
 def test_a_step_pre_hook_that_returns_something_else_is_refused_as_torch_refuses_it():
@@ -505,8 +570,9 @@ def test_a_step_with_a_closure_runs_it_first_with_grad_and_reports_its_loss():
 def test_a_step_without_gradients_raises_and_never_counts_as_clean():
     """With growth_interval=1 a clean step would grow the scale: a step that saw no gradient must not."""
     model, _ = model_and_data()
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=DynamicScale(init_scale=1024.0,
-                                                                                                growth_interval=1))
+    opt = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), policy=DynamicScale(init_scale=1024.0, growth_interval=1)
+    )
     with pytest.raises(NoGradientsError, match=r"LossScaleOptimizer\.step\(\): No inf checks were recorded"):
         opt.step()
     assert float(opt.scale) == 1024.0 and opt.state_dict()["boundaries"] == 0
@@ -537,8 +603,9 @@ def _proxy(opt: LossScaleOptimizer):
 
 def test_a_proxy_that_copies_the_dict_shares_the_scale_and_the_accumulation_position():
     model, data = model_and_data()
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=DynamicScale(init_scale=1024.0),
-                             accumulation_steps=2)
+    opt = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), policy=DynamicScale(init_scale=1024.0), accumulation_steps=2
+    )
     proxy = _proxy(opt)
     proxy.set_scale(64.0)
     assert float(opt.scale) == 64.0
@@ -550,13 +617,17 @@ def test_a_proxy_that_copies_the_dict_shares_the_scale_and_the_accumulation_posi
     assert bool(result.found_inf) and proxy.last_result is result and float(proxy.scale) == 32.0
 
 
-
 # --- flat gradients (the buffer itself: test_ops_flat.py) -------------------------------------------------------
+
 
 def _flat_run(zero, steps=6):
     model, data = model_and_data(9)
-    opt = LossScaleOptimizer(FUSED_ADAMW(model.parameters()), policy=DynamicScale(init_scale=2.0**10,
-                             growth_interval=2), clip_grad_norm=0.5, flat_grads=True)
+    opt = LossScaleOptimizer(
+        FUSED_ADAMW(model.parameters()),
+        policy=DynamicScale(init_scale=2.0**10, growth_interval=2),
+        clip_grad_norm=0.5,
+        flat_grads=True,
+    )
     for i, (x, y) in enumerate(data[:steps]):
         zero(model, opt)
         opt.backward(loss_fn(model, x, y))
@@ -578,9 +649,13 @@ def test_flat_gradients_made_outside_the_buffer_are_copied_back_with_one_warning
         opt.zero_grad()
         for p in model.parameters():
             p.grad = torch.zeros_like(p)  # a new tensor: the backward goes into it, not into the buffer
+
     kept, _ = _flat_run(lambda model, opt: opt.zero_grad())
-    with pytest.warns(UserWarning, match=r"flat_grads=True\): some gradients were not views .* opt.zero_grad\(\)"
-                                         r".* opt.backward\(loss\)") as record:
+    with pytest.warns(
+        UserWarning,
+        match=r"flat_grads=True\): some gradients were not views .* opt.zero_grad\(\)"
+        r".* opt.backward\(loss\)",
+    ) as record:
         replaced, opt = _flat_run(replace)
     assert len(record) == 1 and record[0].filename == __file__  # once per optimizer, though every step copied
     assert opt._flat.attached(list(replaced.parameters()))

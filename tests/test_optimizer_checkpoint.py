@@ -44,10 +44,13 @@ def test_a_round_trip_mid_window_with_hysteresis_in_flight_continues_the_same_tr
 
     def make():
         model, ema = _model(), EMA(0.5)
-        opt = LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True),
-                                 policy=DynamicScale(init_scale=2.0**9, growth_interval=2, hysteresis=2,
-                                                     hysteresis_mode="cumulative"),
-                                 accumulation_steps=3, ema=ema, flat_grads=flat)
+        opt = LossScaleOptimizer(
+            torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True),
+            policy=DynamicScale(init_scale=2.0**9, growth_interval=2, hysteresis=2, hysteresis_mode="cumulative"),
+            accumulation_steps=3,
+            ema=ema,
+            flat_grads=flat,
+        )
         return model, opt, ema
 
     model, opt, ema = make()
@@ -87,12 +90,18 @@ EMA_CASES = {
     "another overwrite_every": (lambda d: {**d, "overwrite_every": 3}, ("overwrite_every=3",)),
     "momentum 1.5": (lambda d: {**d, "momentum": 1.5}, ("momentum=1.5", "saved arguments")),
     "one shadow short": (lambda d: {**d, "shadow": d["shadow"][:-1]}, ("one tensor per tracked parameter (4)",)),
-    "NaN shadow": (lambda d: {**d, "shadow": _shadow_with(1, torch.full((4,), math.nan))(d)},
-                   ("shadow[1]", "finite", "non-finite")),
-    "wrong shape (broadcast)": (lambda d: {**d, "shadow": _shadow_with(0, torch.ones(1))(d)},
-                                ("shadow[0]", "(4, 3)", "(1,)")),
-    "float64 shadow": (lambda d: {**d, "shadow": _shadow_with(2, torch.ones(2, 4, dtype=torch.float64))(d)},
-                       ("shadow[2]", "torch.float32", "torch.float64")),
+    "NaN shadow": (
+        lambda d: {**d, "shadow": _shadow_with(1, torch.full((4,), math.nan))(d)},
+        ("shadow[1]", "finite", "non-finite"),
+    ),
+    "wrong shape (broadcast)": (
+        lambda d: {**d, "shadow": _shadow_with(0, torch.ones(1))(d)},
+        ("shadow[0]", "(4, 3)", "(1,)"),
+    ),
+    "float64 shadow": (
+        lambda d: {**d, "shadow": _shadow_with(2, torch.ones(2, 4, dtype=torch.float64))(d)},
+        ("shadow[2]", "torch.float32", "torch.float64"),
+    ),
 }
 
 
@@ -158,22 +167,35 @@ def test_layer_scales_load_restores_a_good_checkpoint():
 
 def _lso(**kwargs):
     model = _model()
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                             policy=DynamicScale(init_scale=1024.0), **kwargs)
+    opt = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), policy=DynamicScale(init_scale=1024.0), **kwargs
+    )
     opt.backward(model(torch.ones(2, 3)).sum())
     opt.step()
     return opt
 
 
 PART_CASES = {
-    "ema NaN shadow": (dict(ema=EMA(0.9)), lambda d: {**d, "ema": {**d["ema"], "shadow": [
-        torch.full_like(s, math.nan) for s in d["ema"]["shadow"]]}}, "shadow[0]"),
-    "schedule of another mode": (dict(schedule=PrecisionSchedule("fast|step|0.5", total_steps=10)),
-                                 lambda d: {**d, "schedule": {**d["schedule"], "mode": "fast|step|0.9"}}, "mode"),
-    "schedule step -1": (dict(schedule=PrecisionSchedule("fast|step|0.5", total_steps=10)),
-                         lambda d: {**d, "schedule": {**d["schedule"], "step": -1}}, "step"),
-    "seen_switch 'no'": (dict(schedule=PrecisionSchedule("fast|step|0.5", total_steps=10)),
-                         lambda d: {**d, "seen_switch": "no"}, "seen_switch"),
+    "ema NaN shadow": (
+        dict(ema=EMA(0.9)),
+        lambda d: {**d, "ema": {**d["ema"], "shadow": [torch.full_like(s, math.nan) for s in d["ema"]["shadow"]]}},
+        "shadow[0]",
+    ),
+    "schedule of another mode": (
+        dict(schedule=PrecisionSchedule("fast|step|0.5", total_steps=10)),
+        lambda d: {**d, "schedule": {**d["schedule"], "mode": "fast|step|0.9"}},
+        "mode",
+    ),
+    "schedule step -1": (
+        dict(schedule=PrecisionSchedule("fast|step|0.5", total_steps=10)),
+        lambda d: {**d, "schedule": {**d["schedule"], "step": -1}},
+        "step",
+    ),
+    "seen_switch 'no'": (
+        dict(schedule=PrecisionSchedule("fast|step|0.5", total_steps=10)),
+        lambda d: {**d, "seen_switch": "no"},
+        "seen_switch",
+    ),
 }
 
 
@@ -203,9 +225,11 @@ def test_a_keras_average_with_momentum_one_round_trips():
     assert torch.equal(opt.ema.shadow[0], saved["core"]["ema"]["shadow"][0])
 
 
-PARTS = {"ema": lambda: dict(ema=EMA(0.9)),
-         "schedule": lambda: dict(schedule=PrecisionSchedule("fast|step|0.5", total_steps=10)),
-         "layerwise": lambda: dict(layerwise=None)}  # layerwise: attached to the model below
+PARTS = {
+    "ema": lambda: dict(ema=EMA(0.9)),
+    "schedule": lambda: dict(schedule=PrecisionSchedule("fast|step|0.5", total_steps=10)),
+    "layerwise": lambda: dict(layerwise=None),
+}  # layerwise: attached to the model below
 
 
 def _lso_with(part):
@@ -213,8 +237,9 @@ def _lso_with(part):
     if part != "layerwise":
         return _lso(**(PARTS[part]() if part else {}))
     model = _model()
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=DynamicScale(init_scale=1024.0),
-                             layerwise=model)
+    opt = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), policy=DynamicScale(init_scale=1024.0), layerwise=model
+    )
     opt.backward(model(torch.ones(2, 3)).sum())
     opt.step()
     return opt

@@ -11,15 +11,19 @@ import torch
 from lossscale import FixedScale, GradScaler, LossScaleOptimizer, PredictiveScale
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from _passes import count_passes  # noqa: E402
+from _passes import count_passes
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_no_pass_over_the_gradients_between_accumulation_boundaries(fused):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     params = list(model.parameters())
-    opt = LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-3, fused=fused), policy=FixedScale(2.0**8),
-                             accumulation_steps=4, clip_grad_norm=1.0)
+    opt = LossScaleOptimizer(
+        torch.optim.AdamW(params, lr=1e-3, fused=fused),
+        policy=FixedScale(2.0**8),
+        accumulation_steps=4,
+        clip_grad_norm=1.0,
+    )
     x = torch.randn(8, 16)
     for micro in range(8):
         opt.zero_grad()
@@ -35,8 +39,11 @@ def _counted(front, fused, clip, policy=None):
     tensors (the count is structural: it does not depend on their size)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(1 << 12)) for _ in range(6)]
-    make = (lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)) if fused else (
-        lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
+    make = (
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True))
+        if fused
+        else (lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
+    )
     base = [torch.randn_like(p) * 256 for p in params]
 
     def put():
@@ -45,8 +52,7 @@ def _counted(front, fused, clip, policy=None):
 
     bare = make(params)
     if front == "LSO":
-        opt = LossScaleOptimizer(make(params), policy=policy or FixedScale(256.0),
-                                 clip_grad_norm=1.0 if clip else None)
+        opt = LossScaleOptimizer(make(params), policy=policy or FixedScale(256.0), clip_grad_norm=1.0 if clip else None)
         run = opt.step
     else:
         inner = make(params)
@@ -59,9 +65,15 @@ def _counted(front, fused, clip, policy=None):
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
             scaler.step(inner)
             scaler.update()
-    put(); bare.step(); put(); run()  # noqa: E702  (creates state on both)
-    put(); b = count_passes(params, bare.step)
-    put(); c = count_passes(params, run)
+
+    put()
+    bare.step()
+    put()
+    run()
+    put()
+    b = count_passes(params, bare.step)
+    put()
+    c = count_passes(params, run)
     n = sum(p.numel() for p in params)
     return round((c.read - b.read) / n, 2), round((c.written - b.written) / n, 2)
 
@@ -69,10 +81,17 @@ def _counted(front, fused, clip, policy=None):
 # (read, write) passes beyond the bare step. LossScaleOptimizer's docstring: fused without clipping one read + write
 # (the check), fused with global-norm clipping one read (the norm is the check), otherwise one read + write to
 # unscale and check plus one read for the norm when clipping. GradScaler without clipping: torch's passes.
-@pytest.mark.parametrize("front,fused,clip,expected", [
-    ("LSO", True, True, (1, 0)), ("LSO", True, False, (1, 1)), ("LSO", False, False, (1, 1)),
-    ("LSO", False, True, (2, 1)), ("GS", True, False, (1, 1)), ("GS", False, False, (1, 1)),
-])
+@pytest.mark.parametrize(
+    "front,fused,clip,expected",
+    [
+        ("LSO", True, True, (1, 0)),
+        ("LSO", True, False, (1, 1)),
+        ("LSO", False, False, (1, 1)),
+        ("LSO", False, True, (2, 1)),
+        ("GS", True, False, (1, 1)),
+        ("GS", False, False, (1, 1)),
+    ],
+)
 def test_passes_over_the_gradients_are_what_the_docs_claim(front, fused, clip, expected):
     assert _counted(front, fused, clip) == expected
 
@@ -80,9 +99,16 @@ def test_passes_over_the_gradients_are_what_the_docs_claim(front, fused, clip, e
 # A policy that observes the gradients' maximum (PredictiveScale): with a fused optimizer and no clipping the
 # largest magnitude is the check (1 read, no write: less than the rows above); elsewhere it is one read more than
 # a DynamicScale's passes, as neither the L2 norm nor torch's unscale kernel yields a maximum.
-@pytest.mark.parametrize("front,fused,clip,expected", [
-    ("LSO", True, False, (1, 0)), ("LSO", True, True, (2, 0)), ("LSO", False, False, (2, 1)),
-    ("LSO", False, True, (3, 1)), ("GS", True, False, (1, 0)), ("GS", False, False, (2, 1)),
-])
+@pytest.mark.parametrize(
+    "front,fused,clip,expected",
+    [
+        ("LSO", True, False, (1, 0)),
+        ("LSO", True, True, (2, 0)),
+        ("LSO", False, False, (2, 1)),
+        ("LSO", False, True, (3, 1)),
+        ("GS", True, False, (1, 0)),
+        ("GS", False, False, (2, 1)),
+    ],
+)
 def test_a_policy_that_observes_amax_reads_it_from_the_check(front, fused, clip, expected):
     assert _counted(front, fused, clip, PredictiveScale(init_scale=256.0)) == expected

@@ -20,10 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossscale import (DynamicScale, FixedScale, FloorError, HostReadCounter, LossScale, Policy, PredictiveScale,
-                       presets)
-from lossscale.validation import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
+from lossscale import DynamicScale, FixedScale, FloorError, HostReadCounter, LossScale, Policy, PredictiveScale, presets
 from lossscale.policies.base import state_from_dict, state_to_dict
+from lossscale.validation import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
 from oracles import DynamicOracle, TorchOracle, f32
 
 
@@ -49,33 +48,65 @@ ASCEND_BELOW = f32(ASCEND_LIMIT * (1 - 2**-23))  # a float32 one or two units be
 #: Hand-worked trajectories: each is checked against the oracle and the policy, so the oracle is pinned too.
 EXAMPLES = {
     # interval 3: grows on the 3rd clean step in a row; an overflow halves and restarts the count
-    "growth and backoff": (dict(init_scale=16.0, growth_interval=3), [0, 0, 0, 1, 0, 0, 1, 0, 0, 0],
-                           [16, 16, 32, 16, 16, 16, 8, 8, 8, 16]),
+    "growth and backoff": (
+        dict(init_scale=16.0, growth_interval=3),
+        [0, 0, 0, 1, 0, 0, 1, 0, 0, 0],
+        [16, 16, 32, 16, 16, 16, 8, 8, 8, 16],
+    ),
     # hysteresis 2, consecutive: a clean step forgives an overflow
-    "hysteresis consecutive": (dict(init_scale=64.0, hysteresis=2, hysteresis_mode="consecutive"),
-                               [1, 0, 1, 1, 1, 0, 1, 1], [64, 64, 64, 32, 32, 32, 32, 16]),
+    "hysteresis consecutive": (
+        dict(init_scale=64.0, hysteresis=2, hysteresis_mode="consecutive"),
+        [1, 0, 1, 1, 1, 0, 1, 1],
+        [64, 64, 64, 32, 32, 32, 32, 16],
+    ),
     # cumulative: only a change of scale forgives
-    "hysteresis cumulative": (dict(init_scale=64.0, hysteresis=2, hysteresis_mode="cumulative"),
-                              [1, 0, 1, 1, 1, 0, 1, 1], [64, 64, 32, 32, 16, 16, 16, 8]),
+    "hysteresis cumulative": (
+        dict(init_scale=64.0, hysteresis=2, hysteresis_mode="cumulative"),
+        [1, 0, 1, 1, 1, 0, 1, 1],
+        [64, 64, 32, 32, 16, 16, 16, 8],
+    ),
     # three overflows for the first backoff, then one each until a growth refills the count
-    "no refill after backoff": (dict(init_scale=64.0, hysteresis=3, hysteresis_mode="cumulative",
-                                     refill_after_backoff=False, growth_interval=2),
-                                [1, 1, 1, 1, 1, 0, 0, 1, 1, 1], [64, 64, 32, 16, 8, 8, 16, 16, 16, 8]),
+    "no refill after backoff": (
+        dict(
+            init_scale=64.0, hysteresis=3, hysteresis_mode="cumulative", refill_after_backoff=False, growth_interval=2
+        ),
+        [1, 1, 1, 1, 1, 0, 0, 1, 1, 1],
+        [64, 64, 32, 16, 8, 8, 16, 16, 16, 8],
+    ),
     # start: 3 clean steps to grow, then every 2; after an overflow 3 again
-    "growth delay": (dict(init_scale=8.0, growth_interval=2, growth_delay=1), [0, 0, 0, 0, 0, 1, 0, 0, 0],
-                     [8, 8, 16, 16, 32, 16, 16, 16, 32]),
+    "growth delay": (
+        dict(init_scale=8.0, growth_interval=2, growth_delay=1),
+        [0, 0, 0, 0, 0, 1, 0, 0, 0],
+        [8, 8, 16, 16, 32, 16, 16, 16, 32],
+    ),
     # 0.8 is not a float32: torch multiplies by the double 0.8, float32 frameworks by 0.800000011920929
     "float64 arithmetic": (dict(init_scale=13.0, backoff_factor=0.8, min_scale=1.0), [1], [10.399999618530273]),
-    "float32 arithmetic": (dict(init_scale=13.0, backoff_factor=0.8, min_scale=1.0, arithmetic="float32"), [1],
-                           [10.40000057220459]),
-    "backoff divisor": (dict(init_scale=1000.0, growth_factor=3.0, backoff_divisor=3.0, arithmetic="float32"), [1],
-                        [f32(1000.0 / 3.0)]),
+    "float32 arithmetic": (
+        dict(init_scale=13.0, backoff_factor=0.8, min_scale=1.0, arithmetic="float32"),
+        [1],
+        [10.40000057220459],
+    ),
+    "backoff divisor": (
+        dict(init_scale=1000.0, growth_factor=3.0, backoff_divisor=3.0, arithmetic="float32"),
+        [1],
+        [f32(1000.0 / 3.0)],
+    ),
     "cap": (dict(init_scale=2.0**10, growth_interval=1, max_scale=2.0**12), [0] * 4, [2**11, 2**12, 2**12, 2**12]),
     # Ascend grows only while S < float32(3.4e38 / 2): just below that it grows, at it it does not
-    "operand guard below": (dict(init_scale=ASCEND_BELOW, growth_interval=1, max_scale=3.4e38, growth_guard="operand",
-                                 arithmetic="float32"), [0], [ASCEND_BELOW * 2]),
-    "operand guard at": (dict(init_scale=ASCEND_LIMIT, growth_interval=1, max_scale=3.4e38, growth_guard="operand",
-                              arithmetic="float32"), [0, 0], [ASCEND_LIMIT, ASCEND_LIMIT]),
+    "operand guard below": (
+        dict(
+            init_scale=ASCEND_BELOW, growth_interval=1, max_scale=3.4e38, growth_guard="operand", arithmetic="float32"
+        ),
+        [0],
+        [ASCEND_BELOW * 2],
+    ),
+    "operand guard at": (
+        dict(
+            init_scale=ASCEND_LIMIT, growth_interval=1, max_scale=3.4e38, growth_guard="operand", arithmetic="float32"
+        ),
+        [0, 0],
+        [ASCEND_LIMIT, ASCEND_LIMIT],
+    ),
 }
 
 
@@ -90,28 +121,65 @@ def test_hand_worked_examples(name):
 
 def test_the_defaults_are_torchs():
     p = DynamicScale()
-    assert (p.init_scale, p.growth_factor, p.backoff_factor, p.growth_interval, p.hysteresis) == (2.0**16, 2.0, 0.5,
-                                                                                                  2000, 1)
-    assert (p.min_scale, p.max_scale, p.growth_delay, p.arithmetic) == (SMALLEST_NORMAL_FLOAT32, FLOAT32_MAX, 0,
-                                                                        "float64")
+    assert (p.init_scale, p.growth_factor, p.backoff_factor, p.growth_interval, p.hysteresis) == (
+        2.0**16,
+        2.0,
+        0.5,
+        2000,
+        1,
+    )
+    assert (p.min_scale, p.max_scale, p.growth_delay, p.arithmetic) == (
+        SMALLEST_NORMAL_FLOAT32,
+        FLOAT32_MAX,
+        0,
+        "float64",
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.booleans(), min_size=1, max_size=400), st.integers(1, 6), st.sampled_from([1, 2, 3]),
-       st.sampled_from(["consecutive", "cumulative"]), st.booleans(), st.sampled_from(["float64", "float32"]),
-       st.sampled_from([None, 2.0, 3.0, 1.7]), st.sampled_from(["result", "operand"]), st.integers(0, 2),
-       st.sampled_from(["skip", "raise"]), st.sampled_from([(2.0, 0.5), (3.0, 0.8), (1.5, 0.3), (4.0, 0.25)]),
-       st.sampled_from([(1000.0, 1.0, FLOAT32_MAX), (2.0**120, 1.0, 3.4e38), (3.0, 3.0, 2.0**20),
-                        (2.0**16, SMALLEST_NORMAL_FLOAT32, FLOAT32_MAX), (2.0**-100, 2.0**-126, 2.0**40),
-                        (1e38, 2.0**-3, FLOAT32_MAX)]))
-def test_every_knob_matches_the_oracle_step_by_step(overflows, interval, hysteresis, mode, refill, arithmetic, divisor,
-                                                    guard, delay, at_floor, factors, bounds):
+@given(
+    st.lists(st.booleans(), min_size=1, max_size=400),
+    st.integers(1, 6),
+    st.sampled_from([1, 2, 3]),
+    st.sampled_from(["consecutive", "cumulative"]),
+    st.booleans(),
+    st.sampled_from(["float64", "float32"]),
+    st.sampled_from([None, 2.0, 3.0, 1.7]),
+    st.sampled_from(["result", "operand"]),
+    st.integers(0, 2),
+    st.sampled_from(["skip", "raise"]),
+    st.sampled_from([(2.0, 0.5), (3.0, 0.8), (1.5, 0.3), (4.0, 0.25)]),
+    st.sampled_from(
+        [
+            (1000.0, 1.0, FLOAT32_MAX),
+            (2.0**120, 1.0, 3.4e38),
+            (3.0, 3.0, 2.0**20),
+            (2.0**16, SMALLEST_NORMAL_FLOAT32, FLOAT32_MAX),
+            (2.0**-100, 2.0**-126, 2.0**40),
+            (1e38, 2.0**-3, FLOAT32_MAX),
+        ]
+    ),
+)
+def test_every_knob_matches_the_oracle_step_by_step(
+    overflows, interval, hysteresis, mode, refill, arithmetic, divisor, guard, delay, at_floor, factors, bounds
+):
     init, floor, cap = bounds
-    policy = DynamicScale(init_scale=init, growth_factor=factors[0],
-                          backoff_factor=0.5 if divisor is not None else factors[1], growth_interval=interval,
-                          hysteresis=hysteresis, hysteresis_mode=mode, refill_after_backoff=refill, min_scale=floor,
-                          max_scale=cap, at_floor=at_floor, arithmetic=arithmetic, backoff_divisor=divisor,
-                          growth_guard=guard, growth_delay=delay)
+    policy = DynamicScale(
+        init_scale=init,
+        growth_factor=factors[0],
+        backoff_factor=0.5 if divisor is not None else factors[1],
+        growth_interval=interval,
+        hysteresis=hysteresis,
+        hysteresis_mode=mode,
+        refill_after_backoff=refill,
+        min_scale=floor,
+        max_scale=cap,
+        at_floor=at_floor,
+        arithmetic=arithmetic,
+        backoff_divisor=divisor,
+        growth_guard=guard,
+        growth_delay=delay,
+    )
     oracle = oracle_of(policy)
     state = policy.init()
     assert int(state.growth_tracker) == oracle.tracker == -delay
@@ -124,14 +192,18 @@ def test_every_knob_matches_the_oracle_step_by_step(overflows, interval, hystere
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.booleans(), min_size=1, max_size=1000), st.integers(1, 40),
-       st.sampled_from([2.0**16, 3.0, 1e38, 2.0**-100]),
-       st.sampled_from([(2.0, 0.5), (2.0, 0.8), (1.5, 0.3), (1.0001, 0.9999)]))
+@given(
+    st.lists(st.booleans(), min_size=1, max_size=1000),
+    st.integers(1, 40),
+    st.sampled_from([2.0**16, 3.0, 1e38, 2.0**-100]),
+    st.sampled_from([(2.0, 0.5), (2.0, 0.8), (1.5, 0.3), (1.0001, 0.9999)]),
+)
 def test_torchs_arguments_give_torchs_kernel_bit_for_bit(overflows, interval, init, factors):
     """With torch's arguments the trajectory is torch._amp_update_scale_'s while torch's scale stays normal (torch
     then halves into subnormals; ours stops at 2**-126). The oracle describes the kernel too."""
-    policy = DynamicScale(init_scale=init, growth_factor=factors[0], backoff_factor=factors[1],
-                          growth_interval=interval)
+    policy = DynamicScale(
+        init_scale=init, growth_factor=factors[0], backoff_factor=factors[1], growth_interval=interval
+    )
     state = policy.init()
     t_scale, t_tracker = torch.full((), init, dtype=torch.float32), torch.zeros((), dtype=torch.int32)
     oracle = TorchOracle(init, factors[0], factors[1], interval)
@@ -145,9 +217,11 @@ def test_torchs_arguments_give_torchs_kernel_bit_for_bit(overflows, interval, in
         assert state.scale.item() == t_scale.item() and int(state.growth_tracker) == int(t_tracker)
 
 
-@pytest.mark.parametrize("policy", [DynamicScale(init_scale=8.0),
-                                    DynamicScale(init_scale=8.0, hysteresis_mode="cumulative", arithmetic="float32")],
-                         ids=["torch's kernel", "tensor ops"])
+@pytest.mark.parametrize(
+    "policy",
+    [DynamicScale(init_scale=8.0), DynamicScale(init_scale=8.0, hysteresis_mode="cumulative", arithmetic="float32")],
+    ids=["torch's kernel", "tensor ops"],
+)
 def test_found_inf_is_a_bool_or_a_count_and_must_be_a_tensor(policy):
     for found in [torch.tensor(2.0), torch.tensor(True), torch.tensor(1, dtype=torch.int32)]:
         assert float(policy.update(policy.init(), found).scale) == 4.0
@@ -160,18 +234,32 @@ def test_found_inf_is_a_bool_or_a_count_and_must_be_a_tensor(policy):
 def test_a_raising_step_at_the_floor_changes_nothing_but_floor_hits():
     """``at_floor="raise"``: the step that backs off at the floor raises in enforce_floor and leaves the counters, so
     a caller that catches it carries on as if it had not happened (DeepSpeed raises before touching its state)."""
-    policy = DynamicScale(init_scale=2.0, min_scale=1.0, hysteresis=2, hysteresis_mode="cumulative",
-                          refill_after_backoff=False, growth_interval=3, growth_delay=1, at_floor="raise")
+    policy = DynamicScale(
+        init_scale=2.0,
+        min_scale=1.0,
+        hysteresis=2,
+        hysteresis_mode="cumulative",
+        refill_after_backoff=False,
+        growth_interval=3,
+        growth_delay=1,
+        at_floor="raise",
+    )
     state = policy.init()
     for o in [True, True, False, False]:  # 2 -> 1 (the floor), then two clean steps toward a growth
         state = policy.update(state, torch.tensor(o))
         policy.enforce_floor(state)  # reaching the floor is fine
     frozen = policy.update(state, torch.tensor(True))
     assert (float(frozen.scale), int(frozen.floor_hits)) == (1.0, 1)
-    assert (int(frozen.growth_tracker), int(frozen.hysteresis_left)) == (1, 0) == (
-        int(state.growth_tracker), int(state.hysteresis_left))
-    with pytest.raises(FloorError, match=r"min_scale=1.0 .*\(1 step\(s\) in a row at the floor\).*NaN or inf in the "
-                                         r"data.*at_floor='skip'"):
+    assert (
+        (int(frozen.growth_tracker), int(frozen.hysteresis_left))
+        == (1, 0)
+        == (int(state.growth_tracker), int(state.hysteresis_left))
+    )
+    with pytest.raises(
+        FloorError,
+        match=r"min_scale=1.0 .*\(1 step\(s\) in a row at the floor\).*NaN or inf in the "
+        r"data.*at_floor='skip'",
+    ):
         policy.enforce_floor(frozen)
     scales, _ = [], None
     for o in [False, False]:  # the two clean steps before the raise still count
@@ -241,8 +329,9 @@ class HalveOnOverflow(Policy):
 
     def update(self, state, found_inf, amax=None):
         bad = found_inf.bool()
-        return CountingState(torch.where(bad, (state.scale / 2).clamp_min(self.min_scale), state.scale),
-                             state.steps + 1)
+        return CountingState(
+            torch.where(bad, (state.scale / 2).clamp_min(self.min_scale), state.scale), state.steps + 1
+        )
 
 
 def test_a_users_policy_with_its_own_state_runs_through_the_owner():
@@ -272,16 +361,24 @@ def test_state_records_save_every_field_and_load_only_a_whole_record():
     saved = state_to_dict(state)
     assert saved == {"scale": 128.0, "growth_tracker": 0, "hysteresis_left": 2, "floor_hits": 0}
     restored = state_from_dict(policy.init(), saved)
-    assert all(torch.equal(getattr(restored, f), getattr(state, f)) and getattr(restored, f).dtype ==
-               getattr(state, f).dtype for f in saved)
+    assert all(
+        torch.equal(getattr(restored, f), getattr(state, f)) and getattr(restored, f).dtype == getattr(state, f).dtype
+        for f in saved
+    )
     with pytest.raises(KeyError, match=r"missing \['growth_tracker', 'hysteresis_left', 'floor_hits'\]"):
         state_from_dict(policy.init(), {"scale": 1.0})
 
 
-@pytest.mark.parametrize("policy", [
-    DynamicScale(init_scale=2.0**10, growth_interval=2, hysteresis=2, hysteresis_mode="cumulative",
-                 arithmetic="float32"),
-    PredictiveScale(init_scale=2.0**10, history=4)], ids=["DynamicScale", "PredictiveScale"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        DynamicScale(
+            init_scale=2.0**10, growth_interval=2, hysteresis=2, hysteresis_mode="cumulative", arithmetic="float32"
+        ),
+        PredictiveScale(init_scale=2.0**10, history=4),
+    ],
+    ids=["DynamicScale", "PredictiveScale"],
+)
 def test_a_batch_of_states_advances_as_each_state_alone(policy):
     """``update`` is element-wise: state fields with a leading dimension advance that many independent scales
     (how test_golden.py checks every recorded transition at once)."""
@@ -292,11 +389,11 @@ def test_a_batch_of_states_advances_as_each_state_alone(policy):
         for o in row:
             state = policy.update(state, torch.tensor(o), amax=torch.tensor(math.inf if o else 100.0))
         alone.append(state)
-    batch = type(policy.init())(*(getattr(policy.init(), f.name).expand(3).clone()
-                                  for f in dataclasses.fields(policy.init())))
+    batch = type(policy.init())(
+        *(getattr(policy.init(), f.name).expand(3).clone() for f in dataclasses.fields(policy.init()))
+    )
     for step in zip(*flags):
-        batch = policy.update(batch, torch.tensor(step),
-                              amax=torch.tensor([math.inf if o else 100.0 for o in step]))
+        batch = policy.update(batch, torch.tensor(step), amax=torch.tensor([math.inf if o else 100.0 for o in step]))
     for f in dataclasses.fields(batch):
         assert torch.equal(getattr(batch, f.name), torch.stack([getattr(s, f.name) for s in alone])), f.name
 
@@ -313,11 +410,20 @@ def test_policies_are_frozen_and_compare_by_value():
 #: Each distinct rule, with a short window so that growth and its cap are reached in a few steps.
 CONTRACT = {
     "DynamicScale": DynamicScale(init_scale=2.0**10, growth_interval=3),
-    "DynamicScale(hysteresis)": DynamicScale(init_scale=2.0**10, growth_interval=3, hysteresis=2,
-                                             hysteresis_mode="cumulative", refill_after_backoff=False),
-    "DynamicScale(float32)": DynamicScale(init_scale=1000.0, growth_factor=3.0, backoff_divisor=3.0,
-                                          arithmetic="float32", growth_guard="operand", growth_delay=1,
-                                          growth_interval=2, min_scale=1.0, max_scale=2.0**40),
+    "DynamicScale(hysteresis)": DynamicScale(
+        init_scale=2.0**10, growth_interval=3, hysteresis=2, hysteresis_mode="cumulative", refill_after_backoff=False
+    ),
+    "DynamicScale(float32)": DynamicScale(
+        init_scale=1000.0,
+        growth_factor=3.0,
+        backoff_divisor=3.0,
+        arithmetic="float32",
+        growth_guard="operand",
+        growth_delay=1,
+        growth_interval=2,
+        min_scale=1.0,
+        max_scale=2.0**40,
+    ),
     "FixedScale": FixedScale(2.0**10),
     "PredictiveScale": PredictiveScale(init_scale=2.0**10, history=4),
     "presets.torch_amp": presets.torch_amp(2.0**10, growth_interval=2),
@@ -419,4 +525,3 @@ def test_clean_runs_from_the_top_never_pass_the_cap(policy):
     for _ in range(40):
         advance(owner, False)
         assert math.isfinite(float(owner.scale)) and float(owner.scale) <= policy.max_scale
-

@@ -19,19 +19,39 @@ from lossscale.policies.predictive import PredictiveScale
 from oracles import PredictiveOracle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import _streams as streams  # noqa: E402  (the seeded stream generator the benchmark uses)
+import _streams as streams
 
 LIMIT = 65504.0
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["clean", "clean", "clean", "inf", "fault-loss", "fault-amax"]),
-                          st.floats(1e-6, 1e2)), min_size=1, max_size=120),
-       st.integers(1, 40), st.integers(1, 60), st.integers(0, 2), st.booleans(), st.integers(1, 50),
-       st.sampled_from([0.5, 0.25]), st.sampled_from([10, 1000, 20_000]))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["clean", "clean", "clean", "inf", "fault-loss", "fault-amax"]), st.floats(1e-6, 1e2)
+        ),
+        min_size=1,
+        max_size=120,
+    ),
+    st.integers(1, 40),
+    st.integers(1, 60),
+    st.integers(0, 2),
+    st.booleans(),
+    st.integers(1, 50),
+    st.sampled_from([0.5, 0.25]),
+    st.sampled_from([10, 1000, 20_000]),
+)
 def test_matches_oracle(steps, history, tail_history, margin, learn, forget, backoff, target):
-    policy = PredictiveScale(init_scale=2.0**15, target_interval=target, history=history, tail_history=tail_history,
-                             margin=margin, learn_margin=learn, forget_interval=forget, backoff_factor=backoff)
+    policy = PredictiveScale(
+        init_scale=2.0**15,
+        target_interval=target,
+        history=history,
+        tail_history=tail_history,
+        margin=margin,
+        learn_margin=learn,
+        forget_interval=forget,
+        backoff_factor=backoff,
+    )
     oracle = PredictiveOracle(policy)
     state = policy.init()
     for kind, unscaled in steps:
@@ -39,8 +59,12 @@ def test_matches_oracle(steps, history, tail_history, margin, learn, forget, bac
         overflow = kind != "clean"
         amax = {"clean": unscaled * scale, "inf": math.inf, "fault-loss": math.inf, "fault-amax": 1e-3}[kind]
         loss_finite = False if kind == "fault-loss" else None
-        state = policy.update(state, torch.tensor(overflow), amax=torch.tensor(amax),
-                              loss_finite=None if loss_finite is None else torch.tensor(loss_finite))
+        state = policy.update(
+            state,
+            torch.tensor(overflow),
+            amax=torch.tensor(amax),
+            loss_finite=None if loss_finite is None else torch.tensor(loss_finite),
+        )
         oracle.scale, oracle.tie = scale, False  # judge each step from the same scale
         expected = oracle.step(overflow, amax, loss_finite)
         assert float(state.scale) == expected or oracle.near_a_tie(), (kind, float(state.scale), expected)
@@ -56,8 +80,9 @@ def test_the_loss_finite_flag_costs_no_host_read():
     state = policy.init()
     with HostReadCounter() as reads:
         for i in range(7):
-            state = policy.update(state, torch.tensor(i == 3), amax=torch.tensor(float(i + 1)),
-                                  loss_finite=torch.tensor(i != 5))
+            state = policy.update(
+                state, torch.tensor(i == 3), amax=torch.tensor(float(i + 1)), loss_finite=torch.tensor(i != 5)
+            )
     assert reads.count == 0
 
 
@@ -79,8 +104,11 @@ def torch_rule(amaxes_log2):
 def stream_outcomes():
     """(torch, predictive) outcomes on the three issue-18 streams, seeds 0-2, 20,000 steps each (the targets are
     stated for that length: torch probes every 2,000 steps). The nine streams run as one batch."""
-    runs = [streams.make_stream(kind, 20_000, seed) for kind in ("stationary", "drifting", "heavy-tailed")
-            for seed in range(3)]
+    runs = [
+        streams.make_stream(kind, 20_000, seed)
+        for kind in ("stationary", "drifting", "heavy-tailed")
+        for seed in range(3)
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 0-d and 9-element tensors: threads only add overhead
     try:
@@ -226,12 +254,14 @@ def tiny_model():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 
 
-@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
-                                      lambda ps: torch.optim.SGD(ps, lr=1e-2)])
+@pytest.mark.parametrize(
+    "make_opt", [lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), lambda ps: torch.optim.SGD(ps, lr=1e-2)]
+)
 @pytest.mark.parametrize("shell", ["scaler", "optimizer"])
 def test_both_scalers_feed_it_the_observed_maximum(make_opt, shell):
     """Each step's new scale is the policy's forecast from the largest scaled gradient the step measured."""
-    from lossscale import GradScaler, HostReadCounter, LossScaleOptimizer
+    from lossscale import LossScaleOptimizer
+
     x = torch.randn(16, 4)
     model = tiny_model()
     policy = PredictiveScale(init_scale=2.0**4)
@@ -282,6 +312,7 @@ def test_the_update_stays_within_its_op_budget():
 
     policy = PredictiveScale()
     state = policy.update(policy.init(), torch.tensor(False), amax=torch.tensor(1000.0))  # one observation
-    ops = dispatched_ops(lambda: policy.update(state, torch.tensor(False), amax=torch.tensor(1000.0),
-                                               loss_finite=torch.tensor(True)))
+    ops = dispatched_ops(
+        lambda: policy.update(state, torch.tensor(False), amax=torch.tensor(1000.0), loss_finite=torch.tensor(True))
+    )
     assert sum(ops.values()) <= 85

@@ -62,19 +62,26 @@ KIND = {
     "lossscale.ops.amax_kernel": "module",
     "lossscale.ops.amax_kernel.amax": "function",
     "lossscale.diagnosis": "module",
-    "lossscale.diagnosis.OverflowDiagnosis": "class",
-    "lossscale.diagnosis.OverflowWarning": "class",
     "lossscale.diagnosis.advance_trigger": "function",
-    "lossscale.diagnosis.find_overflow": "function",
-    "lossscale.diagnosis.keep_float32": "function",
+    "lossscale.OverflowDiagnosis": "class",
+    "lossscale.OverflowWarning": "class",
+    "lossscale.find_overflow": "function",
+    "lossscale.keep_float32": "function",
 }
 #: The optional package a name needs (an integration's framework, an extra; triton, which torch's CUDA builds bring):
 #: without it, its names are skipped, saying so.
-FRAMEWORK = {"lossscale.integrations.lightning": "lightning", "lossscale.integrations.fabric": "lightning",
-             "lossscale.integrations.accelerate": "accelerate", "lossscale.integrations.transformers": "transformers",
-             "lossscale.ops.amax_kernel": "triton"}
-IS_KIND = {"module": lambda o: isinstance(o, types.ModuleType), "class": inspect.isclass,
-           "function": inspect.isfunction}
+FRAMEWORK = {
+    "lossscale.integrations.lightning": "lightning",
+    "lossscale.integrations.fabric": "lightning",
+    "lossscale.integrations.accelerate": "accelerate",
+    "lossscale.integrations.transformers": "transformers",
+    "lossscale.ops.amax_kernel": "triton",
+}
+IS_KIND = {
+    "module": lambda o: isinstance(o, types.ModuleType),
+    "class": inspect.isclass,
+    "function": inspect.isfunction,
+}
 
 
 def documented_names() -> list[str]:
@@ -111,8 +118,9 @@ def resolve(name: str):
 
 def test_the_documentation_names_what_kind_each_name_is():
     assert len(NAMES) > 20, NAMES  # the reading found the names
-    assert set(NAMES) == set(KIND), (f"record the kind of {sorted(set(NAMES) - set(KIND))}; "
-                                     f"no longer documented: {sorted(set(KIND) - set(NAMES))}")
+    assert set(NAMES) == set(KIND), (
+        f"record the kind of {sorted(set(NAMES) - set(KIND))}; no longer documented: {sorted(set(KIND) - set(NAMES))}"
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -20,14 +20,13 @@ import dataclasses
 import math
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace as Live  # the objects of one run (model, optimizer, scaler, ...)
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
-
-from lossscale.compat.keras import KerasArguments
 import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -36,6 +35,7 @@ from torch import nn
 import lossscale
 from lossscale import EMA, DynamicScale, FloorError, LossScaleOptimizer, PrecisionSchedule, PredictiveScale, presets
 from lossscale.compat import ascend, keras, mindspore, nnabla
+from lossscale.compat.keras import KerasArguments
 
 MAX_STEPS = 40
 SCHEDULE_STEPS = 20  # a precision schedule's total_steps: 'fast|step|0.5' switches back at optimizer step 10
@@ -196,18 +196,24 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def assert_same(got: Any, expected: Any, where: str) -> None:
     """``got`` equals ``expected`` bit for bit (tensors and floats by their bits, NaN included), naming the place."""
     if isinstance(expected, torch.Tensor):
-        same = (isinstance(got, torch.Tensor) and got.dtype == expected.dtype and got.shape == expected.shape
-                and torch.equal(_bits(got), _bits(expected)))
+        same = (
+            isinstance(got, torch.Tensor)
+            and got.dtype == expected.dtype
+            and got.shape == expected.shape
+            and torch.equal(_bits(got), _bits(expected))
+        )
         assert same, f"{where}: resumed {got!r}, straight {expected!r}"
     elif isinstance(expected, dict):
         assert isinstance(got, dict) and got.keys() == expected.keys(), (
             f"{where}: resumed keys {sorted(map(str, got)) if isinstance(got, dict) else got!r}, straight "
-            f"{sorted(map(str, expected))}")
+            f"{sorted(map(str, expected))}"
+        )
         for key in expected:
             assert_same(got[key], expected[key], f"{where}[{key!r}]")
     elif isinstance(expected, list):
         assert isinstance(got, list) and len(got) == len(expected), (
-            f"{where}: resumed {len(got) if isinstance(got, list) else got!r} entries, straight {len(expected)}")
+            f"{where}: resumed {len(got) if isinstance(got, list) else got!r} entries, straight {len(expected)}"
+        )
         for i, (a, b) in enumerate(zip(got, expected)):
             assert_same(a, b, f"{where}[{i}]")
     elif isinstance(expected, float):
@@ -237,16 +243,26 @@ class ScalerCase(Case):
     """``scaler.scale(loss).backward(); [unscale_, clip]; scaler.step(opt); scaler.update()``, saved as a user
     saves it: the model, the optimizer and the scaler's state dict."""
 
-    def __init__(self, id: str, first: str = "ours", then: str = "ours", policy: Callable[[], Any] | None = None,
-                 fused: bool = False, examples: int = 10) -> None:
+    def __init__(
+        self,
+        id: str,
+        first: str = "ours",
+        then: str = "ours",
+        policy: Callable[[], Any] | None = None,
+        fused: bool = False,
+        examples: int = 10,
+    ) -> None:
         self.id, self.first, self.then, self.policy = id, first, then, policy
         self.fused, self.examples = fused, examples
 
     def _make(self, kind: str) -> Live:
         model = Net()
         params = model.parameters()
-        opt = (torch.optim.Adam(params, lr=1e-2, fused=True) if self.fused
-               else torch.optim.SGD(params, lr=0.05, momentum=0.9))
+        opt = (
+            torch.optim.Adam(params, lr=1e-2, fused=True)
+            if self.fused
+            else torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        )
         return Live(model=model, opt=opt, scaler=make_scaler(kind, self.policy))
 
     def build(self) -> Live:
@@ -278,15 +294,24 @@ class ScalerCase(Case):
         live.scaler.load_state_dict(state["scaler"])
 
     def final(self, live: Live) -> Any:
-        return {"params": list(live.model.parameters()), "opt": live.opt.state_dict(),
-                "scaler": self._scaler_state(live.scaler)}
+        return {
+            "params": list(live.model.parameters()),
+            "opt": live.opt.state_dict(),
+            "scaler": self._scaler_state(live.scaler),
+        }
 
 
 # --- LossScaleOptimizer and the facades built on it ---------------------------------------------------------------
 
 
-def optimizer_step(opt: LossScaleOptimizer, model: nn.Module, i: int, poison: str | None,
-                   schedule: PrecisionSchedule | None = None, feed: Callable[..., None] | None = None) -> Any:
+def optimizer_step(
+    opt: LossScaleOptimizer,
+    model: nn.Module,
+    i: int,
+    poison: str | None,
+    schedule: PrecisionSchedule | None = None,
+    feed: Callable[..., None] | None = None,
+) -> Any:
     """One micro-step of a LossScaleOptimizer loop (under the schedule's autocast, fed after each optimizer step);
     what it reports, with the scale's whole state."""
     opt.zero_grad()
@@ -317,9 +342,19 @@ def fused_adamw(params: Any) -> torch.optim.Optimizer:
 class OptimizerCase(Case):
     """``LossScaleOptimizer(inner, policy=..., **options)``, with an EMA, a precision schedule or per-layer scales."""
 
-    def __init__(self, id: str, inner: Callable[[Any], torch.optim.Optimizer], policy: Callable[[], Any] | None = None,
-                 *, ema: tuple[float, int | None] | None = None, schedule: bool = False, layerwise: bool = False,
-                 examples: int = 10, regressions: tuple[Run, ...] = (), **options: Any) -> None:
+    def __init__(
+        self,
+        id: str,
+        inner: Callable[[Any], torch.optim.Optimizer],
+        policy: Callable[[], Any] | None = None,
+        *,
+        ema: tuple[float, int | None] | None = None,
+        schedule: bool = False,
+        layerwise: bool = False,
+        examples: int = 10,
+        regressions: tuple[Run, ...] = (),
+        **options: Any,
+    ) -> None:
         self.id, self.inner, self.policy, self.ema, self.schedule = id, inner, policy, ema, schedule
         self.layerwise, self.examples, self.regressions, self.options = layerwise, examples, regressions, options
 
@@ -329,10 +364,15 @@ class OptimizerCase(Case):
         options = dict(self.options)
         inner = self.inner(model.parameters())
         decay = options.pop("weight_decay", None)  # Keras's decoupled decay, an add-on of the facade's
-        opt = LossScaleOptimizer(inner, policy=None if self.policy is None else self.policy(),
-                                 ema=None if self.ema is None else EMA(*self.ema), schedule=schedule,
-                                 layerwise=model if self.layerwise else None,
-                                 add_ons=[KerasArguments(inner, None, decay)] if decay else [], **options)
+        opt = LossScaleOptimizer(
+            inner,
+            policy=None if self.policy is None else self.policy(),
+            ema=None if self.ema is None else EMA(*self.ema),
+            schedule=schedule,
+            layerwise=model if self.layerwise else None,
+            add_ons=[KerasArguments(inner, None, decay)] if decay else [],
+            **options,
+        )
         return Live(model=model, opt=opt, schedule=schedule)
 
     def step(self, live: Live, i: int, poison: str | None) -> Any:
@@ -361,8 +401,9 @@ class AscendCase(OptimizerCase):
         manager = ascend.ExponentialUpdateLossScaleManager(2.0**10, 3, decr_every_n_nan_or_inf=2)
         hook = ascend.TellMeStepOrLossHook(step=0, total_step=SCHEDULE_STEPS)
         schedule = ascend.ExperimentalConfig("fast|step|0.5").schedule(hook)
-        opt = ascend.NPULossScaleOptimizer(sgd(model.parameters()), manager, accumulation_steps=2,
-                                           schedule=schedule, clip_grad_norm=1.0)
+        opt = ascend.NPULossScaleOptimizer(
+            sgd(model.parameters()), manager, accumulation_steps=2, schedule=schedule, clip_grad_norm=1.0
+        )
         return Live(model=model, opt=opt, manager=manager, schedule=schedule, hook=hook)
 
     def step(self, live: Live, i: int, poison: str | None) -> Any:
@@ -432,14 +473,20 @@ class TrainCellCase(Case):
     def build(self) -> Live:
         model = Net()
         cell = mindspore.DynamicLossScaleUpdateCell(2.0**10, 2, 3)
-        train = mindspore.TrainOneStepWithLossScaleCell(lambda i, poison: loss_of(model, i, poison),
-                                                        sgd(model.parameters()), cell, accumulation_steps=2)
+        train = mindspore.TrainOneStepWithLossScaleCell(
+            lambda i, poison: loss_of(model, i, poison), sgd(model.parameters()), cell, accumulation_steps=2
+        )
         return Live(model=model, cell=cell, train=train)
 
     def step(self, live: Live, i: int, poison: str | None) -> Any:
         loss, overflow, scale = live.train(i, poison)
-        return {"loss": loss, "overflow": overflow, "scale": scale, "sense": live.train.scale_sense,
-                "cell": live.cell.state_dict()}
+        return {
+            "loss": loss,
+            "overflow": overflow,
+            "scale": scale,
+            "sense": live.train.scale_sense,
+            "cell": live.cell.state_dict(),
+        }
 
     def state(self, live: Live) -> dict[str, Any]:
         return {"model": live.model.state_dict(), "train_cell": live.train.state_dict()}
@@ -467,15 +514,20 @@ class NnablaCase(Case):
         def loss() -> torch.Tensor:
             return loss_of(live.model, 100 * live.i + live.passes, live.poison if live.passes == 1 else None)
 
-        live.updater = nnabla.DynamicLossScalingUpdater(sgd(live.model.parameters()), loss, feed, scale=8.0, N=2,
-                                                        accum_grad=2, weight_decay=1e-3)
+        live.updater = nnabla.DynamicLossScalingUpdater(
+            sgd(live.model.parameters()), loss, feed, scale=8.0, N=2, accum_grad=2, weight_decay=1e-3
+        )
         return live
 
     def step(self, live: Live, i: int, poison: str | None) -> Any:
         live.i, live.passes, live.poison = i, 0, poison
         live.updater.update()
-        return {"scale": live.updater.scale, "passes": live.passes, "result": live.updater.last_result,
-                "state": live.updater.state_dict()["policy_state"]}
+        return {
+            "scale": live.updater.scale,
+            "passes": live.passes,
+            "result": live.updater.last_result,
+            "state": live.updater.state_dict()["policy_state"],
+        }
 
     def state(self, live: Live) -> dict[str, Any]:
         return {"model": live.model.state_dict(), "updater": live.updater.state_dict()}
@@ -492,14 +544,21 @@ class KerasCase(Case):
     """Keras 3's loop: ``grads = grad(opt.scale_loss(loss))``, then ``opt.apply(grads)`` (accumulating without a
     backward of ours when ``gradient_accumulation_steps`` is set)."""
 
-    def __init__(self, id: str, inner: Callable[[Any], torch.optim.Optimizer], examples: int = 10,
-                 regressions: tuple[Run, ...] = (), **kwargs: Any) -> None:
+    def __init__(
+        self,
+        id: str,
+        inner: Callable[[Any], torch.optim.Optimizer],
+        examples: int = 10,
+        regressions: tuple[Run, ...] = (),
+        **kwargs: Any,
+    ) -> None:
         self.id, self.inner, self.examples, self.regressions, self.kwargs = id, inner, examples, regressions, kwargs
 
     def build(self) -> Live:
         model = Net()
-        opt = keras.LossScaleOptimizer(self.inner(model.parameters()), initial_scale=2.0**10, dynamic_growth_steps=3,
-                                       **self.kwargs)
+        opt = keras.LossScaleOptimizer(
+            self.inner(model.parameters()), initial_scale=2.0**10, dynamic_growth_steps=3, **self.kwargs
+        )
         return Live(model=model, opt=opt)
 
     def step(self, live: Live, i: int, poison: str | None) -> Any:
@@ -559,8 +618,9 @@ class LightningCase(Case):
         if self.optimizer:
             live.monitor = LossScaleMonitor()
             extra = dict(callbacks=[live.monitor], logger=_discarding_logger(), log_every_n_steps=1)
-        _, recorder, live.trainer = fit(self._plugin(live.kind), module, ckpt=live.ckpt, epochs=stop // self.stride,
-                                        **extra)
+        _, recorder, live.trainer = fit(
+            self._plugin(live.kind), module, ckpt=live.ckpt, epochs=stop // self.stride, **extra
+        )
         live.module = module
         return list(recorder.scales)
 
@@ -572,8 +632,11 @@ class LightningCase(Case):
 
     def final(self, live: Live) -> Any:
         trainer = live.trainer
-        end = {"params": list(live.module.parameters()), "opt": trainer.optimizers[0].state_dict(),
-               "global_step": trainer.global_step}
+        end = {
+            "params": list(live.module.parameters()),
+            "opt": trainer.optimizers[0].state_dict(),
+            "global_step": trainer.global_step,
+        }
         if self.optimizer:
             return dict(end, monitor=live.monitor.state_dict())
         return dict(end, scaler=torch_keys(trainer.precision_plugin.scaler.state_dict()))
@@ -642,8 +705,11 @@ class FabricCase(Case):
         return live
 
     def final(self, live: Live) -> Any:
-        return {"params": list(live.model.parameters()), "opt": live.opt.state_dict(),
-                "scaler": torch_keys(live.fabric.strategy.precision.scaler.state_dict())}
+        return {
+            "params": list(live.model.parameters()),
+            "opt": live.opt.state_dict(),
+            "scaler": torch_keys(live.fabric.strategy.precision.scaler.state_dict()),
+        }
 
 
 class AccelerateCase(Case):
@@ -693,8 +759,11 @@ class AccelerateCase(Case):
         return live
 
     def final(self, live: Live) -> Any:
-        return {"params": list(live.model.parameters()), "opt": live.opt.state_dict(),
-                "scaler": torch_keys(live.acc.scaler.state_dict())}
+        return {
+            "params": list(live.model.parameters()),
+            "opt": live.opt.state_dict(),
+            "scaler": torch_keys(live.acc.scaler.state_dict()),
+        }
 
     def close(self) -> None:
         from test_integration_accelerate import reset_accelerate_state
@@ -726,8 +795,16 @@ def preset_cases() -> list[Case]:
     for n, (name, policy) in enumerate(PRESET_POLICIES.items()):
         mode, inner = SKIP_MODES[n % 3]
         steps = (n + n // 3) % 3 + 1
-        cases.append(OptimizerCase(f"optimizer-preset-{name}-{mode}-accumulation-{steps}", inner, policy,
-                                   skip_mode=mode, accumulation_steps=steps, examples=5))
+        cases.append(
+            OptimizerCase(
+                f"optimizer-preset-{name}-{mode}-accumulation-{steps}",
+                inner,
+                policy,
+                skip_mode=mode,
+                accumulation_steps=steps,
+                examples=5,
+            )
+        )
     return cases
 
 
@@ -742,29 +819,67 @@ CASES: list[Case] = [
     ScalerCase("scaler-torch-into-ours", first="torch"),
     ScalerCase("scaler-ours-into-torch", then="torch"),
     ScalerCase("scaler-predictive", policy=lambda: PredictiveScale(init_scale=2.0**10, target_interval=10)),
-    ScalerCase("scaler-preset-deepspeed", policy=lambda: presets.deepspeed(init_scale=2.0**10, scale_window=3,
-                                                                           raise_error_at_min_scale=False)),
-    OptimizerCase("optimizer-fused-accumulation-clip-norm", fused_adamw, lambda: DynamicScale(
-        init_scale=2.0**10, growth_interval=3, hysteresis=2), skip_mode="fused", accumulation_steps=3,
-        clip_grad_norm=1.0),
-    OptimizerCase("optimizer-masked-accumulation-ema-decay", adam, lambda: DynamicScale(**TORCH_ARGS),
-                  skip_mode="masked", accumulation_steps=2, ema=(0.5, 3), weight_decay=0.01),
-    OptimizerCase("optimizer-host-clip-value-underflow", sgd, lambda: DynamicScale(**TORCH_ARGS), skip_mode="host",
-                  clip_grad_value=0.5, underflow_stride=2),
-    OptimizerCase("optimizer-schedule", sgd, lambda: DynamicScale(**TORCH_ARGS), schedule=True, accumulation_steps=2,
-                  clip_grad_norm=1.0),
-    OptimizerCase("optimizer-layerwise", sgd, lambda: DynamicScale(**TORCH_ARGS), layerwise=True,
-                  accumulation_steps=2),
-    OptimizerCase("optimizer-predictive", adam, lambda: PredictiveScale(init_scale=2.0**10, target_interval=10),
-                  skip_mode="masked", accumulation_steps=2, regressions=(PREDICTIVE_LOSS_IN_WINDOW,)),
+    ScalerCase(
+        "scaler-preset-deepspeed",
+        policy=lambda: presets.deepspeed(init_scale=2.0**10, scale_window=3, raise_error_at_min_scale=False),
+    ),
+    OptimizerCase(
+        "optimizer-fused-accumulation-clip-norm",
+        fused_adamw,
+        lambda: DynamicScale(init_scale=2.0**10, growth_interval=3, hysteresis=2),
+        skip_mode="fused",
+        accumulation_steps=3,
+        clip_grad_norm=1.0,
+    ),
+    OptimizerCase(
+        "optimizer-masked-accumulation-ema-decay",
+        adam,
+        lambda: DynamicScale(**TORCH_ARGS),
+        skip_mode="masked",
+        accumulation_steps=2,
+        ema=(0.5, 3),
+        weight_decay=0.01,
+    ),
+    OptimizerCase(
+        "optimizer-host-clip-value-underflow",
+        sgd,
+        lambda: DynamicScale(**TORCH_ARGS),
+        skip_mode="host",
+        clip_grad_value=0.5,
+        underflow_stride=2,
+    ),
+    OptimizerCase(
+        "optimizer-schedule",
+        sgd,
+        lambda: DynamicScale(**TORCH_ARGS),
+        schedule=True,
+        accumulation_steps=2,
+        clip_grad_norm=1.0,
+    ),
+    OptimizerCase("optimizer-layerwise", sgd, lambda: DynamicScale(**TORCH_ARGS), layerwise=True, accumulation_steps=2),
+    OptimizerCase(
+        "optimizer-predictive",
+        adam,
+        lambda: PredictiveScale(init_scale=2.0**10, target_interval=10),
+        skip_mode="masked",
+        accumulation_steps=2,
+        regressions=(PREDICTIVE_LOSS_IN_WINDOW,),
+    ),
     *preset_cases(),
     AscendCase(),
     MindSporeLoopCase("mindspore-update-cell", manager=False),
     MindSporeLoopCase("mindspore-manager", manager=True),
     TrainCellCase(),
     NnablaCase(),
-    KerasCase("keras-accumulation-ema", adam, regressions=(KERAS_MID_WINDOW,), gradient_accumulation_steps=3,
-              use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=2),
+    KerasCase(
+        "keras-accumulation-ema",
+        adam,
+        regressions=(KERAS_MID_WINDOW,),
+        gradient_accumulation_steps=3,
+        use_ema=True,
+        ema_momentum=0.9,
+        ema_overwrite_frequency=2,
+    ),
     KerasCase("keras-clipnorm-decay", sgd, clipnorm=1.0, weight_decay=0.01),
     LightningCase("lightning-mixed-precision"),
     LightningCase("lightning-torch-into-ours", first="torch"),
@@ -781,8 +896,13 @@ CASES: list[Case] = [
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
 def test_a_run_broken_anywhere_resumes_from_its_checkpoint_bit_for_bit(case: Case) -> None:
-    @settings(max_examples=case.examples, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=case.examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(run=runs(case))
     def check(run: Run) -> None:
         check_resume(case, run)

@@ -114,8 +114,9 @@ def run_two_optimizers(scaler, poisoned: str):
 
 @pytest.mark.parametrize("poisoned", ["first", "second"])
 def test_two_optimizers_back_off_on_an_overflow_in_either_as_torch(poisoned):
-    ref_model, ref_opts, ref_scales = run_two_optimizers(torch.amp.GradScaler("cpu", init_scale=256.0,
-                                                                               growth_interval=2), poisoned)
+    ref_model, ref_opts, ref_scales = run_two_optimizers(
+        torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2), poisoned
+    )
     model, opts, scales = run_two_optimizers(GradScaler("cpu", init_scale=256.0, growth_interval=2), poisoned)
     assert scales == ref_scales and scales[2] == scales[1] / 2 and scales[5] < scales[4]
     for opt, ref_opt in zip(opts, ref_opts):
@@ -156,20 +157,26 @@ def test_a_sparse_embedding_steps_as_with_torch(coalesce):
 
 # --- random call sequences ------------------------------------------------------------------------------
 
-SCALES = st.one_of(st.sampled_from([2.0**k for k in range(-8, 40)]),
-                   st.floats(min_value=2.0**-8, max_value=2.0**40, allow_nan=False, allow_infinity=False))
-ITERATION = st.fixed_dictionaries({
-    "inject": st.one_of(st.none(), st.tuples(st.sampled_from([INF, -INF, NAN]), st.integers(0, 7))),
-    "unscale_first": st.booleans(),
-    "new_scale": st.one_of(st.none(), st.none(), SCALES, SCALES.map(torch.tensor)),
-    "round_trip": st.sampled_from([None, None, "own", "torch_into_lossscale", "lossscale_into_torch"]),
-})
-CONFIG = st.fixed_dictionaries({
-    "init_scale": SCALES,
-    "growth_factor": st.sampled_from([2.0, 1.5, 3.0, 1.25]),
-    "backoff_factor": st.sampled_from([0.5, 0.25, 0.8, 0.125]),
-    "growth_interval": st.integers(1, 4),
-})
+SCALES = st.one_of(
+    st.sampled_from([2.0**k for k in range(-8, 40)]),
+    st.floats(min_value=2.0**-8, max_value=2.0**40, allow_nan=False, allow_infinity=False),
+)
+ITERATION = st.fixed_dictionaries(
+    {
+        "inject": st.one_of(st.none(), st.tuples(st.sampled_from([INF, -INF, NAN]), st.integers(0, 7))),
+        "unscale_first": st.booleans(),
+        "new_scale": st.one_of(st.none(), st.none(), SCALES, SCALES.map(torch.tensor)),
+        "round_trip": st.sampled_from([None, None, "own", "torch_into_lossscale", "lossscale_into_torch"]),
+    }
+)
+CONFIG = st.fixed_dictionaries(
+    {
+        "init_scale": SCALES,
+        "growth_factor": st.sampled_from([2.0, 1.5, 3.0, 1.25]),
+        "backoff_factor": st.sampled_from([0.5, 0.25, 0.8, 0.125]),
+        "growth_interval": st.integers(1, 4),
+    }
+)
 
 
 class Run:
@@ -248,6 +255,7 @@ def test_random_call_sequences_agree_with_torch_after_every_call(config, iterati
 
 # --- setters and state dicts -----------------------------------------------------------------------------
 
+
 def torch_keys(saved: dict, **changes) -> dict:
     """A state dict of ours as torch's: without policy_state."""
     return {**{k: v for k, v in saved.items() if k != "policy_state"}, **changes}
@@ -257,8 +265,9 @@ SETTERS_BETWEEN_STEP_AND_UPDATE = {  # each changes the rule or the state at eve
     "set_growth_factor": lambda s, i: s.set_growth_factor(2.0 + i),
     "set_backoff_factor": lambda s, i: s.set_backoff_factor(1 / (2.0 + i)),
     "set_growth_interval": lambda s, i: s.set_growth_interval(2 - i % 2),
-    "load_state_dict": lambda s, i: s.load_state_dict(torch_keys(s.state_dict(), scale=64.0 * 2**i,
-                                                                 _growth_tracker=i % 2)),
+    "load_state_dict": lambda s, i: s.load_state_dict(
+        torch_keys(s.state_dict(), scale=64.0 * 2**i, _growth_tracker=i % 2)
+    ),
     "_scale": lambda s, i: setattr(s, "_scale", torch.tensor(32.0 * 2**i)),
     "_scale.fill_": lambda s, i: s._scale.fill_(256.0 * (i + 1)),  # real code's way to reset the scale
     "_growth_tracker.fill_": lambda s, i: s._growth_tracker.fill_(1 - i % 2),
@@ -334,8 +343,9 @@ def test_state_dict_round_trips_mid_run_in_our_format_torchs_and_by_pickle():
         assert rest == trajectory[4:]
 
 
-@pytest.mark.parametrize(("key", "field", "value"), [("scale", "scale", 64.0),
-                                                     ("_growth_tracker", "growth_tracker", 3)])
+@pytest.mark.parametrize(
+    ("key", "field", "value"), [("scale", "scale", 64.0), ("_growth_tracker", "growth_tracker", 3)]
+)
 def test_a_state_dict_whose_two_copies_of_the_scale_disagree_is_refused_naming_both(key, field, value):
     """state_dict() writes the scale and the growth tracker twice (torch's keys, policy_state); an edit of one
     copy is never silently dropped for the other: torch's keys alone load, two that disagree raise."""
@@ -364,6 +374,7 @@ def test_pickling_mid_iteration_is_refused():
 
 
 # --- beyond torch: host reads, saturation, attribution, policies that observe the loss ---------------------
+
 
 def bare_step_reads(opt_name: str) -> int:
     """Host reads the optimizer makes by itself (CPU Adam reads its step counts): not the scaler's."""
@@ -465,6 +476,7 @@ def test_a_non_finite_loss_reaches_a_policy_that_observes_it():
 
 # --- disabled, construction, call order ------------------------------------------------------------------
 
+
 def test_a_disabled_scaler_is_the_identity_and_steps():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -480,11 +492,14 @@ def test_a_disabled_scaler_is_the_identity_and_steps():
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(growth_factor=0.9), "growth_factor must be a finite number > 1"),
-    (dict(overflow_mode="saturate"), "overflow_mode must be one of 'inf_nan', 'saturation'"),
-    (dict(policy=DynamicScale(), init_scale=4.0), "pass either policy= or torch's scale arguments"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(growth_factor=0.9), "growth_factor must be a finite number > 1"),
+        (dict(overflow_mode="saturate"), "overflow_mode must be one of 'inf_nan', 'saturation'"),
+        (dict(policy=DynamicScale(), init_scale=4.0), "pass either policy= or torch's scale arguments"),
+    ],
+)
 def test_construction_is_checked_even_when_disabled(kwargs, needle, enabled):
     with pytest.raises(ValueError, match=needle):
         GradScaler(enabled=enabled, **kwargs)
@@ -494,13 +509,23 @@ MISUSE = {  # (calls after scale(loss).backward() or, with None, on a fresh scal
     "step before scale": (None, lambda s, o: s.step(o), r"step\(\) was called before scale\(\)"),
     "unscale_ before scale": (None, lambda s, o: s.unscale_(o), r"unscale_\(\) was called before scale\(\)"),
     "update before scale": (None, lambda s, o: s.update(), r"update\(\) was called before scale\(\)"),
-    "unscale_ twice": (lambda s, o: s.unscale_(o), lambda s, o: s.unscale_(o),
-                       r"unscale_\(\) was already called .* since the last update\(\)"),
-    "unscale_ after step": (lambda s, o: s.step(o), lambda s, o: s.unscale_(o),
-                            r"unscale_\(\) was called after step\(\)"),
+    "unscale_ twice": (
+        lambda s, o: s.unscale_(o),
+        lambda s, o: s.unscale_(o),
+        r"unscale_\(\) was already called .* since the last update\(\)",
+    ),
+    "unscale_ after step": (
+        lambda s, o: s.step(o),
+        lambda s, o: s.unscale_(o),
+        r"unscale_\(\) was called after step\(\)",
+    ),
     "step twice": (lambda s, o: s.step(o), lambda s, o: s.step(o), r"step\(\) was already called .* update\(\)"),
-    "update without step": (lambda s, o: None, lambda s, o: s.update(), r"update\(\) was called without unscale_\(\) "
-                                                                        r"or step\(\)"),
+    "update without step": (
+        lambda s, o: None,
+        lambda s, o: s.update(),
+        r"update\(\) was called without unscale_\(\) "
+        r"or step\(\)",
+    ),
     "step with a closure": (lambda s, o: None, lambda s, o: s.step(o, closure=lambda: 0), "closure"),
 }
 

@@ -96,8 +96,9 @@ def test_unscale_grads_returns_and_writes_what_torchs_does(start, poison):
 
 
 def sparse(values, indices, dtype=torch.float32) -> torch.Tensor:
-    return torch.sparse_coo_tensor(torch.tensor(indices), torch.tensor(values), (2, 3), dtype=dtype,
-                                   check_invariants=True)
+    return torch.sparse_coo_tensor(
+        torch.tensor(indices), torch.tensor(values), (2, 3), dtype=dtype, check_invariants=True
+    )
 
 
 @pytest.mark.parametrize("cls", BOTH)

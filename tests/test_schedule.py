@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lossscale import DynamicScale, FixedScale, LossScaleOptimizer, PrecisionSchedule
-from lossscale.compat.ascend import ExperimentalConfig, TellMeStepOrLossHook
 from lossscale.addons.schedule import ScheduleConfig, ScheduleState, advance, validate_attachable
+from lossscale.compat.ascend import ExperimentalConfig, TellMeStepOrLossHook
 
 ALLOWED_PARTS = ("'fast' (float16)", "'fast1' (bfloat16)", "'step'", "[0.2, 0.9]", "'loss'", "[1.01, 1.5]")
 
@@ -42,8 +42,10 @@ def test_fast1_step_025_over_10_is_bfloat16_for_steps_0_to_2():
     assert s.switch_step == 3
 
 
-@pytest.mark.parametrize("ratio,total,low_steps", [("0.3", 10, 3), ("0.7", 10, 7), ("0.2", 5, 1), ("0.9", 7, 7),
-                                                   ("0.29", 100, 29), ("0.51", 3, 2)])
+@pytest.mark.parametrize(
+    "ratio,total,low_steps",
+    [("0.3", 10, 3), ("0.7", 10, 7), ("0.2", 5, 1), ("0.9", 7, 7), ("0.29", 100, 29), ("0.51", 3, 2)],
+)
 def test_step_boundary_is_exact_decimal_arithmetic(ratio, total, low_steps):
     # 10 * 0.3 is 3.0000000000000004 in floats, which would keep step 3 in low precision
     s = PrecisionSchedule(f"fast|step|{ratio}", total_steps=total)
@@ -129,11 +131,34 @@ def test_autocast_changes_the_matmul_dtype_before_the_switch_and_not_after(mode,
 
 # --- validation ------------------------------------------------------------------------------------
 
-BAD_MODES = ["fast|step|0.1", "fast|loss|1.6", "slow|step|0.5", "fast|time|0.5", "fast|step|abc",
-             "fast|step|0.9|1", "fast|step|0.9|", "fast|step|", "|step|0.9", "fast||0.9", "fast", "", "|",
-             "fast|step|0.95", "fast|loss|1.00", "fast|step|1.05", "fast|loss|0.9", "FAST|step|0.9",
-             "fast|step| 0.9", "fast |step|0.9", "fast|step|nan", "fast|step|inf", "fast|step|1e-1", "fast|step|-0.5",
-             "fast|step|0_5", "fast1|loss|1.501"]
+BAD_MODES = [
+    "fast|step|0.1",
+    "fast|loss|1.6",
+    "slow|step|0.5",
+    "fast|time|0.5",
+    "fast|step|abc",
+    "fast|step|0.9|1",
+    "fast|step|0.9|",
+    "fast|step|",
+    "|step|0.9",
+    "fast||0.9",
+    "fast",
+    "",
+    "|",
+    "fast|step|0.95",
+    "fast|loss|1.00",
+    "fast|step|1.05",
+    "fast|loss|0.9",
+    "FAST|step|0.9",
+    "fast|step| 0.9",
+    "fast |step|0.9",
+    "fast|step|nan",
+    "fast|step|inf",
+    "fast|step|1e-1",
+    "fast|step|-0.5",
+    "fast|step|0_5",
+    "fast1|loss|1.501",
+]
 
 
 @pytest.mark.parametrize("mode", BAD_MODES)
@@ -151,29 +176,37 @@ def test_every_invalid_mode_is_a_value_error_that_names_the_allowed_values(mode)
 
 
 def test_the_error_says_what_was_wrong():
-    cases = {"fast|step|0.1": "ratio 0.1 for trigger 'step', outside [0.2, 0.9]",
-             "fast|loss|1.6": "ratio 1.6 for trigger 'loss', outside [1.01, 1.5]",
-             "slow|step|0.5": "type 'slow'", "fast|time|0.5": "trigger 'time'",
-             "fast|step|abc": "ratio 'abc', which is not a plain decimal number",
-             "fast|step|0.9|1": "4 fields", "fast|step|": "an empty field", "fast": "1 field in"}
+    cases = {
+        "fast|step|0.1": "ratio 0.1 for trigger 'step', outside [0.2, 0.9]",
+        "fast|loss|1.6": "ratio 1.6 for trigger 'loss', outside [1.01, 1.5]",
+        "slow|step|0.5": "type 'slow'",
+        "fast|time|0.5": "trigger 'time'",
+        "fast|step|abc": "ratio 'abc', which is not a plain decimal number",
+        "fast|step|0.9|1": "4 fields",
+        "fast|step|": "an empty field",
+        "fast": "1 field in",
+    }
     for mode, problem in cases.items():
         with pytest.raises(ValueError, match="got " + re.escape(problem)):
             PrecisionSchedule(mode, total_steps=10)
 
 
-@pytest.mark.parametrize("mode,kwargs,needle", [
-    ("fast|step|0.9", {}, "total_steps must be an integer >= 1; got None"),
-    ("fast|step|0.9", {"total_steps": 0}, "total_steps must be an integer >= 1; got 0"),
-    ("fast|step|0.9", {"total_steps": True}, "got True"),
-    ("fast|step|0.9", {"total_steps": 10.0}, "got 10.0"),
-    ("fast|step|0.9", {"total_steps": 10, "target_loss": 1.0}, "target_loss is only used by the 'loss' trigger"),
-    ("fast1|loss|1.05", {}, "target_loss must be a finite number > 0; got None"),
-    ("fast1|loss|1.05", {"target_loss": 0.0}, "got 0.0"),
-    ("fast1|loss|1.05", {"target_loss": -1.0}, "got -1.0"),
-    ("fast1|loss|1.05", {"target_loss": float("nan")}, "got nan"),
-    ("fast1|loss|1.05", {"target_loss": float("inf")}, "got inf"),
-    ("fast1|loss|1.05", {"target_loss": 2.0, "total_steps": 10}, "total_steps is only used by the 'step' trigger"),
-])
+@pytest.mark.parametrize(
+    "mode,kwargs,needle",
+    [
+        ("fast|step|0.9", {}, "total_steps must be an integer >= 1; got None"),
+        ("fast|step|0.9", {"total_steps": 0}, "total_steps must be an integer >= 1; got 0"),
+        ("fast|step|0.9", {"total_steps": True}, "got True"),
+        ("fast|step|0.9", {"total_steps": 10.0}, "got 10.0"),
+        ("fast|step|0.9", {"total_steps": 10, "target_loss": 1.0}, "target_loss is only used by the 'loss' trigger"),
+        ("fast1|loss|1.05", {}, "target_loss must be a finite number > 0; got None"),
+        ("fast1|loss|1.05", {"target_loss": 0.0}, "got 0.0"),
+        ("fast1|loss|1.05", {"target_loss": -1.0}, "got -1.0"),
+        ("fast1|loss|1.05", {"target_loss": float("nan")}, "got nan"),
+        ("fast1|loss|1.05", {"target_loss": float("inf")}, "got inf"),
+        ("fast1|loss|1.05", {"target_loss": 2.0, "total_steps": 10}, "total_steps is only used by the 'step' trigger"),
+    ],
+)
 def test_a_trigger_without_its_measure_is_a_value_error(mode, kwargs, needle):
     with pytest.raises(ValueError, match=re.escape(needle)) as err:
         PrecisionSchedule(mode, **kwargs)
@@ -185,11 +218,17 @@ def test_a_mode_that_is_not_a_string_is_a_type_error():
         PrecisionSchedule(None, total_steps=10)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kwargs,error,needle", [
-    ({}, TypeError, "report step="), ({"step": -1}, ValueError, "got -1"), ({"step": True}, TypeError, "bool"),
-    ({"step": 1.5}, TypeError, "got float"), ({"loss": "2.0"}, TypeError, "got str"),
-    ({"loss": torch.ones(2)}, ValueError, r"got shape \(2,\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,needle",
+    [
+        ({}, TypeError, "report step="),
+        ({"step": -1}, ValueError, "got -1"),
+        ({"step": True}, TypeError, "bool"),
+        ({"step": 1.5}, TypeError, "got float"),
+        ({"loss": "2.0"}, TypeError, "got str"),
+        ({"loss": torch.ones(2)}, ValueError, r"got shape \(2,\)"),
+    ],
+)
 def test_update_rejects_what_is_not_a_step_or_a_loss(kwargs, error, needle):
     s = PrecisionSchedule("fast|loss|1.05", target_loss=2.0)
     with pytest.raises(error, match=needle) as err:
@@ -222,8 +261,9 @@ def test_state_dict_round_trips_and_refuses_another_mode():
 def attach_error(dtype):
     model = torch.nn.Linear(3, 3).to(dtype)
     with pytest.raises(ValueError) as err:
-        LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                           schedule=PrecisionSchedule("fast|step|0.9", total_steps=10))
+        LossScaleOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), schedule=PrecisionSchedule("fast|step|0.9", total_steps=10)
+        )
     return str(err.value)
 
 
@@ -236,7 +276,7 @@ def test_attaching_to_low_precision_parameters_is_an_error_that_says_why(dtype):
 
 def test_attaching_anything_but_a_schedule_is_a_type_error():
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    with pytest.raises(TypeError, match="schedule must be a lossscale.PrecisionSchedule"):
+    with pytest.raises(TypeError, match=r"schedule must be a lossscale.PrecisionSchedule"):
         LossScaleOptimizer(opt, schedule="fast|step|0.9")
     validate_attachable(PrecisionSchedule("fast|step|0.9", total_steps=3), [torch.zeros(2, dtype=torch.float64)])
 
@@ -273,8 +313,11 @@ def train(model, opt, schedule, data, start, stop, feed, inject=()):
 def test_scaler_is_active_before_the_switch_and_idle_after():
     model, data = regression()
     schedule = PrecisionSchedule("fast|step|0.5", total_steps=30)
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                             policy=DynamicScale(init_scale=2.0**24, growth_interval=4), schedule=schedule)
+    opt = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        policy=DynamicScale(init_scale=2.0**24, growth_interval=4),
+        schedule=schedule,
+    )
     results = train(model, opt, schedule, data, 0, 30, "step", inject={22})
     early, late = results[:15], results[15:]
     assert [r.precision for r in results] == ["float16"] * 15 + ["float32"] * 15
@@ -307,8 +350,12 @@ def test_a_switch_in_the_middle_of_an_accumulation_window_keeps_the_window_scale
     def run(switch_mid_window):
         model, data = regression(2)
         schedule = PrecisionSchedule("fast|loss|1.05", target_loss=1.0)
-        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=FixedScale(1024.0),
-                                 accumulation_steps=2, schedule=schedule)
+        opt = LossScaleOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            policy=FixedScale(1024.0),
+            accumulation_steps=2,
+            schedule=schedule,
+        )
         results = []
         for i, (x, y) in enumerate(data[:4]):
             opt.zero_grad()
@@ -343,10 +390,16 @@ def test_a_switch_in_the_middle_of_an_accumulation_window_keeps_the_window_scale
 def test_a_checkpoint_before_the_switch_resumes_to_the_same_switch_step(feed):
     def fresh(target_loss=None):
         model, data = regression(1, steps=24)
-        schedule = (PrecisionSchedule("fast|step|0.5", total_steps=24) if feed == "step"
-                    else PrecisionSchedule("fast|loss|1.05", target_loss=target_loss))
-        opt = LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
-                                 policy=DynamicScale(init_scale=2.0**20, growth_interval=3), schedule=schedule)
+        schedule = (
+            PrecisionSchedule("fast|step|0.5", total_steps=24)
+            if feed == "step"
+            else PrecisionSchedule("fast|loss|1.05", target_loss=target_loss)
+        )
+        opt = LossScaleOptimizer(
+            torch.optim.Adam(model.parameters(), lr=1e-2),
+            policy=DynamicScale(init_scale=2.0**20, growth_interval=3),
+            schedule=schedule,
+        )
         return model, data, schedule, opt
 
     target = None
@@ -411,12 +464,18 @@ def test_a_hook_started_mid_run_reports_its_start():
     assert (schedule.step, schedule.switch_step) == (0, 0)
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    ({}, "got neither"), ({"step": 0, "total_step": 10, "final_loss": 1.0}, "got both"),
-    ({"step": 0}, "total_step must be an integer >= 1; got None"), ({"total_step": 0}, "got 0"),
-    ({"step": -1, "total_step": 10}, "step must be an integer >= 0; got -1"),
-    ({"loss": 2.0}, "final_loss must be a finite number > 0"), ({"final_loss": math.nan}, "got nan"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({}, "got neither"),
+        ({"step": 0, "total_step": 10, "final_loss": 1.0}, "got both"),
+        ({"step": 0}, "total_step must be an integer >= 1; got None"),
+        ({"total_step": 0}, "got 0"),
+        ({"step": -1, "total_step": 10}, "step must be an integer >= 0; got -1"),
+        ({"loss": 2.0}, "final_loss must be a finite number > 0"),
+        ({"final_loss": math.nan}, "got nan"),
+    ],
+)
 def test_hook_arguments_are_checked(kwargs, needle):
     with pytest.raises(ValueError, match=re.escape(needle)) as err:
         TellMeStepOrLossHook(**kwargs)
@@ -440,8 +499,17 @@ def test_config_and_hook_misuse_names_the_fix():
 
 # --- non-finite losses; a schedule that is never told anything ------------------------------------
 
-@pytest.mark.parametrize("loss", [float("-inf"), float("inf"), float("nan"), torch.tensor(float("-inf")),
-                                  torch.tensor(float("-inf"), dtype=torch.float16)])
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        float("-inf"),
+        float("inf"),
+        float("nan"),
+        torch.tensor(float("-inf")),
+        torch.tensor(float("-inf"), dtype=torch.float16),
+    ],
+)
 def test_no_non_finite_loss_switches(loss):
     s = PrecisionSchedule("fast|loss|1.05", target_loss=2.0)
     s.update(loss=loss)
@@ -477,8 +545,11 @@ def never_told(steps):
 
 
 def test_a_loop_that_never_tells_the_schedule_is_warned_once():
-    with pytest.warns(UserWarning, match=r"PrecisionSchedule\('fast\|step\|0.5', total_steps=6\).*2 optimizer "
-                                         r"steps.*update\(\) was never called.*schedule.update\(step=") as record:
+    with pytest.warns(
+        UserWarning,
+        match=r"PrecisionSchedule\('fast\|step\|0.5', total_steps=6\).*2 optimizer "
+        r"steps.*update\(\) was never called.*schedule.update\(step=",
+    ) as record:
         schedule = never_told(6)
     assert len([w for w in record if "never called" in str(w.message)]) == 1
     assert schedule.dtype == torch.float16

@@ -85,9 +85,23 @@ def test_measure_adds_the_overflow_and_returns_the_largest_scaled_magnitude(mode
     assert float(stages.measure_(empty, torch.zeros(()), mode, 65504.0, amax=True)) == 0.0
 
 
-@pytest.mark.parametrize("scale, refused", [(0.0, True), (-1.0, True), (math.nan, True), (INF, True), (-INF, True),
-                                            (1e-40, True), (2.0**-128, True), (2.0**-127, True), (2.0**-126, False),
-                                            (1.0, False), (65536.0, False), (3.4028234663852886e38, False)])
+@pytest.mark.parametrize(
+    "scale, refused",
+    [
+        (0.0, True),
+        (-1.0, True),
+        (math.nan, True),
+        (INF, True),
+        (-INF, True),
+        (1e-40, True),
+        (2.0**-128, True),
+        (2.0**-127, True),
+        (2.0**-126, False),
+        (1.0, False),
+        (65536.0, False),
+        (3.4028234663852886e38, False),
+    ],
+)
 def test_the_guard_refuses_a_scale_no_setter_accepts_and_the_inverse_never_leaves_the_finite(scale, refused):
     found = stages.guarded_found(torch.tensor(scale))
     inv = stages.inverse(torch.tensor(scale), found)
@@ -127,6 +141,7 @@ def test_fused_step_hands_the_kernel_its_divisor_and_its_flag_for_one_call():
 
     def fail(*_):
         raise RuntimeError("inner step failed")
+
     opt.register_step_pre_hook(fail)
     with pytest.raises(RuntimeError, match="inner step failed"):
         stages.fused_step_(opt, torch.tensor(2.0), torch.tensor(0.0))

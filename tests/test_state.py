@@ -43,8 +43,11 @@ def test_set_scale_takes_the_float32_value_keeps_the_counters_and_reads_nothing_
 
 def test_set_scale_is_checked_against_the_policys_own_bounds():
     owner = LossScale(presets.tf_keras2(initial_scale=4.0))  # floor 1, as Keras 2
-    with pytest.raises(ValueError, match=r"must be a finite number > 0 whose float32 value is a normal number in "
-                                         r"\[1.0, 3.4028234663852886e\+38\].*got 0.5"):
+    with pytest.raises(
+        ValueError,
+        match=r"must be a finite number > 0 whose float32 value is a normal number in "
+        r"\[1.0, 3.4028234663852886e\+38\].*got 0.5",
+    ):
         owner.set_scale(0.5, call="Somebody.set_scale(0.5)")
     assert float(owner.scale) == 4.0
     owner.set_scale(1.0)
@@ -77,10 +80,17 @@ def test_load_state_dict_restores_every_field_and_the_rule_continues():
     assert a.state_dict() == b.state_dict() and b.state.growth_tracker.dtype == torch.int32
 
 
-@pytest.mark.parametrize("bad", [
-    {"growth_tracker": 2**40}, {"growth_tracker": 1.5}, {"hysteresis_left": math.nan}, {"floor_hits": "0"},
-    {"scale": 1e-38},  # a normal double whose float32 value is subnormal
-], ids=repr)
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"growth_tracker": 2**40},
+        {"growth_tracker": 1.5},
+        {"hysteresis_left": math.nan},
+        {"floor_hits": "0"},
+        {"scale": 1e-38},  # a normal double whose float32 value is subnormal
+    ],
+    ids=repr,
+)
 def test_load_state_dict_checks_the_whole_record_before_changing_anything(bad):
     owner = advanced()
     before = owner.state_dict()
@@ -95,7 +105,7 @@ def test_a_batch_of_states_loads_and_each_scale_is_checked():
     batch = {"scale": [8.0, 4.0], "growth_tracker": [0, 1], "hysteresis_left": [1, 1], "floor_hits": [0, 0]}
     owner.load_state_dict(batch)
     assert owner.state_dict() == batch
-    with pytest.raises(ValueError, match="got 0.0"):
+    with pytest.raises(ValueError, match=r"got 0.0"):
         owner.load_state_dict({**batch, "scale": [8.0, 0.0]})
     with pytest.raises(ValueError, match="'growth_tracker' must have shape"):
         owner.load_state_dict({**batch, "growth_tracker": [0, 1, 2]})
@@ -173,18 +183,26 @@ def _inputs(generator: torch.Generator, step: int, shape: tuple[int, ...]) -> tu
         amax = torch.full(shape, math.nan)
         found = torch.ones(shape, dtype=torch.bool)
     loss_finite = torch.rand(shape, generator=generator) > 0.05
-    return (found.float() if 80 <= step < 90 else found, None if step in (40, 41) else amax,
-            None if step in (60, 61) else loss_finite)
+    return (
+        found.float() if 80 <= step < 90 else found,
+        None if step in (40, 41) else amax,
+        None if step in (60, 61) else loss_finite,
+    )
 
 
 def _fields(record) -> dict[str, torch.Tensor]:
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
 
 
-@pytest.mark.parametrize("policy, shape", [(PredictiveScale(init_scale=2.0**16), ()),
-                                           (PredictiveScale(init_scale=2.0**16, history=4), (3,)),
-                                           (DynamicScale(init_scale=2.0**10, growth_interval=3, hysteresis=2), ())],
-                         ids=["predictive", "predictive-batch", "dynamic"])
+@pytest.mark.parametrize(
+    "policy, shape",
+    [
+        (PredictiveScale(init_scale=2.0**16), ()),
+        (PredictiveScale(init_scale=2.0**16, history=4), (3,)),
+        (DynamicScale(init_scale=2.0**10, growth_interval=3, hysteresis=2), ()),
+    ],
+    ids=["predictive", "predictive-batch", "dynamic"],
+)
 def test_a_replayed_update_equals_the_rule_bit_for_bit_and_never_rewrites_a_record_it_returned(policy, shape):
     generator = torch.Generator().manual_seed(0)
     replayed = ReplayedUpdate(policy, capture=False)
@@ -195,8 +213,11 @@ def test_a_replayed_update_equals_the_rule_bit_for_bit_and_never_rewrites_a_reco
     for step in range(120):
         found, amax, loss_finite = _inputs(generator, step, shape)
         passed = loss_finite if policy.observes_loss_finite else None
-        expected = (policy.update(expected, found, amax=amax, loss_finite=passed) if passed is not None
-                    else policy.update(expected, found, amax=amax))
+        expected = (
+            policy.update(expected, found, amax=amax, loss_finite=passed)
+            if passed is not None
+            else policy.update(expected, found, amax=amax)
+        )
         got = replayed(got, found, amax, passed)
         for name, tensor in _fields(expected).items():
             mine = getattr(got, name)
@@ -243,7 +264,11 @@ def test_gradscalers_private_names_read_and_write_its_owner():
     assert scaler._scale is None and scaler._growth_tracker is None  # as torch: nothing before the first scale()
     scaler._init_growth_tracker = 7
     scaler._init_scale = 256.0
-    assert scaler.loss_scale.state_dict() == {"scale": 256.0, "growth_tracker": 7, "hysteresis_left": 1,
-                                              "floor_hits": 0}
+    assert scaler.loss_scale.state_dict() == {
+        "scale": 256.0,
+        "growth_tracker": 7,
+        "hysteresis_left": 1,
+        "floor_hits": 0,
+    }
     scaler.scale(torch.ones(()))
     assert scaler._scale is scaler.loss_scale.scale and scaler._growth_tracker is scaler.loss_scale.state.growth_tracker

@@ -16,8 +16,9 @@ from lossscale.stages import NoGradientsError
 @pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "uncoalesced"])
 def test_a_sparse_gradient_holding_inf_is_an_overflow(dtype, coalesce):
     p = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
-    grad = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, math.inf], dtype=dtype), (4,),
-                                   check_invariants=True)
+    grad = torch.sparse_coo_tensor(
+        torch.tensor([[0, 1]]), torch.tensor([1.0, math.inf], dtype=dtype), (4,), check_invariants=True
+    )
     p.grad = grad.coalesce() if coalesce else grad
     found = GradScaler()._unscale_grads_(torch.optim.SGD([p], lr=1.0), torch.tensor(0.5), torch.zeros(()), True)
     assert float(sum(found.values())) == 1.0

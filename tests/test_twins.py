@@ -12,8 +12,12 @@ import twins
 from lossscale import GradScaler
 
 COVERED_BY_TEST_SCALER = {("SGD", "for-loop"), ("Adam", "for-loop"), ("AdamW", "fused"), ("SGD", "fused")}
-GRAD_SCALER_CELLS = [(name, impl) for name in twins.OPTIMIZERS for impl in twins.IMPLEMENTATIONS
-                     if (name, impl) not in COVERED_BY_TEST_SCALER]
+GRAD_SCALER_CELLS = [
+    (name, impl)
+    for name in twins.OPTIMIZERS
+    for impl in twins.IMPLEMENTATIONS
+    if (name, impl) not in COVERED_BY_TEST_SCALER
+]
 
 
 @pytest.mark.parametrize("clip", [False, True])

@@ -16,18 +16,45 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossscale.validation import (FLOAT32_MAX, INT32_MAX, SMALLEST_NORMAL_FLOAT32, ArgumentTypeError, StateDictError,
-                              validate_choice, validate_factor_above_one, validate_fraction, validate_int_at_least,
-                              validate_int_in_range, validate_positive_or_none, validate_scale, validated_scale,
-                              validated_state_dict, to_float32, unlike_tensor)
+from lossscale.validation import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    SMALLEST_NORMAL_FLOAT32,
+    ArgumentTypeError,
+    StateDictError,
+    to_float32,
+    unlike_tensor,
+    validate_choice,
+    validate_factor_above_one,
+    validate_fraction,
+    validate_int_at_least,
+    validate_int_in_range,
+    validate_positive_or_none,
+    validate_scale,
+    validated_scale,
+    validated_state_dict,
+)
 
 CALL = "Thing.setter(x=...)"
 
 # --- values -----------------------------------------------------------------------------------------------
 
 #: Edges of the float32 normal range, and just past them.
-EDGES = [SMALLEST_NORMAL_FLOAT32, math.nextafter(SMALLEST_NORMAL_FLOAT32, 0.0), 2.0**-127, 2.0**-149, 1e-46,
-         FLOAT32_MAX, math.nextafter(FLOAT32_MAX, math.inf), 3.4028235677973366e38, 1e39, 0.0, -0.0, 1.0, 2.0**16]
+EDGES = [
+    SMALLEST_NORMAL_FLOAT32,
+    math.nextafter(SMALLEST_NORMAL_FLOAT32, 0.0),
+    2.0**-127,
+    2.0**-149,
+    1e-46,
+    FLOAT32_MAX,
+    math.nextafter(FLOAT32_MAX, math.inf),
+    3.4028235677973366e38,
+    1e39,
+    0.0,
+    -0.0,
+    1.0,
+    2.0**16,
+]
 floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(EDGES + [-x for x in EDGES])
 #: Python ints a float holds (ints past float's range: see test_an_int_past_floats_range_is_a_value_error).
 ints = st.integers(-(2**1000), 2**1000) | st.sampled_from([0, 1, -1, INT32_MAX, INT32_MAX + 1, 2**40])
@@ -112,8 +139,10 @@ def scale_rule(value, low: float, high: float):
     return ValueError
 
 
-bounds = st.tuples(st.sampled_from([SMALLEST_NORMAL_FLOAT32, 0.0, 1.0, 2.0**-3, 3.0]),
-                   st.sampled_from([FLOAT32_MAX, 2.0**20, 3.4e38, 3.0])).filter(lambda b: b[0] <= b[1])
+bounds = st.tuples(
+    st.sampled_from([SMALLEST_NORMAL_FLOAT32, 0.0, 1.0, 2.0**-3, 3.0]),
+    st.sampled_from([FLOAT32_MAX, 2.0**20, 3.4e38, 3.0]),
+).filter(lambda b: b[0] <= b[1])
 
 
 @settings(max_examples=200, deadline=None)
@@ -133,8 +162,12 @@ def test_checked_scale_accepts_exactly_the_normal_float32_values_inside_the_boun
     elif isinstance(value, torch.Tensor) and value.device.type == "meta":
         assert_names(message, "meta device", "got tensor(")
     else:
-        assert_names(message, "must be a finite number > 0 whose float32 value is a normal number in",
-                     f"[{max(low, SMALLEST_NORMAL_FLOAT32)!r}, {high!r}]", f"got {value!r}")
+        assert_names(
+            message,
+            "must be a finite number > 0 whose float32 value is a normal number in",
+            f"[{max(low, SMALLEST_NORMAL_FLOAT32)!r}, {high!r}]",
+            f"got {value!r}",
+        )
         if is_real(value) and math.isfinite(value) and float32_of(value) != value:
             assert f"which is {float32_of(value)!r} in float32" in message  # 1e39 shows its float32 value: inf
 
@@ -154,8 +187,11 @@ def test_check_scale_takes_a_finite_real_number_inside_the_bounds(value, low_hig
         return
     else:
         message = refusal(check, value, ValueError)
-    assert_names(message, f"{CALL}(init_scale={value!r}): init_scale must be a finite number in [{low!r}, {high!r}]",
-                 f"got {value!r}")
+    assert_names(
+        message,
+        f"{CALL}(init_scale={value!r}): init_scale must be a finite number in [{low!r}, {high!r}]",
+        f"got {value!r}",
+    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -166,8 +202,11 @@ def test_check_factor_above_one_takes_a_finite_real_number_above_one(value):
         check(value)
         return
     message = refusal(check, value, ArgumentTypeError if not is_real(value) else ValueError)
-    assert_names(message, f"{CALL}(growth_factor={value!r}): growth_factor must be a finite number > 1 "
-                          f"(it multiplies the scale); got {value!r}")
+    assert_names(
+        message,
+        f"{CALL}(growth_factor={value!r}): growth_factor must be a finite number > 1 "
+        f"(it multiplies the scale); got {value!r}",
+    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -178,8 +217,10 @@ def test_check_fraction_takes_a_real_number_strictly_between_zero_and_one(value)
         check(value)
         return
     message = refusal(check, value, ArgumentTypeError if not is_real(value) else ValueError)
-    assert_names(message, f"{CALL}(backoff_factor={value!r}): backoff_factor must be in (0, 1) (it multiplies "
-                          f"the scale); got {value!r}")
+    assert_names(
+        message,
+        f"{CALL}(backoff_factor={value!r}): backoff_factor must be in (0, 1) (it multiplies the scale); got {value!r}",
+    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -190,8 +231,11 @@ def test_check_positive_or_none_takes_none_or_a_finite_positive_number(value):
         check(value)
         return
     message = refusal(check, value, ArgumentTypeError if not is_real(value) else ValueError)
-    assert_names(message, f"{CALL}(clip_grad_norm={value!r}): clip_grad_norm must be None or a finite number > 0",
-                 f"got {value!r}")
+    assert_names(
+        message,
+        f"{CALL}(clip_grad_norm={value!r}): clip_grad_norm must be None or a finite number > 0",
+        f"got {value!r}",
+    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -203,8 +247,9 @@ def test_check_int_at_least_takes_an_int_not_a_bool_at_or_above_the_low_end(valu
         check(value)
         return
     message = refusal(check, value, ValueError if is_int else ArgumentTypeError)
-    assert_names(message, f"{CALL}(growth_interval={value!r}): growth_interval must be an integer >= {low}",
-                 f"got {value!r}")
+    assert_names(
+        message, f"{CALL}(growth_interval={value!r}): growth_interval must be an integer >= {low}", f"got {value!r}"
+    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -218,8 +263,9 @@ def test_check_int_in_range_refuses_what_an_int32_counter_cannot_hold(value, low
         return
     message = refusal(check, value, ValueError if is_int else ArgumentTypeError)
     if is_int and value > high:
-        assert_names(message, f"{CALL}(hysteresis={value!r}): hysteresis must be an integer <= {high}",
-                     f"got {value!r}")
+        assert_names(
+            message, f"{CALL}(hysteresis={value!r}): hysteresis must be an integer <= {high}", f"got {value!r}"
+        )
         assert ("int32" in message) == (high == INT32_MAX)
     else:
         assert_names(message, f"hysteresis must be an integer >= {low}", f"got {value!r}")
@@ -229,23 +275,30 @@ CHOICES = [("consecutive", "cumulative"), (True, False), (1, 2)]
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.sampled_from(["consecutive", "cumulative", "Consecutive", "", 1, 2, 1.0, 3]) | numbers | not_numbers,
-       st.sampled_from(CHOICES))
+@given(
+    st.sampled_from(["consecutive", "cumulative", "Consecutive", "", 1, 2, 1.0, 3]) | numbers | not_numbers,
+    st.sampled_from(CHOICES),
+)
 def test_check_choice_takes_one_of_the_allowed_values_and_bools_only_as_bools(value, allowed):
     check = lambda v: validate_choice(CALL, "mode", v, allowed)  # noqa: E731
     if any((value is a) if isinstance(a, bool) else (not isinstance(value, bool) and value == a) for a in allowed):
         check(value)
         return
     message = refusal(check, value, ValueError)
-    assert_names(message, f"{CALL}(mode={value!r}): mode must be one of {', '.join(map(repr, allowed))}",
-                 f"got {value!r}")
+    assert_names(
+        message, f"{CALL}(mode={value!r}): mode must be one of {', '.join(map(repr, allowed))}", f"got {value!r}"
+    )
 
 
-@pytest.mark.parametrize("check", [
-    lambda v: validated_scale(CALL, v, name="new_scale"),
-    lambda v: validate_scale(CALL, "init_scale", v, low=1.0, high=FLOAT32_MAX),
-    lambda v: validate_factor_above_one(CALL, "growth_factor", v, "it multiplies the scale"),
-], ids=["validated_scale", "validate_scale", "validate_factor_above_one"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        lambda v: validated_scale(CALL, v, name="new_scale"),
+        lambda v: validate_scale(CALL, "init_scale", v, low=1.0, high=FLOAT32_MAX),
+        lambda v: validate_factor_above_one(CALL, "growth_factor", v, "it multiplies the scale"),
+    ],
+    ids=["validated_scale", "validate_scale", "validate_factor_above_one"],
+)
 def test_an_int_past_floats_range_is_a_value_error(check):
     with pytest.raises(ValueError, match=re.escape(CALL)):
         check(2**1100)
@@ -255,16 +308,22 @@ def test_an_int_past_floats_range_is_a_value_error(check):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.dictionaries(st.sampled_from(["scale", "growth_tracker", "inner", "x"]), st.integers(0, 3))
-       | not_numbers | st.lists(st.integers(), max_size=2),
-       st.sampled_from([("scale",), ("scale", "growth_tracker"), ()]))
+@given(
+    st.dictionaries(st.sampled_from(["scale", "growth_tracker", "inner", "x"]), st.integers(0, 3))
+    | not_numbers
+    | st.lists(st.integers(), max_size=2),
+    st.sampled_from([("scale",), ("scale", "growth_tracker"), ()]),
+)
 def test_checked_state_dict_wants_a_dict_with_every_key(state_dict, keys):
     check = lambda d: validated_state_dict(CALL, d, keys, " Hint.")  # noqa: E731
     if not isinstance(state_dict, dict):
         with pytest.raises(TypeError) as info:
             check(state_dict)
-        assert_names(str(info.value), f"{CALL}(state_dict={state_dict!r}): state_dict must be the dict that "
-                                      f"state_dict() returned; got {type(state_dict).__name__}")
+        assert_names(
+            str(info.value),
+            f"{CALL}(state_dict={state_dict!r}): state_dict must be the dict that "
+            f"state_dict() returned; got {type(state_dict).__name__}",
+        )
         return
     missing = [k for k in keys if k not in state_dict]
     if not missing:
@@ -279,8 +338,12 @@ def test_checked_state_dict_wants_a_dict_with_every_key(state_dict, keys):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.sampled_from([(), (2,), (2, 3), (3, 2)]), st.sampled_from([torch.float32, torch.float64, torch.int64]),
-       st.sampled_from([1.0, math.inf, math.nan]), st.booleans())
+@given(
+    st.sampled_from([(), (2,), (2, 3), (3, 2)]),
+    st.sampled_from([torch.float32, torch.float64, torch.int64]),
+    st.sampled_from([1.0, math.inf, math.nan]),
+    st.booleans(),
+)
 def test_unlike_tensor_describes_what_differs_from_the_expected_layout(shape, dtype, fill, finite):
     like = torch.zeros(2, 3)
     value = torch.full(shape, fill if dtype.is_floating_point else 1, dtype=dtype)

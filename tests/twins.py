@@ -9,12 +9,13 @@ tests/cuda/test_twins.py (every cell, on a GPU).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
+from lossscale import DynamicScale, LossScaleOptimizer
 
 STEPS = 24
 INJECT = {5: math.inf, 6: math.nan, 11: math.inf, 17: math.nan, 18: math.inf}
@@ -29,9 +30,15 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 IMPLEMENTATIONS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 #: (optimizer, implementation, skip mode) of the LossScaleOptimizer twins: every skip mode each optimizer takes.
-LOSS_SCALE_OPTIMIZER_CELLS = [("AdamW", "fused", "fused"), ("AdamW", "fused", "masked"), ("AdamW", "fused", "host"),
-                              ("Adam", "foreach", "masked"), ("Adam", "foreach", "host"),
-                              ("SGD", "foreach", "masked"), ("SGD", "foreach", "host")]
+LOSS_SCALE_OPTIMIZER_CELLS = [
+    ("AdamW", "fused", "fused"),
+    ("AdamW", "fused", "masked"),
+    ("AdamW", "fused", "host"),
+    ("Adam", "foreach", "masked"),
+    ("Adam", "foreach", "host"),
+    ("SGD", "foreach", "masked"),
+    ("SGD", "foreach", "host"),
+]
 
 
 @dataclass
@@ -54,14 +61,17 @@ def make_optimizer(params: Any, name: str, implementation: str, device: str, ski
 
 def _model(device: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
-                               torch.nn.Linear(32, 4)).to(device)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)
+    ).to(device)
 
 
 def _batches(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 8, generator=gen).to(device), torch.randn(16, 4, generator=gen).to(device))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(16, 8, generator=gen).to(device), torch.randn(16, 4, generator=gen).to(device))
+        for _ in range(STEPS)
+    ]
 
 
 def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: str) -> torch.Tensor:
@@ -77,13 +87,18 @@ def _poison(model: torch.nn.Module, step: int) -> None:
 
 
 def _finish(model: torch.nn.Module, opt: torch.optim.Optimizer, scales: list[float]) -> Run:
-    state = {(k, n): v.detach().clone() for k, s in opt.state_dict()["state"].items() for n, v in s.items()
-             if isinstance(v, torch.Tensor)}
+    state = {
+        (k, n): v.detach().clone()
+        for k, s in opt.state_dict()["state"].items()
+        for n, v in s.items()
+        if isinstance(v, torch.Tensor)
+    }
     return Run(scales, [p.detach().clone() for p in model.parameters()], state)
 
 
-def run_grad_scaler(scaler_type: type, name: str, implementation: str, clip: bool, device: str,
-                    skip_mode: str = "host") -> Run:
+def run_grad_scaler(
+    scaler_type: type, name: str, implementation: str, clip: bool, device: str, skip_mode: str = "host"
+) -> Run:
     """torch's recipe (``scale``, ``backward``, [``unscale_``, ``clip_grad_norm_``], ``step``, ``update``) with a
     ``scaler_type`` (torch.amp.GradScaler or lossscale.GradScaler); ``skip_mode`` only picks the optimizer's
     flags as :func:`make_optimizer` does."""
@@ -107,9 +122,12 @@ def run_grad_scaler(scaler_type: type, name: str, implementation: str, clip: boo
 def run_loss_scale_optimizer(name: str, implementation: str, clip: bool, device: str, skip_mode: str) -> Run:
     """The same training through ``LossScaleOptimizer(skip_mode=...)`` with torch's rule."""
     model = _model(device)
-    opt = LossScaleOptimizer(make_optimizer(model.parameters(), name, implementation, device, skip_mode),
-                             policy=DynamicScale(**SCALE_ARGS), clip_grad_norm=CLIP if clip else None,
-                             skip_mode=skip_mode)
+    opt = LossScaleOptimizer(
+        make_optimizer(model.parameters(), name, implementation, device, skip_mode),
+        policy=DynamicScale(**SCALE_ARGS),
+        clip_grad_norm=CLIP if clip else None,
+        skip_mode=skip_mode,
+    )
     assert opt.skip_mode == skip_mode
     scales = []
     for step, (x, y) in enumerate(_batches(device)):

@@ -2,6 +2,7 @@
 
 from lossscale.addons.ema import EMA
 from lossscale.addons.schedule import PrecisionSchedule
+from lossscale.diagnosis import OverflowDiagnosis, OverflowReport, OverflowWarning, find_overflow, keep_float32
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policies import presets
 from lossscale.policies.base import FixedScale, FloorError, Policy, ScaleState
@@ -20,6 +21,9 @@ __all__ = [
     "HostReadCounter",
     "LossScale",
     "LossScaleOptimizer",
+    "OverflowDiagnosis",
+    "OverflowReport",
+    "OverflowWarning",
     "Policy",
     "PrecisionSchedule",
     "PredictiveScale",
@@ -27,6 +31,8 @@ __all__ = [
     "ScalerStep",
     "StepLogger",
     "StepResult",
+    "find_overflow",
+    "keep_float32",
     "presets",
 ]
 

@@ -10,21 +10,28 @@ from __future__ import annotations
 
 import math
 from collections import abc, defaultdict
-from typing import Any, Iterable, Literal, cast
+from collections.abc import Iterable
+from typing import Any, Literal, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from lossscale import stages
-from lossscale.validation import ArgumentTypeError, validate_optimizer, StateDictError, validate_choice, validate_process_group
-from lossscale.ops import distributed as _dist
 from lossscale.addons.arguments import add_ons_from
 from lossscale.addons.base import AddOn, Host, StepOutcome
+from lossscale.ops import distributed as _dist
 from lossscale.ops.overflow import OverflowMode, saturation_threshold, validate_mode
 from lossscale.policies.base import Policy, validate_policy
 from lossscale.policies.dynamic import DynamicScale, validate_dynamic_args
 from lossscale.reporting import ScalerStep
 from lossscale.state import LossScale
+from lossscale.validation import (
+    ArgumentTypeError,
+    StateDictError,
+    validate_choice,
+    validate_optimizer,
+    validate_process_group,
+)
 
 __all__ = ["GradScaler"]
 
@@ -56,7 +63,7 @@ class GradScaler:
             :class:`DynamicScale` with torch's rule. Leave them at their defaults when passing ``policy``.
         enabled: False makes every call a no-op (``step`` still steps). Arguments are validated anyway.
         policy: Any :class:`~lossscale.Policy`, e.g. ``DynamicScale(hysteresis=2)`` or a preset.
-        overflow_mode: ``"inf_nan"`` (default) or ``"saturation"`` (scaled |g| >= finfo(saturation_dtype).max).
+        overflow_mode: ``"inf_nan"`` (default) or ``"saturation"`` (``scaled |g| >= finfo(saturation_dtype).max``).
         saturation_dtype: The low-precision format whose max defines saturation (default float16).
         process_group: Where found_inf is reduced when torch.distributed is initialized (default: world).
         skip_mode: ``"auto"`` (torch's): an optimizer that takes ``grad_scale``/``found_inf`` skips an overflowing
@@ -66,13 +73,31 @@ class GradScaler:
             Accelerate's ``optimizer_step_was_skipped``, which holds the Trainer's LR schedule).
     """
 
-    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
-                 policy: Policy[Any] | None = None, overflow_mode: OverflowMode = "inf_nan",
-                 saturation_dtype: torch.dtype = torch.float16, process_group: Any = None,
-                 skip_mode: Literal["auto", "host"] = "auto", diagnose: Any = None) -> None:
-        policy = _policy_from_args(policy, dict(init_scale=init_scale, growth_factor=growth_factor,
-                                                backoff_factor=backoff_factor, growth_interval=growth_interval))
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        policy: Policy[Any] | None = None,
+        overflow_mode: OverflowMode = "inf_nan",
+        saturation_dtype: torch.dtype = torch.float16,
+        process_group: Any = None,
+        skip_mode: Literal["auto", "host"] = "auto",
+        diagnose: Any = None,
+    ) -> None:
+        policy = _policy_from_args(
+            policy,
+            dict(
+                init_scale=init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+            ),
+        )
         validate_mode("GradScaler", overflow_mode)
         validate_choice("GradScaler", "skip_mode", skip_mode, ("auto", "host"))
         self.skip_mode = skip_mode
@@ -105,6 +130,11 @@ class GradScaler:
         """The frozen rule."""
         return self._loss_scale.policy
 
+    @property
+    def add_ons(self) -> tuple[AddOn, ...]:
+        """The add-ons (``diagnose=``'s), in the order their hooks run."""
+        return tuple(self._add_ons)
+
     def _reset_records(self) -> None:
         self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(_fresh_record)
         self._amax_seen: list[torch.Tensor] = []  # this iteration's gradient maxima (policies that observe them)
@@ -123,8 +153,10 @@ class GradScaler:
 
     def _require_state(self, call: str) -> LossScale[Any]:
         if not self._placed:
-            raise RuntimeError(f"{call} was called before scale(): call scaler.scale(loss).backward() earlier in "
-                               f"the iteration so the scaler knows the scale and its device.")
+            raise RuntimeError(
+                f"{call} was called before scale(): call scaler.scale(loss).backward() earlier in "
+                f"the iteration so the scaler knows the scale and its device."
+            )
         return self._loss_scale
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -156,8 +188,10 @@ class GradScaler:
             if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
                 mapped = map(apply, value)
                 return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
-            raise ArgumentTypeError(f"GradScaler.scale(outputs): outputs must be a Tensor or an iterable of "
-                                    f"Tensors (the loss); got {type(value).__name__} {value!r}.")
+            raise ArgumentTypeError(
+                f"GradScaler.scale(outputs): outputs must be a Tensor or an iterable of "
+                f"Tensors (the loss); got {type(value).__name__} {value!r}."
+            )
 
         return apply(outputs)
 
@@ -170,11 +204,15 @@ class GradScaler:
         loss_scale = self._require_state("unscale_()")
         record = self._per_optimizer_states[id(optimizer)]
         if record["stage"] is OptState.UNSCALED:
-            raise RuntimeError("unscale_() was already called for this optimizer since the last update(); "
-                               "call unscale_() at most once per optimizer between two update() calls.")
+            raise RuntimeError(
+                "unscale_() was already called for this optimizer since the last update(); "
+                "call unscale_() at most once per optimizer between two update() calls."
+            )
         if record["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() was called after step() for this optimizer; step() already unscaled the "
-                               "gradients, so call unscale_() before step(), then update().")
+            raise RuntimeError(
+                "unscale_() was called after step() for this optimizer; step() already unscaled the "
+                "gradients, so call unscale_() before step(), then update()."
+            )
         found_inf = stages.guarded_found(loss_scale.scale)
         inv_scale = stages.inverse(loss_scale.scale, found_inf)
         found = self._unscale_grads_(optimizer, inv_scale, found_inf, False)  # starts from the guard's verdict
@@ -196,9 +234,11 @@ class GradScaler:
         device = self._loss_scale.device
         values = [t.to(device, non_blocking=True) for r in records for t in r["found_inf_per_device"].values()]
         if not values:
-            raise stages.NoGradientsError(f"{call}: No inf checks were recorded for this optimizer: no gradient "
-                                          f"was unscaled or checked since the last update(). Call backward on the "
-                                          f"scaled loss, then step(optimizer), before update().")
+            raise stages.NoGradientsError(
+                f"{call}: No inf checks were recorded for this optimizer: no gradient "
+                f"was unscaled or checked since the last update(). Call backward on the "
+                f"scaled loss, then step(optimizer), before update()."
+            )
         return values[0] if len(values) == 1 else torch.stack(values).amax()  # one device: the record's own flag
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
@@ -207,14 +247,18 @@ class GradScaler:
         if not self._enabled:
             return ScalerStep(found_inf=torch.zeros((), dtype=torch.bool), value=optimizer.step(*args, **kwargs))
         if "closure" in kwargs:
-            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled: "
-                               "GradScaler.step(optimizer, closure=...) cannot scale the closure's loss.")
+            raise RuntimeError(
+                "Closure use is not currently supported if GradScaler is enabled: "
+                "GradScaler.step(optimizer, closure=...) cannot scale the closure's loss."
+            )
         validate_optimizer("GradScaler.step", optimizer)
         self._require_state("step()")
         record = self._per_optimizer_states[id(optimizer)]
         if record["stage"] is OptState.STEPPED:
-            raise RuntimeError("step() was already called for this optimizer since the last update(); call "
-                               "update() after step() before stepping again.")
+            raise RuntimeError(
+                "step() was already called for this optimizer since the last update(); call "
+                "update() after step() before stepping again."
+            )
         if stages.takes_fused_scaling(optimizer) and self.skip_mode == "auto":
             return self._fused_step(optimizer, record, *args, **kwargs)
         if record["stage"] is OptState.READY:
@@ -225,15 +269,20 @@ class GradScaler:
         record["stage"] = OptState.STEPPED
         return ScalerStep(found_inf=found_inf, value=value)
 
-    def _fused_step(self, optimizer: torch.optim.Optimizer, record: dict[str, Any], *args: Any, **kwargs: Any) -> ScalerStep:
+    def _fused_step(
+        self, optimizer: torch.optim.Optimizer, record: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> ScalerStep:
         """The optimizer unscales and skips in its kernel: a check first unless unscale_() ran."""
         if stages.takes_grad_scaler(optimizer):
             stages.warn_grad_scaler_deprecated()
             value = optimizer.step(*args, **dict(kwargs, grad_scaler=self))  # it unscales and skips itself
             record["stage"] = OptState.STEPPED
             found = list(record["found_inf_per_device"].values())
-            found_inf = (sum(f.to(self._loss_scale.device) for f in found) > 0) if found else torch.zeros(
-                (), dtype=torch.bool, device=self._loss_scale.device)
+            found_inf = (
+                (sum(f.to(self._loss_scale.device) for f in found) > 0)
+                if found
+                else torch.zeros((), dtype=torch.bool, device=self._loss_scale.device)
+            )
             return ScalerStep(found_inf=found_inf, value=value)
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)  # guards the scale the kernel divides by, too
@@ -257,8 +306,10 @@ class GradScaler:
         else:
             seen = [r for r in self._per_optimizer_states.values() if r["stage"] is not OptState.READY]
             if not seen:
-                raise RuntimeError("update() was called without unscale_() or step() since the last update(); call "
-                                   "scaler.step(optimizer) (which unscales) before update().")
+                raise RuntimeError(
+                    "update() was called without unscale_() or step() since the last update(); call "
+                    "scaler.step(optimizer) (which unscales) before update()."
+                )
             self._advance(loss_scale, seen)
         self._loss_finite = None
         self._reset_records()
@@ -277,8 +328,9 @@ class GradScaler:
         self._updates += 1
         if self._add_ons:
             flag = found_inf.bool()
-            outcome = StepOutcome(stepped=~flag, found_inf=flag, scale=scale, next_scale=loss_scale.scale,
-                                  step=self._updates - 1)
+            outcome = StepOutcome(
+                stepped=~flag, found_inf=flag, scale=scale, next_scale=loss_scale.scale, step=self._updates - 1
+            )
             for add_on in self._add_ons:
                 add_on.after_step(outcome)
 
@@ -298,8 +350,10 @@ class GradScaler:
 
     def _dynamic(self, call: str) -> DynamicScale:
         if not isinstance(self.policy, DynamicScale):
-            raise TypeError(f"GradScaler.{call}: only a DynamicScale policy has this knob; "
-                            f"the policy is {type(self.policy).__name__}.")
+            raise TypeError(
+                f"GradScaler.{call}: only a DynamicScale policy has this knob; "
+                f"the policy is {type(self.policy).__name__}."
+            )
         return self.policy
 
     def get_growth_factor(self) -> float:
@@ -333,8 +387,11 @@ class GradScaler:
         values = self._loss_scale.state_dict()
         out: dict[str, Any] = {"scale": float(cast(float, values["scale"]))}
         if isinstance(self.policy, DynamicScale):
-            out.update(growth_factor=self.policy.growth_factor, backoff_factor=self.policy.backoff_factor,
-                       growth_interval=self.policy.growth_interval)
+            out.update(
+                growth_factor=self.policy.growth_factor,
+                backoff_factor=self.policy.backoff_factor,
+                growth_interval=self.policy.growth_interval,
+            )
         if "growth_tracker" in values:
             out["_growth_tracker"] = int(cast(int, values["growth_tracker"]))
         out["policy_state"] = values
@@ -348,16 +405,20 @@ class GradScaler:
         if not isinstance(state_dict, dict):
             raise TypeError(f"{call}: state_dict must be a dict; got {type(state_dict).__name__}.")
         if not state_dict:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled "
-                               "instance of GradScaler: GradScaler.load_state_dict({}) has nothing to restore.")
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled "
+                "instance of GradScaler: GradScaler.load_state_dict({}) has nothing to restore."
+            )
         policy = self._policy_from(state_dict, call)
         if "policy_state" in state_dict:  # ours: the whole record
             values = state_dict["policy_state"]
             _check_copies_agree(state_dict, call)
         else:  # torch's format
             if "scale" not in state_dict:
-                raise StateDictError(f"{call}: the state dict has neither 'policy_state' nor torch's 'scale'; got "
-                                     f"keys {sorted(state_dict)}.")
+                raise StateDictError(
+                    f"{call}: the state dict has neither 'policy_state' nor torch's 'scale'; got "
+                    f"keys {sorted(state_dict)}."
+                )
             values = self._loss_scale.state_dict()
             values["scale"] = state_dict["scale"]
             if "_growth_tracker" in state_dict and "growth_tracker" in values:
@@ -375,8 +436,10 @@ class GradScaler:
         missing = [k for k in knobs if k not in state_dict]
         missing += ["scale"] if "scale" not in state_dict and "policy_state" not in state_dict else []
         if missing:
-            raise StateDictError(f"{call}: torch's format holds scale, growth_factor, backoff_factor and "
-                                 f"growth_interval together; missing {missing} (got keys {sorted(state_dict)}).")
+            raise StateDictError(
+                f"{call}: torch's format holds scale, growth_factor, backoff_factor and "
+                f"growth_interval together; missing {missing} (got keys {sorted(state_dict)})."
+            )
         knob_values = {k: state_dict[k] for k in knobs}
         return policy.replaced(call, **knob_values)
 
@@ -389,8 +452,10 @@ class GradScaler:
     @_scale.setter
     def _scale(self, value: Any) -> None:
         if value is None:
-            raise ValueError("GradScaler._scale = None: the scale cannot be unset; assign a float or a one-element "
-                             "tensor, or use update(new_scale=...).")
+            raise ValueError(
+                "GradScaler._scale = None: the scale cannot be unset; assign a float or a one-element "
+                "tensor, or use update(new_scale=...)."
+            )
         if isinstance(value, torch.Tensor) and not self._placed:
             self._lazy_init_scale_growth_tracker(value.device)
         self._loss_scale.set_scale(value, f"GradScaler._scale = {value!r}", "_scale")
@@ -416,8 +481,10 @@ class GradScaler:
     def _init_growth_tracker(self, value: Any) -> None:
         values = self._loss_scale.state_dict()
         if "growth_tracker" not in values:
-            raise AttributeError(f"GradScaler._init_growth_tracker = {value!r}: the policy "
-                                 f"{type(self._loss_scale.policy).__name__} keeps no growth tracker.")
+            raise AttributeError(
+                f"GradScaler._init_growth_tracker = {value!r}: the policy "
+                f"{type(self._loss_scale.policy).__name__} keeps no growth tracker."
+            )
         values["growth_tracker"] = value
         self._loss_scale.load_state_dict(values, f"GradScaler._init_growth_tracker = {value!r}")
 
@@ -432,19 +499,26 @@ class GradScaler:
     def _get_growth_tracker(self) -> int:
         return self._init_growth_tracker if self._enabled else 0
 
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
         """Unscale ``optimizer``'s gradients by ``inv_scale`` in place; return found_inf per device (a copy of
         ``found_inf``, set to 1.0 on overflow). One read+write pass (saturation, amax: one read more each)."""
-        groups = stages.grouped_gradients(optimizer, "GradScaler.unscale_(optimizer)", allow_fp16=allow_fp16,
-                                          required=False)
+        groups = stages.grouped_gradients(
+            optimizer, "GradScaler.unscale_(optimizer)", allow_fp16=allow_fp16, required=False
+        )
         found: dict[torch.device, torch.Tensor] = {}
         for (device, dtype), group in groups.items():
             if device not in found:
                 found[device] = found_inf.to(device, copy=True)
             if self._loss_scale.policy.observes_amax:
-                amax = stages.measure_(stages.Groups({(device, dtype): group}), found[device], self.overflow_mode,
-                                       self._threshold, amax=True)
+                amax = stages.measure_(
+                    stages.Groups({(device, dtype): group}),
+                    found[device],
+                    self.overflow_mode,
+                    self._threshold,
+                    amax=True,
+                )
                 assert amax is not None
                 self._amax_seen.append(amax)
             stages.unscale_(group, found[device], inv_scale, self.overflow_mode, self._threshold)
@@ -461,8 +535,13 @@ class GradScaler:
                 found[device] = stages.guarded_found(self._loss_scale.scale, device)
             elif device not in found:
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
-            amax = stages.measure_(stages.Groups({(device, dtype): group}), found[device], self.overflow_mode,
-                                   self._threshold, amax=self._loss_scale.policy.observes_amax)
+            amax = stages.measure_(
+                stages.Groups({(device, dtype): group}),
+                found[device],
+                self.overflow_mode,
+                self._threshold,
+                amax=self._loss_scale.policy.observes_amax,
+            )
             if amax is not None:
                 self._amax_seen.append(amax)
         record["found_inf_per_device"] = self._agreed(found)
@@ -473,21 +552,25 @@ class GradScaler:
 
     # --- attribution -------------------------------------------------------------------------
 
-    def overflowing_parameters(self, optimizer: torch.optim.Optimizer,
-                               module: torch.nn.Module | None = None) -> list[str]:
+    def overflowing_parameters(
+        self, optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None
+    ) -> list[str]:
         """Which of ``optimizer``'s parameters have overflowing gradients now (names from ``module``, else
         ``"param_groups[i][j]"``). One read of the gradients and one host read."""
         names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         record = self._per_optimizer_states.get(id(optimizer))
-        unscaled = record is not None and record["stage"] is not OptState.READY and not stages.takes_fused_scaling(
-            optimizer)
+        unscaled = (
+            record is not None and record["stage"] is not OptState.READY and not stages.takes_fused_scaling(optimizer)
+        )
         divided = self.get_scale() if (unscaled and self._enabled) else 1.0
         return stages.overflowing_names(optimizer, names, self.overflow_mode, self._threshold, divided)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled and self._per_optimizer_states:
-            raise RuntimeError("GradScaler can be pickled only between iterations (before scale() or after "
-                               "update()); an unscale_()/step() is in flight.")
+            raise RuntimeError(
+                "GradScaler can be pickled only between iterations (before scale() or after "
+                "update()); an unscale_()/step() is in flight."
+            )
         state = self.__dict__.copy()
         state["_replicas"] = {}
         state["process_group"] = None
@@ -501,8 +584,10 @@ def _policy_from_args(policy: Policy[Any] | None, torch_args: dict[str, Any]) ->
         return DynamicScale(**torch_args)
     changed = {k: v for k, v in torch_args.items() if v != _TORCH_DEFAULTS[k]}
     if changed:
-        raise ValueError(f"GradScaler(policy=..., {', '.join(f'{k}={v!r}' for k, v in changed.items())}): pass "
-                         f"either policy= or torch's scale arguments, not both; got both.")
+        raise ValueError(
+            f"GradScaler(policy=..., {', '.join(f'{k}={v!r}' for k, v in changed.items())}): pass "
+            f"either policy= or torch's scale arguments, not both; got both."
+        )
     validate_policy("GradScaler", policy)
     return policy
 
@@ -517,7 +602,8 @@ def _check_copies_agree(state_dict: dict[str, Any], call: str) -> None:
             raise StateDictError(
                 f"{call}: state_dict[{key!r}] = {state_dict[key]!r} and state_dict['policy_state'][{field!r}] = "
                 f"{record[field]!r} disagree (state_dict() writes both); set both to the value you mean, or "
-                f"remove 'policy_state' to load torch's keys alone.")
+                f"remove 'policy_state' to load torch's keys alone."
+            )
 
 
 def _differ(torch_value: Any, recorded: Any) -> bool:

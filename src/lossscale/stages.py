@@ -29,14 +29,15 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from lossscale.validation import SMALLEST_NORMAL_FLOAT32, ArgumentTypeError, capturing
 from lossscale.ops import distributed as _dist
 from lossscale.ops.clip import global_norm_squared, grouped_norm_squared
 from lossscale.ops.overflow import OverflowMode, check_, check_with_amax_, one, overflowing, unscale_and_check_
+from lossscale.validation import SMALLEST_NORMAL_FLOAT32, capturing
 
 __all__ = [
     "NoGradientsError",
@@ -58,6 +59,7 @@ __all__ = [
     "overflowing_names",
 ]
 
+
 class Groups(dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]):
     """(device, dtype) -> the gradients to check and unscale in place; ``plain``: every one is its parameter's
     own dense ``torch.Tensor`` gradient (no DTensor shard, no sparse values)."""
@@ -72,8 +74,10 @@ class NoGradientsError(RuntimeError, AssertionError):
 def validate_loss(call: str, loss: Any) -> None:
     """A TypeError naming ``call`` unless ``loss`` is a tensor (a Python or NumPy scalar has no graph)."""
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"{call}: loss must be a tensor produced by the forward pass (it is "
-                        f"backpropagated); got {type(loss).__name__} {loss!r}.")
+        raise TypeError(
+            f"{call}: loss must be a tensor produced by the forward pass (it is "
+            f"backpropagated); got {type(loss).__name__} {loss!r}."
+        )
 
 
 def scale_loss(loss: Any, scale: torch.Tensor, divisor: int = 1, call: str = "scale_loss(loss)") -> torch.Tensor:
@@ -100,8 +104,9 @@ def _writable(param: torch.Tensor) -> torch.Tensor:
 _GROUP_BY_DEVICE_AND_DTYPE = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)  # torch's C++ grouping
 
 
-def grouped_gradients(optimizer: torch.optim.Optimizer, call: str, *, allow_fp16: bool = True,
-                      required: bool = True) -> Groups:
+def grouped_gradients(
+    optimizer: torch.optim.Optimizer, call: str, *, allow_fp16: bool = True, required: bool = True
+) -> Groups:
     """The tensors to check and unscale in place, one per parameter with a gradient, grouped by (device,
     dtype) in the optimizer's order. No pass.
 
@@ -112,12 +117,16 @@ def grouped_gradients(optimizer: torch.optim.Optimizer, call: str, *, allow_fp16
     grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
     groups = _group_plain(grads) if _all_plain(grads) else _group_any(optimizer)
     if not allow_fp16 and any(dtype == torch.float16 for _, dtype in groups):
-        raise ValueError(f"{call}: the optimizer holds float16 gradients, whose unscaled values would "
-                         f"underflow; keep float32 master parameters (autocast does) and scale the loss.")
+        raise ValueError(
+            f"{call}: the optimizer holds float16 gradients, whose unscaled values would "
+            f"underflow; keep float32 master parameters (autocast does) and scale the loss."
+        )
     if not groups and required:
-        raise NoGradientsError(f"{call}: No inf checks were recorded for this optimizer: none of its parameters has "
-                               f"a gradient. Call backward on the scaled loss before stepping; a step with no "
-                               f"gradients would count as a clean step and grow the scale.")
+        raise NoGradientsError(
+            f"{call}: No inf checks were recorded for this optimizer: none of its parameters has "
+            f"a gradient. Call backward on the scaled loss before stepping; a step with no "
+            f"gradients would count as a clean step and grow the scale."
+        )
     return groups
 
 
@@ -157,8 +166,9 @@ def _group_any(optimizer: torch.optim.Optimizer) -> Groups:
     return groups
 
 
-def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, threshold: float,
-             *, amax: bool) -> torch.Tensor | None:
+def measure_(
+    groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, threshold: float, *, amax: bool
+) -> torch.Tensor | None:
     """Add overflow to ``found_inf``; with ``amax`` also return the largest scaled magnitude (0-d float32 on
     ``found_inf``'s device; inf/NaN when it overflowed). Passes: one; no host read."""
     maxima = []
@@ -174,8 +184,13 @@ def measure_(groups: Groups, found_inf: torch.Tensor, mode: OverflowMode, thresh
     return torch.stack(maxima).max() if maxima else torch.zeros((), device=found_inf.device)
 
 
-def norm_squared(groups: Groups, grads: list[torch.Tensor], device: torch.device, process_group: Any = None,
-                 sharded: bool | None = None) -> torch.Tensor:
+def norm_squared(
+    groups: Groups,
+    grads: list[torch.Tensor],
+    device: torch.device,
+    process_group: Any = None,
+    sharded: bool | None = None,
+) -> torch.Tensor:
     """The squared global L2 norm of the gradients, 0-d float32 on ``device``: of ``groups`` as they are where
     they are plain local gradients, else of the parameters' own gradients ``grads`` (shards, by their placement or
     ``sharded=True``, summed over the ranks that hold them). One read of every gradient; no host read."""
@@ -189,8 +204,13 @@ def note_non_finite_(found_inf: torch.Tensor, value: torch.Tensor) -> None:
     found_inf.logical_or_(~(value < math.inf))
 
 
-def unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, factor: torch.Tensor | None,
-             check: OverflowMode | None, threshold: float = 65504.0) -> None:
+def unscale_(
+    grads: list[torch.Tensor],
+    found_inf: torch.Tensor,
+    factor: torch.Tensor | None,
+    check: OverflowMode | None,
+    threshold: float = 65504.0,
+) -> None:
     """One pass over ``grads`` (one device and dtype), in place: multiply by ``factor`` (1/scale, x the clip
     coefficient) and, where ``check`` names a mode, record overflow in ``found_inf`` in the same pass; with
     ``factor`` None only check. One read + one write (a check alone: one read); no host read."""
@@ -250,8 +270,13 @@ def agree_amax_(amax: torch.Tensor, process_group: Any = None) -> torch.Tensor:
     return amax
 
 
-def fused_step_(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None, found_inf: torch.Tensor,
-                *args: Any, **kwargs: Any) -> Any:
+def fused_step_(
+    optimizer: torch.optim.Optimizer,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     """Run a fused optimizer's step with ``grad_scale``/``found_inf`` set: the kernel divides the gradients
     by ``grad_scale`` and skips where ``found_inf == 1``. No pass of ours, no host read."""
     fused: Any = optimizer  # torch's fused optimizers read these two attributes, which Optimizer does not declare
@@ -275,7 +300,8 @@ def applies_on_host(overflow: torch.Tensor, call: str = "step()") -> bool:
             f"{call} under CUDA graph capture: this step is skipped on the host, which reads found_inf there, and a "
             f"graph cannot capture a host read. Capture a fused optimizer built with capturable=True (e.g. "
             f"torch.optim.AdamW(params, fused=True, capturable=True): skipped in its kernel), or use "
-            f"LossScaleOptimizer(skip_mode='masked') over an optimizer built with capturable=True.")
+            f"LossScaleOptimizer(skip_mode='masked') over an optimizer built with capturable=True."
+        )
     return not bool(overflow)
 
 
@@ -289,16 +315,23 @@ def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
 
 def warn_grad_scaler_deprecated() -> None:
     """torch's FutureWarning for optimizers that take ``grad_scaler=``."""
-    warnings.warn("GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. "
-                  "In the near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the "
-                  "passed optimizer and let the optimizer use them directly.", FutureWarning, stacklevel=3)
+    warnings.warn(
+        "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. "
+        "In the near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the "
+        "passed optimizer and let the optimizer use them directly.",
+        FutureWarning,
+        stacklevel=3,
+    )
 
 
-def overflowing_names(optimizer: torch.optim.Optimizer, names: dict[int, str], mode: OverflowMode,
-                      threshold: float, unscaled_by: float) -> list[str]:
+def overflowing_names(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], mode: OverflowMode, threshold: float, unscaled_by: float
+) -> list[str]:
     """Names of ``optimizer``'s parameters whose gradients overflowed (``param_groups[i][j]`` without a name).
     One read of the gradients and one host read."""
     named: Sequence[tuple[str, torch.Tensor | None]] = [
         (names.get(id(p), f"param_groups[{i}][{j}]"), None if p.grad is None else _dist.local_shard(p.grad))
-        for i, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]
+        for i, group in enumerate(optimizer.param_groups)
+        for j, p in enumerate(group["params"])
+    ]
     return overflowing(named, mode, threshold, unscaled_by=unscaled_by)

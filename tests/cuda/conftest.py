@@ -10,8 +10,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 BUILD = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-REASON = (f"needs a CUDA device: torch.cuda.is_available() is False on this machine (torch {torch.__version__}, "
-          f"{BUILD}); run on a machine with an NVIDIA GPU (benchmarks/gpu_check.sh)")
+REASON = (
+    f"needs a CUDA device: torch.cuda.is_available() is False on this machine (torch {torch.__version__}, "
+    f"{BUILD}); run on a machine with an NVIDIA GPU (benchmarks/gpu_check.sh)"
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -14,16 +14,19 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():  # as conftest.py's reason, which comes too late for the import below
-    pytest.skip(f"needs a CUDA device: torch.cuda.is_available() is False on this machine (torch {torch.__version__}); "
-                f"run on a machine with an NVIDIA GPU (benchmarks/gpu_check.sh)", allow_module_level=True)
+    pytest.skip(
+        f"needs a CUDA device: torch.cuda.is_available() is False on this machine (torch {torch.__version__}); "
+        f"run on a machine with an NVIDIA GPU (benchmarks/gpu_check.sh)",
+        allow_module_level=True,
+    )
 pytest.importorskip("triton", reason="lossscale.ops.amax_kernel needs triton, which this CUDA machine lacks")
 
-from lossscale.ops import amax_kernel  # noqa: E402
-from lossscale.ops.gather import largest  # noqa: E402
-from lossscale.ops.overflow import largest_magnitude  # noqa: E402
+from lossscale.ops import amax_kernel
+from lossscale.ops.gather import largest
+from lossscale.ops.overflow import largest_magnitude
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _host_ops import dispatched_ops  # noqa: E402
+from _host_ops import dispatched_ops
 
 C = amax_kernel.CHUNK
 SIZES = (1, 7, 1023, 1024, 1025, C - 1, C, C + 1, 3 * C + 17, 0, *range(1, 300, 7))
@@ -93,13 +96,17 @@ def test_a_kernel_that_fails_at_its_first_launch_names_the_switch_and_later_erro
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 raise ValueError("no C compiler")
+
             return launch
 
     monkeypatch.setattr(amax_kernel, "_amax_kernel", Broken())
     monkeypatch.setattr(amax_kernel, "_LAUNCHED", set())
     ts = tensors(torch.float16)
-    with pytest.raises(RuntimeError, match=r"kernel for torch.float16 failed at its first launch on cuda.*"
-                                           r"ValueError: no C compiler.*LOSSSCALE_TRITON=0") as info:
+    with pytest.raises(
+        RuntimeError,
+        match=r"kernel for torch.float16 failed at its first launch on cuda.*"
+        r"ValueError: no C compiler.*LOSSSCALE_TRITON=0",
+    ) as info:
         amax_kernel.amax(ts)
     assert isinstance(info.value.__cause__, ValueError)
     amax_kernel._LAUNCHED.add(torch.float16)  # as after a launch that worked: its later errors are not set-up ones

@@ -11,8 +11,12 @@ import sys
 
 def test_the_quick_demo_runs_on_cuda(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "lossscale", "demo", "--quick", "--device", "cuda", "--out",
-                           str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lossscale", "demo", "--quick", "--device", "cuda", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["machine"]["device"] == "cuda"

@@ -29,7 +29,7 @@ def test_cuda_blocks_run_and_print_what_the_page_says(page, tmp_path, monkeypatc
             continue
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            exec(compile(block.code, block.where, "exec"), namespace)  # noqa: S102 - the docs are ours
+            exec(compile(block.code, block.where, "exec"), namespace)
         torch.cuda.synchronize()
         printed = out.getvalue()
         if block.output is not None:

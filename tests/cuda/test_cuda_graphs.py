@@ -8,8 +8,8 @@ with an error that names the call. docs/cuda.md describes the recipe."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
@@ -53,6 +53,7 @@ def _build(front: str) -> Setup:
             decision = scaler.step(inner)
             scaler.update()
             return {"found_inf": decision.found_inf}
+
         return Setup(model, inner, x, step, lambda: float(scaler.get_scale_tensor()))
 
     if front.startswith("LossScaleOptimizer fused"):
@@ -61,15 +62,26 @@ def _build(front: str) -> Setup:
     else:
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True, capturable=True)
         skip_mode = "masked"
-    opt = LossScaleOptimizer(inner, policy=DynamicScale(growth_interval=GROWTH_INTERVAL), clip_grad_norm=1.0,
-                             skip_mode=skip_mode, flat_grads=front.endswith("flat"))
+    opt = LossScaleOptimizer(
+        inner,
+        policy=DynamicScale(growth_interval=GROWTH_INTERVAL),
+        clip_grad_norm=1.0,
+        skip_mode=skip_mode,
+        flat_grads=front.endswith("flat"),
+    )
 
     def step() -> dict[str, torch.Tensor]:
         opt.zero_grad(set_to_none=True)
         opt.backward(loss())
         result = opt.step()
-        return {"found_inf": result.found_inf, "stepped": result.stepped, "scale": result.scale,
-                "next_scale": result.next_scale, "grad_norm": result.grad_norm}
+        return {
+            "found_inf": result.found_inf,
+            "stepped": result.stepped,
+            "scale": result.scale,
+            "next_scale": result.next_scale,
+            "grad_norm": result.grad_norm,
+        }
+
     return Setup(model, inner, x, step, lambda: float(opt.scale))
 
 
@@ -183,6 +195,7 @@ def test_a_step_skipped_on_the_host_is_refused_under_capture_naming_the_call(fro
             opt.zero_grad(set_to_none=True)
             opt.backward(model(x).square().mean())
             opt.step()
+
     for _ in range(WARM_UP):
         step()
     torch.cuda.synchronize()

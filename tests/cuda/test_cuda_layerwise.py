@@ -15,9 +15,18 @@ VOCAB, CONTEXT = 256, 128
 
 def gpt2(layers, width, heads):
     transformers = pytest.importorskip("transformers", reason="the GPT-2 model comes from transformers")
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=width, n_layer=layers,
-                                     n_head=heads, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=CONTEXT,
+        n_embd=width,
+        n_layer=layers,
+        n_head=heads,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).cuda()
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -69,8 +78,9 @@ def test_the_per_layer_unscale_launches_a_few_kernels_not_one_per_gradient():
     from lossscale.addons.layerwise import LayerScales
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(50)])
-                                  for _ in range(4)]).cuda()
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(50)]) for _ in range(4)]
+    ).cuda()
     layers = LayerScales(list(model))
     scale = torch.tensor(256.0, device="cuda")
     for step in range(3):  # the factors move from the first backward on; the last backward's gradients are checked

@@ -15,7 +15,7 @@ import torch
 from lossscale import LossScale, LossScaleOptimizer, PredictiveScale
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _host_ops import dispatched_ops  # noqa: E402
+from _host_ops import dispatched_ops
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
@@ -69,8 +69,11 @@ def test_an_update_makes_no_host_sync_from_the_first_and_a_handful_of_ops_where_
 def test_a_loss_scale_optimizer_with_predictive_scale_makes_no_host_sync_per_step():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).cuda()
-    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-                             policy=PredictiveScale(init_scale=2.0**10), clip_grad_norm=1.0)
+    opt = LossScaleOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        policy=PredictiveScale(init_scale=2.0**10),
+        clip_grad_norm=1.0,
+    )
     x, y = torch.randn(16, 32, device="cuda"), torch.randn(16, 8, device="cuda")
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:

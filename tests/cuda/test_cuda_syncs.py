@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -51,13 +51,19 @@ def _scaler_step(scaler_type: type, opt_name: str, clip: bool) -> Callable[[bool
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=False)
+
     return step
 
 
 def _optimizer_step(opt_name: str, skip_mode: str, clip: bool, flat: bool = False) -> Callable[[bool], None]:
     model = _model()
-    opt = LossScaleOptimizer(OPTIMIZERS[opt_name](model.parameters()), policy=DynamicScale(growth_interval=10**6),
-                             clip_grad_norm=1.0 if clip else None, skip_mode=skip_mode, flat_grads=flat)
+    opt = LossScaleOptimizer(
+        OPTIMIZERS[opt_name](model.parameters()),
+        policy=DynamicScale(growth_interval=10**6),
+        clip_grad_norm=1.0 if clip else None,
+        skip_mode=skip_mode,
+        flat_grads=flat,
+    )
     x, y = torch.randn(16, 32, device="cuda"), torch.randn(16, 8, device="cuda")
 
     def step(overflow: bool) -> None:
@@ -66,6 +72,7 @@ def _optimizer_step(opt_name: str, skip_mode: str, clip: bool, flat: bool = Fals
             model[2].weight.grad[0, 0].fill_(math.inf)  # a kernel: no host copy, no sync
         opt.step()
         opt.zero_grad(set_to_none=False)
+
     return step
 
 
@@ -104,9 +111,15 @@ def test_grad_scaler_with_a_non_fused_optimizer_syncs_as_torch_does(clip):
 
 
 @pytest.mark.parametrize("clip", [False, True])
-@pytest.mark.parametrize("opt_name,skip_mode", [("fused AdamW", "fused"), ("fused AdamW", "masked"),
-                                                ("capturable foreach AdamW", "masked"),
-                                                ("foreach SGD momentum", "masked")])
+@pytest.mark.parametrize(
+    "opt_name,skip_mode",
+    [
+        ("fused AdamW", "fused"),
+        ("fused AdamW", "masked"),
+        ("capturable foreach AdamW", "masked"),
+        ("foreach SGD momentum", "masked"),
+    ],
+)
 @pytest.mark.parametrize("flat", [False, True])
 def test_loss_scale_optimizer_in_fused_and_masked_modes_makes_no_host_sync(opt_name, skip_mode, clip, flat):
     assert syncs_per_step(_optimizer_step(opt_name, skip_mode, clip, flat)) == 0
@@ -124,6 +137,10 @@ def test_masked_mode_refuses_step_counters_in_host_memory_at_its_first_masked_st
     with pytest.raises(ValueError) as err:
         step(False)
     message = str(err.value)
-    for needle in ("LossScaleOptimizer(skip_mode='masked'): AdamW keeps state 'step' of param_groups[0][0] in host "
-                   "memory (cpu) while found_inf is on cuda", "capturable=True", "skip_mode='host'"):
+    for needle in (
+        "LossScaleOptimizer(skip_mode='masked'): AdamW keeps state 'step' of param_groups[0][0] in host "
+        "memory (cpu) while found_inf is on cuda",
+        "capturable=True",
+        "skip_mode='host'",
+    ):
         assert needle in message, needle

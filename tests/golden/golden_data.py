@@ -16,6 +16,7 @@ lists may be stored as
   * {"rle_delta": [first, [[step, count], ...]]}  (integer lists) first value,
     then run-length encoded differences between consecutive values.
 """
+
 import json
 import os
 
@@ -50,7 +51,7 @@ def expand(packed, scale_after=None):
             for _ in range(n):
                 out.append(out[-1] + d)
         return out
-    raise ValueError("unknown list encoding: %r" % (sorted(packed),))
+    raise ValueError(f"unknown list encoding: {sorted(packed)!r}")
 
 
 def expand_case(case, numeric=True):

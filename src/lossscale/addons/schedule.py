@@ -98,10 +98,10 @@ class ScheduleState:
 def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss: float | None) -> ScheduleState:
     """The whole rule, a pure function::
 
-    step = step if given else state.step + 1        (a loss alone reports one more completed step)
-    if not switched and (trigger == 'step' and step >= ceil(total_steps * ratio)
-                         or trigger == 'loss' and loss is finite and loss <= target_loss * ratio):
-        switch_step = step                          (never cleared again; NaN, inf and -inf never switch)
+        step = step if given else state.step + 1        (a loss alone reports one more completed step)
+        if not switched and (trigger == 'step' and step >= ceil(total_steps * ratio)
+                             or trigger == 'loss' and loss is finite and loss <= target_loss * ratio):
+            switch_step = step                          (never cleared again; NaN, inf and -inf never switch)
     """
     position = state.step + 1 if step is None else step
     if state.switch_step is not None:

@@ -132,7 +132,7 @@ class OverflowReport:
         return "\n".join(lines)
 
     def table_row(self) -> int | None:
-        """The index in :attr:`records` of the named module's call (its first call where no call is named)."""
+        """The index in ``records`` of the named module's call (its first call where no call is named)."""
         if self.module is None:
             return None
         return next(

@@ -1,4 +1,4 @@
-"""The tracer behind :func:`~lossscale.diagnosis.find_overflow` and the automatic diagnosis: module hooks that record
+"""The tracer behind :func:`~lossscale.find_overflow` and the automatic diagnosis: module hooks that record
 each call's largest input and output magnitudes, tensor hooks that record each gradient's, and the rule that turns
 them into an :class:`~lossscale.diagnosis.report.OverflowReport`.
 

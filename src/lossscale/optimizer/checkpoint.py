@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lossscale.validation import validate_int_in_range, validated_state_dict, unlike_tensor
+from lossscale.validation import unlike_tensor, validate_int_in_range, validated_state_dict
 
 __all__ = ["PART_LABELS", "validated_position", "validated_window", "validated_loss_finite", "validated_seen_switch"]
 
@@ -22,8 +22,9 @@ PART_LABELS = {"ema": "an EMA", "layerwise": "per-layer scales", "schedule": "a 
 
 def validated_position(call: str, state_dict: dict[str, Any], accumulation_steps: int) -> tuple[int, int]:
     """(micro_step, boundaries) of a checkpoint holding every required key."""
-    validated_state_dict(call, state_dict, _REQUIRED, " A plain torch optimizer's state_dict goes to "
-                       "opt.inner.load_state_dict(...).")
+    validated_state_dict(
+        call, state_dict, _REQUIRED, " A plain torch optimizer's state_dict goes to opt.inner.load_state_dict(...)."
+    )
     micro, boundaries = state_dict["micro_step"], state_dict["boundaries"]
     validate_int_in_range(call, "micro_step", micro, 0, accumulation_steps - 1)
     validate_int_in_range(call, "boundaries", boundaries, 0, 2**62)
@@ -33,29 +34,42 @@ def validated_position(call: str, state_dict: dict[str, Any], accumulation_steps
 _PRECISIONS = (None, "float16", "bfloat16", "float32")  # what a window records
 
 
-def validated_window(call: str, state_dict: dict[str, Any], params: list[Any], micro: int
-                   ) -> tuple[list[Any], tuple[bool, str | None] | None]:
+def validated_window(
+    call: str, state_dict: dict[str, Any], params: list[Any], micro: int
+) -> tuple[list[Any], tuple[bool, str | None] | None]:
     """The gradients accumulated so far (one entry per parameter: None, or a tensor of its shape and dtype)
     and the window's decision ``(scaled, precision)``, both required mid-window and refused otherwise."""
     grads, window = state_dict.get("accumulated_grads"), state_dict.get("window")
     if not micro:
         if grads is not None or window is not None:
-            raise ValueError(f"{call}: micro_step=0 (a window's start) holds no accumulated_grads or window; got "
-                             f"accumulated_grads={'...' if grads is not None else None}, window={window!r}.")
+            raise ValueError(
+                f"{call}: micro_step=0 (a window's start) holds no accumulated_grads or window; got "
+                f"accumulated_grads={'...' if grads is not None else None}, window={window!r}."
+            )
         return [None] * len(params), None
     if not isinstance(grads, (list, tuple)) or len(grads) != len(params):
         size = f"{len(grads)} entries" if isinstance(grads, (list, tuple)) else repr(type(grads).__name__)
-        raise ValueError(f"{call}: micro_step={micro} (mid-window) needs accumulated_grads, one entry (None or a "
-                         f"tensor) per parameter of the inner optimizer ({len(params)}); got {size}.")
+        raise ValueError(
+            f"{call}: micro_step={micro} (mid-window) needs accumulated_grads, one entry (None or a "
+            f"tensor) per parameter of the inner optimizer ({len(params)}); got {size}."
+        )
     for i, (p, grad) in enumerate(zip(params, grads)):
         got = None if grad is None else unlike_tensor(grad, p)
         if got is not None:
-            raise ValueError(f"{call}: accumulated_grads[{i}] must be None or a {p.dtype} tensor of shape "
-                             f"{tuple(p.shape)} (its parameter's); got {got}.")
-    if not (isinstance(window, (list, tuple)) and len(window) == 2 and isinstance(window[0], bool)
-            and window[1] in _PRECISIONS):
-        raise ValueError(f"{call}: micro_step={micro} (mid-window) needs window = (scaled: bool, precision: one of "
-                         f"{list(_PRECISIONS)}); got {window!r}.")
+            raise ValueError(
+                f"{call}: accumulated_grads[{i}] must be None or a {p.dtype} tensor of shape "
+                f"{tuple(p.shape)} (its parameter's); got {got}."
+            )
+    if not (
+        isinstance(window, (list, tuple))
+        and len(window) == 2
+        and isinstance(window[0], bool)
+        and window[1] in _PRECISIONS
+    ):
+        raise ValueError(
+            f"{call}: micro_step={micro} (mid-window) needs window = (scaled: bool, precision: one of "
+            f"{list(_PRECISIONS)}); got {window!r}."
+        )
     return list(grads), tuple(window)
 
 
@@ -68,8 +82,9 @@ def validated_loss_finite(call: str, state_dict: dict[str, Any], micro: int) -> 
     if not micro:
         raise ValueError(f"{call}: micro_step=0 (a window's start) holds no loss_finite; got loss_finite={finite!r}.")
     if not isinstance(finite, bool):
-        raise ValueError(f"{call}: loss_finite must be a bool (whether every loss of the window so far was finite); "
-                         f"got {finite!r}.")
+        raise ValueError(
+            f"{call}: loss_finite must be a bool (whether every loss of the window so far was finite); got {finite!r}."
+        )
     return finite
 
 
@@ -77,6 +92,8 @@ def validated_seen_switch(call: str, state_dict: dict[str, Any]) -> bool | None:
     """The saved ``seen_switch`` (whether the run reported its switch back to the original precision), or None."""
     seen = state_dict.get("seen_switch")
     if seen is not None and not isinstance(seen, bool):
-        raise ValueError(f"{call}: seen_switch must be a bool (whether the run reported its switch back to the "
-                         f"original precision); got {seen!r}.")
+        raise ValueError(
+            f"{call}: seen_switch must be a bool (whether the run reported its switch back to the "
+            f"original precision); got {seen!r}."
+        )
     return seen

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from types import FrameType
 import warnings
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from types import FrameType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,7 +38,9 @@ def _outside_caller() -> int:
     level, frame = 2, sys._getframe(2)  # 1 is the caller itself
     frame_or_none: FrameType | None = frame
     while frame_or_none is not None and frame_or_none.f_globals.get("__name__", "").partition(".")[0] in (
-            "lossscale", "torch"):
+        "lossscale",
+        "torch",
+    ):
         level, frame_or_none = level + 1, frame_or_none.f_back
     return level
 
@@ -51,7 +54,8 @@ def _refuse_float16_parameters(inner: torch.optim.Optimizer) -> None:
                     f"LossScaleOptimizer(inner): param_groups[{i}][{j}] is a float16 parameter; its unscaled "
                     f"gradients (scaled values / scale) would underflow in float16 and its updates round away. "
                     f"Keep the parameters in float32 and run the forward pass under torch.autocast(dtype="
-                    f"torch.float16) (mixed precision), or keep float32 master copies for the optimizer.")
+                    f"torch.float16) (mixed precision), or keep float32 master copies for the optimizer."
+                )
 
 
 class ScaledReads(NamedTuple):
@@ -176,19 +180,31 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             Dense ``torch.Tensor`` parameters only (not FSDP2's DTensors).
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, *, policy: Policy[Any] | LossScale[Any] | None = None,
-                 module: torch.nn.Module | None = None, ema: AddOn | None = None, schedule: AddOn | None = None,
-                 layerwise: Any = None, diagnose: Any = None, add_ons: list[AddOn] | tuple[AddOn, ...] = (),
-                 **options: Any) -> None:
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        *,
+        policy: Policy[Any] | LossScale[Any] | None = None,
+        module: torch.nn.Module | None = None,
+        ema: AddOn | None = None,
+        schedule: AddOn | None = None,
+        layerwise: Any = None,
+        diagnose: Any = None,
+        add_ons: list[AddOn] | tuple[AddOn, ...] = (),
+        **options: Any,
+    ) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"LossScaleOptimizer(inner={type(inner).__name__}): inner must be a torch.optim.Optimizer.")
         if isinstance(inner, LossScaleOptimizer):
-            raise TypeError("LossScaleOptimizer(inner=LossScaleOptimizer): wrap the inner optimizer once, not a "
-                            "wrapper.")
+            raise TypeError(
+                "LossScaleOptimizer(inner=LossScaleOptimizer): wrap the inner optimizer once, not a wrapper."
+            )
         if module is not None and not isinstance(module, torch.nn.Module):
-            raise ArgumentTypeError(f"LossScaleOptimizer(module={module!r}): module must be None or the "
-                                    f"torch.nn.Module whose parameters the optimizer updates (it names them); got "
-                                    f"{type(module).__name__}.")
+            raise ArgumentTypeError(
+                f"LossScaleOptimizer(module={module!r}): module must be None or the "
+                f"torch.nn.Module whose parameters the optimizer updates (it names them); got "
+                f"{type(module).__name__}."
+            )
         if policy is not None and not isinstance(policy, LossScale):
             validate_policy("LossScaleOptimizer", policy)
         self.inner = inner
@@ -211,8 +227,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._flat_warned = False
         self._add_ons = add_ons_from("LossScaleOptimizer", params, self._device, ema=ema, schedule=schedule)
         _refuse_float16_parameters(inner)  # after the schedule's refusal, before anything hooks the model
-        self._add_ons += add_ons_from("LossScaleOptimizer", params, self._device, layerwise=layerwise,
-                                      diagnose=diagnose, add_ons=add_ons)
+        self._add_ons += add_ons_from(
+            "LossScaleOptimizer", params, self._device, layerwise=layerwise, diagnose=diagnose, add_ons=add_ons
+        )
         validate_add_ons("LossScaleOptimizer", self._add_ons)
         self._configure(self._options)
         self._run.seen_switch = self._precision() not in (None, *_LOW_PRECISIONS)
@@ -284,9 +301,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """Install ``options``: resolve the plan, tell the add-ons, keep or drop the gradient buffer."""
         plans = resolve(options, self.inner, self._add_ons, self.policy.observes_amax)
         self._options, self._plans = options, plans
-        host = Host(call="LossScaleOptimizer", params=tuple(self._params()), device=self._device,
-                    process_group=options.process_group, sharded_grads=options.sharded_grads,
-                    is_scaled=_WindowScaled(self))
+        host = Host(
+            call="LossScaleOptimizer",
+            params=tuple(self._params()),
+            device=self._device,
+            process_group=options.process_group,
+            sharded_grads=options.sharded_grads,
+            is_scaled=_WindowScaled(self),
+        )
         for add_on in self._add_ons:
             add_on.attach(host)
         if not options.flat_grads:
@@ -296,8 +318,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def _flat_grads(self) -> FlatGrads:
         """A gradient buffer over the inner optimizer's parameters, the gradients present copied in."""
-        names = [f"param_groups[{i}][{j}]" for i, group in enumerate(self.inner.param_groups)
-                 for j in range(len(group["params"]))]
+        names = [
+            f"param_groups[{i}][{j}]"
+            for i, group in enumerate(self.inner.param_groups)
+            for j in range(len(group["params"]))
+        ]
         return FlatGrads(self._params(), "LossScaleOptimizer", names)
 
     @property
@@ -412,8 +437,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if run.micro < self._options.accumulation_steps:
             false = torch.zeros((), dtype=torch.bool, device=self._device)
             scale = self._loss_scale.scale
-            result = StepResult(stepped=false, found_inf=false, scale=scale, next_scale=scale, accumulating=True,
-                                step=run.boundaries, loss=loss, precision=run.window.precision)
+            result = StepResult(
+                stepped=false,
+                found_inf=false,
+                scale=scale,
+                next_scale=scale,
+                accumulating=True,
+                step=run.boundaries,
+                loss=loss,
+                precision=run.window.precision,
+            )
         else:
             run.micro = 0
             result = self._boundary_step(loss)
@@ -447,15 +480,30 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 scale = scale.clone()
             fields = self._advance(found, reads.amax, scale)
         result_scale = scale if plan.scaled else torch.ones_like(scale)
-        outcome = StepOutcome(stepped=stepped, found_inf=found_inf, scale=result_scale,
-                              next_scale=self._loss_scale.scale, step=run.boundaries - 1, scaled=plan.scaled)
+        outcome = StepOutcome(
+            stepped=stepped,
+            found_inf=found_inf,
+            scale=result_scale,
+            next_scale=self._loss_scale.scale,
+            step=run.boundaries - 1,
+            scaled=plan.scaled,
+        )
         for add_on in self._add_ons:
             add_on.after_step(outcome)
         run.loss_finite = None
-        return StepResult(stepped=stepped, found_inf=found_inf, scale=result_scale, next_scale=outcome.next_scale,
-                          grad_norm=grad_norm, step=outcome.step, precision=window.precision,
-                          switched=self._report_switch(window.precision), underflow=reads.underflow, loss=loss,
-                          **fields)
+        return StepResult(
+            stepped=stepped,
+            found_inf=found_inf,
+            scale=result_scale,
+            next_scale=outcome.next_scale,
+            grad_norm=grad_norm,
+            step=outcome.step,
+            precision=window.precision,
+            switched=self._report_switch(window.precision),
+            underflow=reads.underflow,
+            loss=loss,
+            **fields,
+        )
 
     def _guard(self, plan: StepPlan, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """found_inf's start (1 where the scale itself is corrupted, in scaled windows) and what unscales:
@@ -468,8 +516,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             return found, torch.ones_like(scale)
         return found, stages.inverse(scale, found) if plan.inverse_needed else None
 
-    def _read_scaled(self, plan: StepPlan, groups: stages.Groups, scale: torch.Tensor,
-                     found: torch.Tensor) -> ScaledReads:
+    def _read_scaled(
+        self, plan: StepPlan, groups: stages.Groups, scale: torch.Tensor, found: torch.Tensor
+    ) -> ScaledReads:
         """The reads before our unscale, each where the plan has it: the underflow meter's sample, the measure
         pass (amax agreed over ranks where the policy reads it), an add-on's own unscale and check, and the squared
         global norm (non-finite: an overflow, where the plan checks). Overflow goes into ``found``."""
@@ -482,26 +531,35 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             amax = stages.measure_(groups, found, plan.measure_mode, options.threshold, amax=plan.measure == "amax")
             if amax is not None:
                 stages.agree_amax_(amax, options.process_group)
-        unscaled = next((u for a in self._add_ons if (u := a.unscale(scale, found)) is not None), None) \
-            if plan.add_on_unscales else None
+        unscaled = (
+            next((u for a in self._add_ons if (u := a.unscale(scale, found)) is not None), None)
+            if plan.add_on_unscales
+            else None
+        )
         if unscaled is not None:
             found.logical_or_(unscaled.found_inf.to(found.device))
             amax = unscaled.amax
         norm_sq = None
         if plan.clip_norm:
             if plan.add_on_unscales:  # the add-on unscaled each parameter's own gradient: their norm
-                norm_sq = global_norm_squared(self._grads(), options.process_group, options.sharded_grads,
-                                              self._device)
+                norm_sq = global_norm_squared(self._grads(), options.process_group, options.sharded_grads, self._device)
             else:
-                norm_sq = stages.norm_squared(groups, self._grads(), self._device, options.process_group,
-                                              options.sharded_grads)
+                norm_sq = stages.norm_squared(
+                    groups, self._grads(), self._device, options.process_group, options.sharded_grads
+                )
             if plan.checks:
                 stages.note_non_finite_(found, norm_sq)
         return ScaledReads(underflow, amax, norm_sq)
 
-    def _unscale(self, plan: StepPlan, groups: stages.Groups, scale: torch.Tensor, found: torch.Tensor,
-                 inv: torch.Tensor | None, norm_sq: torch.Tensor | None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _unscale(
+        self,
+        plan: StepPlan,
+        groups: stages.Groups,
+        scale: torch.Tensor,
+        found: torch.Tensor,
+        inv: torch.Tensor | None,
+        norm_sq: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Unscale (x the clip coefficient): our pass as the plan has it (unscale and check, only check, only
         multiply), or the divisor a fused kernel takes. Returns (the unscaled global norm, the fused divisor)."""
         grad_norm = clip = None
@@ -523,8 +581,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 stages.unscale_(grads, found, factor, check)
         return grad_norm, None
 
-    def _apply(self, plan: StepPlan, groups: stages.Groups, found: torch.Tensor, found_inf: torch.Tensor,
-               stepped: torch.Tensor, fused_divisor: torch.Tensor | None) -> None:
+    def _apply(
+        self,
+        plan: StepPlan,
+        groups: stages.Groups,
+        found: torch.Tensor,
+        found_inf: torch.Tensor,
+        stepped: torch.Tensor,
+        fused_divisor: torch.Tensor | None,
+    ) -> None:
         """The value clip and the add-ons on the unscaled gradients, then the inner step, skipped where found_inf:
         in the fused kernel, on the host (one host read), or masked (on the host while the optimizer state does not
         exist yet)."""
@@ -538,9 +603,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if mode == "masked" and not self._masked.ready(self.inner):
             mode = "host"
         if mode == "host":
-            call = ("LossScaleOptimizer.step() with skip_mode='host'" if plan.skip_mode == "host" else
-                    "LossScaleOptimizer.step() before the optimizer state exists (skip_mode='masked' decides that "
-                    "step on the host; step once before capturing)")
+            call = (
+                "LossScaleOptimizer.step() with skip_mode='host'"
+                if plan.skip_mode == "host"
+                else "LossScaleOptimizer.step() before the optimizer state exists (skip_mode='masked' decides that "
+                "step on the host; step once before capturing)"
+            )
             if stages.applies_on_host(found_inf, call):
                 self.inner.step()
         elif mode == "masked":
@@ -588,11 +656,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._flat = self._flat_grads()
         elif self._flat.attach() and not self._flat_warned:
             self._flat_warned = True
-            warnings.warn("LossScaleOptimizer(flat_grads=True): some gradients were not views of the gradient buffer "
-                          "(replaced by other tensors, or set to None and then made by a backward that did not go "
-                          "through opt.backward() or opt.scale_loss()), so they were copied back into it, one copy "
-                          "each. Zero gradients with opt.zero_grad(), and backpropagate with opt.backward(loss), to "
-                          "keep them in place.", UserWarning, stacklevel=_outside_caller())
+            warnings.warn(
+                "LossScaleOptimizer(flat_grads=True): some gradients were not views of the gradient buffer "
+                "(replaced by other tensors, or set to None and then made by a backward that did not go "
+                "through opt.backward() or opt.scale_loss()), so they were copied back into it, one copy "
+                "each. Zero gradients with opt.zero_grad(), and backpropagate with opt.backward(loss), to "
+                "keep them in place.",
+                UserWarning,
+                stacklevel=_outside_caller(),
+            )
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._params() if p.grad is not None]
@@ -629,8 +701,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         One read of the gradients and one host read."""
         names = {id(p): n for n, p in self.module.named_parameters()} if self.module is not None else {}
         divided = 1.0 if self._run.unscaled_by is None else float(self._run.unscaled_by)
-        return stages.overflowing_names(self.inner, names, self._options.overflow_mode, self._options.threshold,
-                                        divided)
+        return stages.overflowing_names(
+            self.inner, names, self._options.overflow_mode, self._options.threshold, divided
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a run needs to resume, in one dict (keys: :mod:`lossscale.optimizer.checkpoint`), between
@@ -645,8 +718,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             "boundaries": run.boundaries,
         }
         if run.micro:  # mid-window: the gradients accumulated so far are part of the position
-            state_dict["accumulated_grads"] = [None if p.grad is None else p.grad.detach().clone()
-                                               for p in self._params()]
+            state_dict["accumulated_grads"] = [
+                None if p.grad is None else p.grad.detach().clone() for p in self._params()
+            ]
             state_dict["window"] = tuple(run.window) if run.window is not None else None
             if run.loss_finite is not None:  # a policy that observes the losses: whether the window's were finite
                 state_dict["loss_finite"] = bool(run.loss_finite)
@@ -683,8 +757,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self.inner.load_state_dict(state_dict["inner"])
         except ValueError as err:  # torch's own refusal (another optimizer's groups): name the call and the key
             self._loss_scale.load_state_dict(before)
-            raise ValueError(f"{call} (key 'inner'): the inner optimizer refused its state: {err}. Pass the "
-                             f"state_dict() of a LossScaleOptimizer over the same parameter groups.") from None
+            raise ValueError(
+                f"{call} (key 'inner'): the inner optimizer refused its state: {err}. Pass the "
+                f"state_dict() of a LossScaleOptimizer over the same parameter groups."
+            ) from None
         except Exception:
             self._loss_scale.load_state_dict(before)
             raise
@@ -710,13 +786,20 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         labels = {**checkpoint.PART_LABELS, **{key: part.label for key, part in self._parts()}}
         for key, what in labels.items():
             if key in have and key not in state_dict:
-                warnings.warn(f"{call}: this optimizer has {what} ({key}=) and the checkpoint has no {key!r} entry; "
-                              f"the {key} part keeps its current state, not the saved run's. Save the checkpoint "
-                              f"from an optimizer with the same parts to resume it.", UserWarning, stacklevel=3)
+                warnings.warn(
+                    f"{call}: this optimizer has {what} ({key}=) and the checkpoint has no {key!r} entry; "
+                    f"the {key} part keeps its current state, not the saved run's. Save the checkpoint "
+                    f"from an optimizer with the same parts to resume it.",
+                    UserWarning,
+                    stacklevel=3,
+                )
             elif key in state_dict and key not in have:
-                warnings.warn(f"{call}: the checkpoint holds a {key!r} entry and this optimizer has no {what}; the "
-                              f"entry is ignored. Pass {key}=... when building the optimizer to resume it.",
-                              UserWarning, stacklevel=3)
+                warnings.warn(
+                    f"{call}: the checkpoint holds a {key!r} entry and this optimizer has no {what}; the "
+                    f"entry is ignored. Pass {key}=... when building the optimizer to resume it.",
+                    UserWarning,
+                    stacklevel=3,
+                )
 
     def _parts(self) -> list[tuple[str, AddOn]]:
         """(checkpoint key, add-on) of each add-on saved in a checkpoint."""

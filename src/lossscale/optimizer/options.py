@@ -15,13 +15,28 @@ import torch
 from lossscale.addons.base import AddOn
 from lossscale.ops.overflow import OverflowMode, saturation_threshold, validate_mode
 from lossscale.stages import takes_fused_scaling
-from lossscale.validation import (validate_choice, validate_int_at_least, validate_positive_or_none,
-                                  validate_process_group)
+from lossscale.validation import (
+    validate_choice,
+    validate_int_at_least,
+    validate_positive_or_none,
+    validate_process_group,
+)
 
-__all__ = ["Measure", "OurPass", "Plans", "ResolvedSkipMode", "SkipMode", "StepOptions", "StepPlan", "Unscaler", "resolve"]
+__all__ = [
+    "Measure",
+    "OurPass",
+    "Plans",
+    "ResolvedSkipMode",
+    "SkipMode",
+    "StepOptions",
+    "StepPlan",
+    "Unscaler",
+    "resolve",
+]
 
 SkipMode = Literal["auto", "fused", "host", "masked"]
 ResolvedSkipMode = Literal["fused", "host", "masked"]
+
 
 @dataclass(frozen=True)
 class StepOptions:
@@ -46,8 +61,10 @@ class StepOptions:
         validate_positive_or_none(call, "clip_grad_value", self.clip_grad_value)
         clips = [n for n in ("clip_grad_norm", "clip_grad_value") if getattr(self, n) is not None]
         if len(clips) > 1:
-            raise ValueError(f"{call}({', '.join(clips)}): set at most one way of clipping (which ran first would "
-                             f"change the result: a value clip changes the norm); got {len(clips)}.")
+            raise ValueError(
+                f"{call}({', '.join(clips)}): set at most one way of clipping (which ran first would "
+                f"change the result: a value clip changes the norm); got {len(clips)}."
+            )
         validate_int_at_least(call, "accumulation_steps", self.accumulation_steps, 1)
         validate_process_group(call, self.process_group)
         validate_choice(call, "skip_mode", self.skip_mode, ("auto", "fused", "host", "masked"))
@@ -68,14 +85,17 @@ class StepOptions:
         gradients are written before the step (a value clip, an add-on that ``writes_grads``), else ``"host"``."""
         fusable = takes_fused_scaling(inner)
         if self.skip_mode == "fused" and not fusable:
-            raise ValueError(f"LossScaleOptimizer(skip_mode='fused'): {type(inner).__name__} does not take "
-                             f"grad_scale/found_inf; use a fused optimizer (e.g. AdamW(fused=True)) or "
-                             f"skip_mode='host' or 'masked'.")
+            raise ValueError(
+                f"LossScaleOptimizer(skip_mode='fused'): {type(inner).__name__} does not take "
+                f"grad_scale/found_inf; use a fused optimizer (e.g. AdamW(fused=True)) or "
+                f"skip_mode='host' or 'masked'."
+            )
         if self.skip_mode == "fused":
             return "fused"
         if self.skip_mode == "auto":
             return "fused" if fusable and self.clip_grad_value is None and not writes_grads else "host"
         return "masked" if self.skip_mode == "masked" else "host"
+
 
 #: A read-only pass over the scaled gradients before anything writes them: ``"amax"`` checks in the overflow mode
 #: and returns the largest magnitude (a policy that observes it); ``"saturation"`` or ``"inf_nan"`` only checks.
@@ -133,21 +153,32 @@ class Plans:
         return self.scaled if scaled else self.unscaled
 
 
-def resolve(options: StepOptions, inner: torch.optim.Optimizer, add_ons: list[AddOn],
-            observes_amax: bool) -> Plans:
+def resolve(options: StepOptions, inner: torch.optim.Optimizer, add_ons: list[AddOn], observes_amax: bool) -> Plans:
     """Both plans for ``options`` over ``inner`` with ``add_ons``, for a policy that does or does not observe the
     largest gradient magnitude (``observes_amax``)."""
     skip_mode = options.resolved_skip_mode(inner, writes_grads=any(a.writes_grads for a in add_ons))
     add_on_unscales = any(a.unscales for a in add_ons)
-    explicit = (skip_mode != "fused" or options.clip_grad_value is not None
-                or any(a.writes_grads for a in add_ons) or add_on_unscales)
-    scaled_plan, unscaled_plan = (_plan(options, scaled, explicit, add_on_unscales and scaled, observes_amax, skip_mode)
-                                  for scaled in (True, False))
+    explicit = (
+        skip_mode != "fused"
+        or options.clip_grad_value is not None
+        or any(a.writes_grads for a in add_ons)
+        or add_on_unscales
+    )
+    scaled_plan, unscaled_plan = (
+        _plan(options, scaled, explicit, add_on_unscales and scaled, observes_amax, skip_mode)
+        for scaled in (True, False)
+    )
     return Plans(scaled_plan, unscaled_plan)
 
 
-def _plan(options: StepOptions, scaled: bool, explicit: bool, add_on_unscales: bool, observes_amax: bool,
-          skip_mode: ResolvedSkipMode) -> StepPlan:
+def _plan(
+    options: StepOptions,
+    scaled: bool,
+    explicit: bool,
+    add_on_unscales: bool,
+    observes_amax: bool,
+    skip_mode: ResolvedSkipMode,
+) -> StepPlan:
     checks = scaled or options.check_when_unscaled
     clip_norm = options.clip_grad_norm is not None
     measure: Measure | None = None
@@ -167,7 +198,15 @@ def _plan(options: StepOptions, scaled: bool, explicit: bool, add_on_unscales: b
         elif (scaled and not add_on_unscales) or clip_norm:
             our_pass = "multiply"
     unscaler: Unscaler = "add-on" if add_on_unscales else ("ours" if explicit else "kernel")
-    return StepPlan(scaled=scaled, measure=measure,
-                    measure_mode="inf_nan" if measure == "inf_nan" else options.overflow_mode,
-                    add_on_unscales=add_on_unscales, clip_norm=clip_norm, checks=checks, unscaler=unscaler,
-                    our_pass=our_pass, clip_value=options.clip_grad_value, skip_mode=skip_mode)
+    return StepPlan(
+        scaled=scaled,
+        measure=measure,
+        measure_mode="inf_nan" if measure == "inf_nan" else options.overflow_mode,
+        add_on_unscales=add_on_unscales,
+        clip_norm=clip_norm,
+        checks=checks,
+        unscaler=unscaler,
+        our_pass=our_pass,
+        clip_value=options.clip_grad_value,
+        skip_mode=skip_mode,
+    )

@@ -5,17 +5,17 @@ recorded scale_before / scale_after exactly (bit for bit, with the peer's own
 float width). `python observed_rules.py` checks every tests/golden/*.json that
 exists. Needs only the standard library (struct for float32 rounding).
 """
-import json
+
 import math
 import os
 import struct
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import patterns as P  # noqa: E402
+import patterns as P
 
 sys.path.insert(0, P.GOLDEN_DIR)
-import golden_data  # noqa: E402
+import golden_data
 
 INF = float("inf")
 
@@ -33,8 +33,9 @@ def f32(x):
 # ------------------------------------------------------------------ models
 # Each model: model(config, overflow_list) -> (scale_before, scale_after)
 
+
 def keras(cfg, overflow):
-    s = f32(cfg.get("initial_scale", 2.0 ** 15))
+    s = f32(cfg.get("initial_scale", 2.0**15))
     w = cfg.get("dynamic_growth_steps", 2000)
     g = 0
     before, after = [], []
@@ -43,9 +44,9 @@ def keras(cfg, overflow):
         if ov:
             g = 0
             s = f32(s * 0.5)
-        elif g == w - 1:          # grows on the W-th consecutive clean step
+        elif g == w - 1:  # grows on the W-th consecutive clean step
             g = 0
-            s = f32(s * 2.0)      # no cap: float32 overflow to inf is kept
+            s = f32(s * 2.0)  # no cap: float32 overflow to inf is kept
         else:
             g += 1
         after.append(s)
@@ -61,11 +62,11 @@ def tf2_dynamic(s, w, m, overflow):
         before.append(s)
         if ov:
             g = 0
-            s = f32(max(f32(s / m), 1.0))    # floor 1
-        elif g + 1 >= w:                     # grows on the W-th consecutive clean step
+            s = f32(max(f32(s / m), 1.0))  # floor 1
+        elif g + 1 >= w:  # grows on the W-th consecutive clean step
             g = 0
             new = f32(s * m)
-            if not math.isinf(new):          # growth to inf is refused (scale stays)
+            if not math.isinf(new):  # growth to inf is refused (scale stays)
                 s = new
         else:
             g += 1
@@ -85,20 +86,20 @@ def tf1_contrib(cfg, overflow):
     for ov in overflow:
         before.append(s)
         if ov:
-            if bad + 1 >= n:                 # bad counts overflows since the last scale change
+            if bad + 1 >= n:  # bad counts overflows since the last scale change
                 s = max(1.0, f32(s * down))  # floor 1
                 good = bad = 0
             else:
                 bad += 1
                 good = 0
         else:
-            if good + 1 >= w:                # grows on the W-th consecutive clean step
+            if good + 1 >= w:  # grows on the W-th consecutive clean step
                 new = f32(s * up)
-                if not math.isinf(new):      # refuses to grow to inf (keeps S, still resets)
+                if not math.isinf(new):  # refuses to grow to inf (keeps S, still resets)
                     s = new
-                good = bad = 0               # a growth attempt resets bad too
+                good = bad = 0  # a growth attempt resets bad too
             else:
-                good += 1                    # a clean step does NOT reset bad
+                good += 1  # a clean step does NOT reset bad
         after.append(s)
     return before, after
 
@@ -107,7 +108,7 @@ def mindspore_cell(cfg, overflow):
     """nn.DynamicLossScaleUpdateCell: float32 scale, int32 iteration counters."""
     s = f32(cfg["loss_scale_value"])
     f = f32(cfg["scale_factor"])
-    recip = f32(1.0 / f)                     # backoff multiplies by float32 1/f
+    recip = f32(1.0 / f)  # backoff multiplies by float32 1/f
     w = cfg["scale_window"]
     cur, last = 1, 0
     before, after = [], []
@@ -142,7 +143,7 @@ def mindspore_manager(cfg, overflow):
                 s *= f
             bad = 0
         if bad > 1000:
-            r = True                         # RuntimeError; cur_iter is NOT advanced
+            r = True  # RuntimeError; cur_iter is NOT advanced
         else:
             cur += 1
         after.append(float(s))
@@ -166,20 +167,20 @@ def deepspeed(cfg, overflow):
         if ov:
             if ds == 1 or h == 1:
                 if s == lo and rz:
-                    r = True                 # raises before any state change (cur_iter too)
+                    r = True  # raises before any state change (cur_iter too)
                 else:
-                    s = max(s / 2.0, lo)     # h stays 1: the next overflow backs off again
+                    s = max(s / 2.0, lo)  # h stays 1: the next overflow backs off again
             else:
                 h -= 1
             if not r:
                 last = cur
         else:
             if cons:
-                h = ds                       # every clean step refills hysteresis
+                h = ds  # every clean step refills hysteresis
             stable = cur - last - 1
-            if stable > 0 and stable % w == 0:   # grows on the (W+1)-th clean step
+            if stable > 0 and stable % w == 0:  # grows on the (W+1)-th clean step
                 if not cons:
-                    h = ds                   # non-consecutive: refilled only on growth
+                    h = ds  # non-consecutive: refilled only on growth
                 s *= 2.0
         if not r:
             cur += 1
@@ -202,15 +203,15 @@ def megatron(cfg, overflow):
         before.append(s)
         if ov:
             g = 0
-            h -= 1                           # never refilled by a clean step
+            h -= 1  # never refilled by a clean step
             if h <= 0:
                 s = max(f32(s * down), lo)
         else:
             g += 1
-            if g == w:                       # grows on the W-th consecutive clean step
+            if g == w:  # grows on the W-th consecutive clean step
                 g = 0
-                h = hyst                     # hysteresis refilled only here
-                s = f32(s * up)              # no cap: float32 inf is kept
+                h = hyst  # hysteresis refilled only here
+                s = f32(s * up)  # no cap: float32 inf is kept
         after.append(s)
     return before, after
 
@@ -229,17 +230,17 @@ def nnabla(cfg, overflow):
         before.append(s)
         calls.append(call)
         if ov:
-            s /= f                           # Python float, no floor
+            s /= f  # Python float, no floor
             counter = 0
             rc += 1
-            if rc > 100:                     # 101 attempts: give up, skip silently
+            if rc > 100:  # 101 attempts: give up, skip silently
                 rc = 0
                 call += 1
             # else: update() re-runs itself (new batch) within the same call
         else:
             rc = 0
-            if counter > n:                  # grows on the (N+2)-th clean attempt from the
-                s *= f                       # start / an overflow, then every N+1
+            if counter > n:  # grows on the (N+2)-th clean attempt from the
+                s *= f  # start / an overflow, then every N+1
                 counter = 0
             counter += 1
             call += 1
@@ -261,14 +262,14 @@ def paddle(cfg, overflow):
         if ov:
             incr = 0
             decr += 1
-            if decr == n:                    # n-th CONSECUTIVE overflow backs off
-                s = f32(s * down)            # no floor
+            if decr == n:  # n-th CONSECUTIVE overflow backs off
+                s = f32(s * down)  # no floor
                 decr = 0
         else:
-            decr = 0                         # a clean step resets the overflow count
+            decr = 0  # a clean step resets the overflow count
             incr += 1
-            if incr == w:                    # grows on the W-th consecutive clean step
-                s = f32(s * up)              # no cap: float32 inf is kept
+            if incr == w:  # grows on the W-th consecutive clean step
+                s = f32(s * up)  # no cap: float32 inf is kept
                 incr = 0
         after.append(s)
     return before, after
@@ -283,12 +284,15 @@ MODELS = {
     "tf1_contrib": lambda case: tf1_contrib(case["config"], case["overflow"]),
     "mindspore": lambda case: mindspore_cell(case["config"], case["overflow"]),
     "mindspore.manager": lambda case: mindspore_manager(case["config"], case["overflow"]),
-    "tf_v1": lambda case: tf2_dynamic(case["config"]["initial_loss_scale"],
-                                      case["config"]["increment_period"],
-                                      case["config"]["multiplier"], case["overflow"]),
-    "tf_keras2": lambda case: tf2_dynamic(case["config"]["initial_scale"],
-                                          case["config"]["dynamic_growth_steps"], 2.0,
-                                          case["overflow"]),
+    "tf_v1": lambda case: tf2_dynamic(
+        case["config"]["initial_loss_scale"],
+        case["config"]["increment_period"],
+        case["config"]["multiplier"],
+        case["overflow"],
+    ),
+    "tf_keras2": lambda case: tf2_dynamic(
+        case["config"]["initial_scale"], case["config"]["dynamic_growth_steps"], 2.0, case["overflow"]
+    ),
 }
 
 
@@ -319,8 +323,10 @@ def check(peer):
         got_a = [P._num(x) for x in res[1]]
         for i in range(len(exp_a)):
             if not (_same(got_b[i], exp_b[i]) and _same(got_a[i], exp_a[i])):
-                print("  MISMATCH %s/%s at call %d: overflow=%s expected %s->%s, model %s->%s"
-                      % (peer, c["name"], i, c["overflow"][i], exp_b[i], exp_a[i], got_b[i], got_a[i]))
+                print(
+                    "  MISMATCH %s/%s at call %d: overflow=%s expected %s->%s, model %s->%s"
+                    % (peer, c["name"], i, c["overflow"][i], exp_b[i], exp_a[i], got_b[i], got_a[i])
+                )
                 bad += 1
                 break
         if len(got_a) != len(exp_a):

@@ -6,6 +6,7 @@ no builtin generics, no f-string '=' specifier.
 An overflow pattern is a list of bools, one per update call: True means "this
 step's gradients were non-finite".
 """
+
 import json
 import math
 import os
@@ -102,6 +103,7 @@ def standard_patterns(window, long_window=False, with_all_overflow=True):
 
 # ---------------------------------------------------------------- JSON output
 
+
 def _num(x):
     x = float(x)
     if math.isnan(x):
@@ -142,15 +144,19 @@ def _pack(values, chain_after=None):
 def expand(packed, scale_after=None):
     sys.path.insert(0, GOLDEN_DIR)
     import golden_data
+
     return golden_data.expand(packed, scale_after)
 
 
 def make_case(name, config, overflow, scale_before, scale_after, **extra):
     assert len(overflow) == len(scale_before) == len(scale_after), name
-    case = {"name": name, "config": config,
-            "overflow": [bool(o) for o in overflow],
-            "scale_before": [_num(s) for s in scale_before],
-            "scale_after": [_num(s) for s in scale_after]}
+    case = {
+        "name": name,
+        "config": config,
+        "overflow": [bool(o) for o in overflow],
+        "scale_before": [_num(s) for s in scale_before],
+        "scale_after": [_num(s) for s in scale_after],
+    }
     for k, v in extra.items():
         case[k] = v
     return case
@@ -165,11 +171,15 @@ def _pack_case(c):
 
 
 def write(peer, framework, version, cases, extra=None, path=None):
-    doc = {"peer": peer, "framework": framework, "version": version,
-           "python": "%d.%d" % tuple(int(p) for p in platform.python_version_tuple()[:2]),
-           "encoding": "per-call lists are plain lists or compacted; "
-                       "tests/golden/golden_data.py expands them (see README.md)",
-           "cases": []}
+    doc = {
+        "peer": peer,
+        "framework": framework,
+        "version": version,
+        "python": "%d.%d" % tuple(int(p) for p in platform.python_version_tuple()[:2]),
+        "encoding": "per-call lists are plain lists or compacted; "
+        "tests/golden/golden_data.py expands them (see README.md)",
+        "cases": [],
+    }
     for c in cases:
         c = dict(c)
         _pack_case(c)

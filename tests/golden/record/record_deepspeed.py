@@ -13,6 +13,7 @@ equals scale_before there. Later calls continue on the same object.
 Run in a venv with deepspeed + torch==2.13.0:  python record_deepspeed.py
 Writes tests/golden/deepspeed.json.
 """
+
 import logging
 import os
 import sys
@@ -24,12 +25,11 @@ os.environ.setdefault("RANK", "0")
 os.environ.setdefault("LOCAL_RANK", "0")
 os.environ.setdefault("WORLD_SIZE", "1")
 
-import torch  # noqa: E402
-import deepspeed  # noqa: E402
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler  # noqa: E402
-from deepspeed.utils import logger  # noqa: E402
-
-import patterns as P  # noqa: E402
+import deepspeed
+import patterns as P
+import torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+from deepspeed.utils import logger
 
 logger.setLevel(logging.WARNING)
 
@@ -53,11 +53,22 @@ def run(config, overflow):
     return before, after, raised, message
 
 
-def cfg_of(init_scale=2.0 ** 16, scale_window=1000, min_scale=1.0, delayed_shift=2,
-           consecutive_hysteresis=False, raise_error_at_min_scale=True):
-    return dict(init_scale=init_scale, scale_window=scale_window, min_scale=min_scale,
-                delayed_shift=delayed_shift, consecutive_hysteresis=consecutive_hysteresis,
-                raise_error_at_min_scale=raise_error_at_min_scale)
+def cfg_of(
+    init_scale=2.0**16,
+    scale_window=1000,
+    min_scale=1.0,
+    delayed_shift=2,
+    consecutive_hysteresis=False,
+    raise_error_at_min_scale=True,
+):
+    return dict(
+        init_scale=init_scale,
+        scale_window=scale_window,
+        min_scale=min_scale,
+        delayed_shift=delayed_shift,
+        consecutive_hysteresis=consecutive_hysteresis,
+        raise_error_at_min_scale=raise_error_at_min_scale,
+    )
 
 
 def add(cases, name, cfg, pat):
@@ -79,8 +90,7 @@ def main():
     for h in (1, 2, 3):
         for cons in (False, True):
             label = "w3_h%d_%s" % (h, "cons" if cons else "noncons")
-            cfg = cfg_of(scale_window=3, delayed_shift=h, consecutive_hysteresis=cons,
-                         raise_error_at_min_scale=False)
+            cfg = cfg_of(scale_window=3, delayed_shift=h, consecutive_hysteresis=cons, raise_error_at_min_scale=False)
             for pname, pat in P.standard_patterns(3):
                 add(cases, "%s-%s" % (pname, label), cfg, pat)
     # other windows, hysteresis 1 and 2
@@ -92,20 +102,24 @@ def main():
     # min scale and raise_error_at_min_scale
     for h in (1, 2):
         for rz in (True, False):
-            cfg = cfg_of(init_scale=2.0 ** 4, scale_window=3, delayed_shift=h,
-                         raise_error_at_min_scale=rz)
+            cfg = cfg_of(init_scale=2.0**4, scale_window=3, delayed_shift=h, raise_error_at_min_scale=rz)
             pat = [True] * 12 + [False] * 4 + [True] * 4
             add(cases, "min_scale-init16_w3_h%d_raise%s" % (h, rz), cfg, pat)
     cfg = cfg_of(init_scale=3.0, scale_window=2, min_scale=1.0, delayed_shift=1)
     add(cases, "min_scale_inexact-init3_w2_h1_raiseTrue", cfg, [True] * 5 + [False] * 3 + [True] * 3)
-    cfg = cfg_of(init_scale=2.0 ** 16, scale_window=1000, min_scale=0.25, delayed_shift=2)
+    cfg = cfg_of(init_scale=2.0**16, scale_window=1000, min_scale=0.25, delayed_shift=2)
     add(cases, "all_overflow-default_min0.25", cfg, P.all_overflow())
     # no cap: Python floats, so 2**120 keeps doubling (no float32 inf)
-    cfg = cfg_of(init_scale=2.0 ** 120, scale_window=2, delayed_shift=2)
+    cfg = cfg_of(init_scale=2.0**120, scale_window=2, delayed_shift=2)
     for pname, pat in (("cap", P.cap()), ("after_inf_recover", P.after_inf_recover())):
         add(cases, "%s-init2p120_w2_h2" % pname, cfg, pat)
-    P.write("deepspeed", "deepspeed", deepspeed.__version__, cases,
-            extra={"torch": torch.__version__, "dtype": "torch.half"})
+    P.write(
+        "deepspeed",
+        "deepspeed",
+        deepspeed.__version__,
+        cases,
+        extra={"torch": torch.__version__, "dtype": "torch.half"},
+    )
 
 
 if __name__ == "__main__":

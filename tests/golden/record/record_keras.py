@@ -3,26 +3,25 @@
 Run in a venv with keras + torch:  KERAS_BACKEND=torch python record_keras.py
 Writes tests/golden/keras.json.
 """
+
 import os
 import sys
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import keras  # noqa: E402
-import torch  # noqa: E402
-
-import patterns as P  # noqa: E402
+import keras
+import patterns as P
+import torch
 
 assert keras.backend.backend() == "torch", keras.backend.backend()
 
-DEFAULT_SCALE = 2.0 ** 15
+DEFAULT_SCALE = 2.0**15
 DEFAULT_GROWTH = 2000
 
 
 def run(config, overflow):
-    opt = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(learning_rate=1.0), **config)
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(learning_rate=1.0), **config)
     var = keras.Variable(torch.zeros(1), dtype="float32")
     before, after, param_changed = [], [], []
     for ov in overflow:
@@ -49,16 +48,16 @@ def main():
     for w in (1, 2, 3, 5):
         configs.append(("w%d" % w, {"initial_scale": DEFAULT_SCALE, "dynamic_growth_steps": w}, False))
     for label, cfg, long_w in configs:
-        for pname, pat in P.standard_patterns(cfg["dynamic_growth_steps"], long_window=long_w,
-                                                   with_all_overflow=label in ("default", "w2")):
+        for pname, pat in P.standard_patterns(
+            cfg["dynamic_growth_steps"], long_window=long_w, with_all_overflow=label in ("default", "w2")
+        ):
             b, a = run(cfg, pat)
             cases.append(P.make_case("%s-%s" % (pname, label), cfg, pat, b, a))
-    cfg = {"initial_scale": 2.0 ** 120, "dynamic_growth_steps": 2}
+    cfg = {"initial_scale": 2.0**120, "dynamic_growth_steps": 2}
     for pname, pat in (("cap", P.cap()), ("after_inf_recover", P.after_inf_recover())):
         b, a = run(cfg, pat)
         cases.append(P.make_case("%s-init2p120_w2" % pname, cfg, pat, b, a))
-    P.write("keras", "keras", keras.__version__, cases,
-            extra={"backend": "torch", "torch": torch.__version__})
+    P.write("keras", "keras", keras.__version__, cases, extra={"backend": "torch", "torch": torch.__version__})
 
 
 if __name__ == "__main__":

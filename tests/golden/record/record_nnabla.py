@@ -14,19 +14,18 @@ from the injected pattern when scale * 1.0 overflows float32 by itself
 Run in a Python 3.10 venv with nnabla:  python record_nnabla.py
 Writes tests/golden/nnabla.json.
 """
+
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
-import nnabla as nn  # noqa: E402
-import nnabla.functions as F  # noqa: E402
-import nnabla.parametric_functions as PF  # noqa: E402  (imported for completeness)
-import nnabla.solvers as S  # noqa: E402
-from nnabla.experimental.mixed_precision_training import DynamicLossScalingUpdater  # noqa: E402
-
-import patterns as P  # noqa: E402
+import nnabla as nn
+import nnabla.functions as F
+import nnabla.solvers as S
+import numpy as np
+import patterns as P
+from nnabla.experimental.mixed_precision_training import DynamicLossScalingUpdater
 
 
 def run(config, pattern):
@@ -49,7 +48,7 @@ def run(config, pattern):
         rec["calls"].append(state["call"])
         rec["injected"].append(inject)
 
-    class RecordingSolver(object):
+    class RecordingSolver:
         """Delegates to the real solver; records what its inf/nan check returns."""
 
         def __getattr__(self, name):
@@ -84,28 +83,60 @@ def main():
         configs.append(("N%d" % n, {"scale": 8.0, "scaling_factor": 2.0, "N": n}, False))
     configs.append(("N3_f3", {"scale": 1000.0, "scaling_factor": 3.0, "N": 3}, False))
     for label, cfg, long_w in configs:
-        pats = P.standard_patterns(cfg["N"], long_window=long_w,
-                                   with_all_overflow=label in ("default", "N3_f3"))
+        pats = P.standard_patterns(cfg["N"], long_window=long_w, with_all_overflow=label in ("default", "N3_f3"))
         for pname, pat in pats:
             rec, natural = run(cfg, pat)
-            cases.append(P.make_case("%s-%s" % (pname, label), cfg, rec["overflow"], rec["before"],
-                                     rec["after"], update_calls=rec["calls"],
-                                     natural_overflow=natural))
-    cfg = {"scale": 2.0 ** 120, "scaling_factor": 2.0, "N": 2}
+            cases.append(
+                P.make_case(
+                    "%s-%s" % (pname, label),
+                    cfg,
+                    rec["overflow"],
+                    rec["before"],
+                    rec["after"],
+                    update_calls=rec["calls"],
+                    natural_overflow=natural,
+                )
+            )
+    cfg = {"scale": 2.0**120, "scaling_factor": 2.0, "N": 2}
     for pname, pat in (("cap", P.cap()), ("after_inf_recover", P.after_inf_recover())):
         rec, natural = run(cfg, pat)
-        cases.append(P.make_case("%s-init2p120_N2" % pname, cfg, rec["overflow"], rec["before"],
-                                 rec["after"], update_calls=rec["calls"], natural_overflow=natural))
+        cases.append(
+            P.make_case(
+                "%s-init2p120_N2" % pname,
+                cfg,
+                rec["overflow"],
+                rec["before"],
+                rec["after"],
+                update_calls=rec["calls"],
+                natural_overflow=natural,
+            )
+        )
     # retry limit: 250 overflows in a row, then clean
     cfg = {"scale": 8.0, "scaling_factor": 2.0, "N": 3}
     pat = [True] * 250 + [False] * 10
     rec, natural = run(cfg, pat)
-    cases.append(P.make_case("retry_limit-N3", cfg, rec["overflow"], rec["before"], rec["after"],
-                             update_calls=rec["calls"], natural_overflow=natural))
-    P.write("nnabla", "nnabla", nn.__version__, cases,
-            extra={"attempt_level": True,
-                   "note": "overflow/scale_before/scale_after are per forward/backward attempt; "
-                           "update_calls[i] is the 0-based update() call attempt i belonged to"})
+    cases.append(
+        P.make_case(
+            "retry_limit-N3",
+            cfg,
+            rec["overflow"],
+            rec["before"],
+            rec["after"],
+            update_calls=rec["calls"],
+            natural_overflow=natural,
+        )
+    )
+    P.write(
+        "nnabla",
+        "nnabla",
+        nn.__version__,
+        cases,
+        extra={
+            "attempt_level": True,
+            "note": "overflow/scale_before/scale_after are per forward/backward attempt; "
+            "update_calls[i] is the 0-based update() call attempt i belonged to",
+        },
+    )
 
 
 if __name__ == "__main__":

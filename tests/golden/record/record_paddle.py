@@ -19,6 +19,7 @@ differ from the injected pattern when scale * grad overflows float32 by itself
 Run in a venv with paddlepaddle==3.3.1 "numpy<2.4":  python record_paddle.py
 Writes tests/golden/paddle.json.
 """
+
 import contextlib
 import io
 import os
@@ -30,15 +31,14 @@ warnings.filterwarnings("ignore")
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
+import patterns as P  # noqa: E402
 from paddle.amp import grad_scaler as _gs  # noqa: E402
 from paddle.amp.auto_cast import amp_global_state  # noqa: E402
-
-import patterns as P  # noqa: E402
 
 paddle.set_device("cpu")
 
 
-class _GpuLikePlace(object):
+class _GpuLikePlace:
     def __init__(self, place):
         self._place = place
 
@@ -49,7 +49,7 @@ class _GpuLikePlace(object):
         return getattr(self._place, name)
 
 
-class _TracerProxy(object):
+class _TracerProxy:
     def __init__(self, tracer):
         self._tracer = tracer
 
@@ -102,11 +102,16 @@ def run(config, pattern):
     return found, before, after, natural
 
 
-def cfg_of(init_loss_scaling=2.0 ** 16, incr_ratio=2.0, decr_ratio=0.5, incr_every_n_steps=2000,
-           decr_every_n_nan_or_inf=1):
-    return dict(init_loss_scaling=init_loss_scaling, incr_ratio=incr_ratio, decr_ratio=decr_ratio,
-                incr_every_n_steps=incr_every_n_steps,
-                decr_every_n_nan_or_inf=decr_every_n_nan_or_inf)
+def cfg_of(
+    init_loss_scaling=2.0**16, incr_ratio=2.0, decr_ratio=0.5, incr_every_n_steps=2000, decr_every_n_nan_or_inf=1
+):
+    return dict(
+        init_loss_scaling=init_loss_scaling,
+        incr_ratio=incr_ratio,
+        decr_ratio=decr_ratio,
+        incr_every_n_steps=incr_every_n_steps,
+        decr_every_n_nan_or_inf=decr_every_n_nan_or_inf,
+    )
 
 
 def add(cases, name, cfg, pat):
@@ -121,23 +126,28 @@ def main():
     for pname, pat in P.standard_patterns(2000, long_window=True):
         add(cases, "%s-default" % pname, cfg, pat)
     for w in (1, 2, 3, 5):
-        cfg = cfg_of(init_loss_scaling=2.0 ** 15, incr_every_n_steps=w)
+        cfg = cfg_of(init_loss_scaling=2.0**15, incr_every_n_steps=w)
         for pname, pat in P.standard_patterns(w, with_all_overflow=False):
             add(cases, "%s-w%d_n1" % (pname, w), cfg, pat)
     for n in (2, 3):
-        cfg = cfg_of(init_loss_scaling=2.0 ** 15, incr_every_n_steps=3, decr_every_n_nan_or_inf=n)
+        cfg = cfg_of(init_loss_scaling=2.0**15, incr_every_n_steps=3, decr_every_n_nan_or_inf=n)
         for pname, pat in P.standard_patterns(3):
             add(cases, "%s-w3_n%d" % (pname, n), cfg, pat)
-    cfg = cfg_of(init_loss_scaling=1000.0, incr_ratio=3.0, decr_ratio=0.8, incr_every_n_steps=2,
-                 decr_every_n_nan_or_inf=2)
-    for pname, pat in (("bursts", P.bursts(2)), ("random_p0.5", P.random_p05()),
-                       ("all_overflow", P.all_overflow())):
+    cfg = cfg_of(
+        init_loss_scaling=1000.0, incr_ratio=3.0, decr_ratio=0.8, incr_every_n_steps=2, decr_every_n_nan_or_inf=2
+    )
+    for pname, pat in (("bursts", P.bursts(2)), ("random_p0.5", P.random_p05()), ("all_overflow", P.all_overflow())):
         add(cases, "%s-w2_n2_r3_d0.8" % pname, cfg, pat)
-    cfg = cfg_of(init_loss_scaling=2.0 ** 120, incr_every_n_steps=2)
+    cfg = cfg_of(init_loss_scaling=2.0**120, incr_every_n_steps=2)
     for pname, pat in (("cap", P.cap()), ("after_inf_recover", P.after_inf_recover())):
         add(cases, "%s-init2p120_w2_n1" % pname, cfg, pat)
-    P.write("paddle", "paddlepaddle", paddle.__version__, cases,
-            extra={"mode": "dygraph, CPU (place check and amp dtype worked around, see recorder)"})
+    P.write(
+        "paddle",
+        "paddlepaddle",
+        paddle.__version__,
+        cases,
+        extra={"mode": "dygraph, CPU (place check and amp dtype worked around, see recorder)"},
+    )
 
 
 if __name__ == "__main__":
