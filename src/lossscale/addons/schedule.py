@@ -96,7 +96,9 @@ class ScheduleState:
 
 
 def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss: float | None) -> ScheduleState:
-    """The whole rule, a pure function::
+    """The whole rule, a pure function.
+
+    The rule::
 
         step = step if given else state.step + 1        (a loss alone reports one more completed step)
         if not switched and (trigger == 'step' and step >= ceil(total_steps * ratio)
