@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from lossscale.ops.clip import (
-    PerTensorClip,
     clip_per_tensor_,
     global_clip_coefficient,
     global_norm_squared,
@@ -61,5 +60,5 @@ def test_clip_per_tensor_clips_each_tensor_to_the_norm_and_keeps_the_order_over_
     assert [float(g.norm()) for g in grads] == pytest.approx([1.0, 0.1 * math.sqrt(2), 1.0])
     assert grads[1].dtype == torch.float64 and torch.equal(grads[1], torch.full((2,), 0.1, dtype=torch.float64))
     same = [torch.full((4,), 3.0)]
-    PerTensorClip(1.0)(same)
+    clip_per_tensor_(same, 1.0)
     assert torch.equal(same[0], torch.full((4,), 0.5))

@@ -25,7 +25,6 @@ __all__ = [
     "grouped_norm_squared",
     "global_clip_coefficient",
     "clip_per_tensor_",
-    "PerTensorClip",
 ]
 
 # torch.nn.utils.clip_grad_norm_'s guard against division by zero.
@@ -106,7 +105,7 @@ def clip_per_tensor_(
     process_group: ProcessGroup | None = None,
     sharded: bool | None = None,
 ) -> None:
-    """Keras's ``clipnorm``: each gradient ``g * max_norm / max(||g||, max_norm)``, ``||g||`` over the
+    """Each gradient clipped by its own norm: ``g * max_norm / max(||g||, max_norm)``, ``||g||`` over the
     whole tensor (a shard's squared norm is summed over ranks; ``sharded`` as in
     :func:`global_norm_squared`). One read + one write pass; one all-reduce of a vector when sharded."""
     if not grads:
@@ -139,19 +138,3 @@ def _per_tensor_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for index in buckets.values():
         out[index] = squared_norms([tensors[i] for i in index]).to(device)
     return out
-
-
-class PerTensorClip:
-    """Keras's ``clipnorm`` as a ``transform_unscaled`` for :class:`~lossscale.LossScaleOptimizer`: each
-    unscaled gradient clipped to ``max_norm`` (:func:`clip_per_tensor_`). One read + one write pass."""
-
-    def __init__(self, max_norm: float) -> None:
-        self.max_norm = max_norm
-
-    def __call__(
-        self, grads: Sequence[torch.Tensor], *, process_group: ProcessGroup | None = None, sharded: bool | None = None
-    ) -> None:
-        clip_per_tensor_(grads, self.max_norm, process_group, sharded)
-
-    def __repr__(self) -> str:
-        return f"PerTensorClip({self.max_norm!r})"
