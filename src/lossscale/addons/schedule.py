@@ -364,6 +364,6 @@ def validate_attachable(schedule: object, params: Iterable[torch.Tensor], call: 
                 f"{call}(schedule={schedule!r}): parameter {i} of the optimizer is already {p.dtype}. "
                 f"The schedule autocasts full-precision parameters to {schedule.config.low_dtype} for the first "
                 f"share of the run and then trains in their original precision, so the parameters must stay in "
-                f"float32 (as Ascend's accelerate_train_mode requires). Keep the model in float32 "
+                f"float32 (there is no higher precision to switch to otherwise). Keep the model in float32 "
                 f"(model.float()) and let schedule.autocast(...) lower the compute."
             )
