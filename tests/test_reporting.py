@@ -8,28 +8,56 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import time
+import types
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 
-from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer, ScalerStep, StepResult
-from lossscale.reporting import COLUMNS, StepLogger, atomic_write, step_record
+from lossscale import (
+    DynamicScale,
+    GradScaler,
+    HostReadCounter,
+    LossScaleOptimizer,
+    OverflowDiagnosis,
+    OverflowWarning,
+    ScalerStep,
+    StepResult,
+)
+from lossscale.reporting import COLUMNS, DIAGNOSIS_COLUMNS, StepLogger, atomic_write, step_record
 
-EXPECTED_COLUMNS = ("step", "stepped", "found_inf", "scale", "next_scale", "grad_norm", "accumulating", "precision",
-                    "switched", "underflow", "skipped", "skipped_steps")
+EXPECTED_COLUMNS = (
+    "step",
+    "stepped",
+    "found_inf",
+    "scale",
+    "next_scale",
+    "grad_norm",
+    "accumulating",
+    "precision",
+    "switched",
+    "underflow",
+    "skipped",
+    "skipped_steps",
+)
 
 
 def result(skipped=False, step=0, grad_norm=None, accumulating=False):
     flag = torch.tensor(skipped)
-    return StepResult(stepped=~flag, found_inf=flag, scale=torch.tensor(1024.0),
-                      next_scale=torch.tensor(512.0 if skipped else 1024.0),
-                      grad_norm=None if grad_norm is None else torch.tensor(grad_norm), accumulating=accumulating,
-                      step=step)
+    return StepResult(
+        stepped=~flag,
+        found_inf=flag,
+        scale=torch.tensor(1024.0),
+        next_scale=torch.tensor(512.0 if skipped else 1024.0),
+        grad_norm=None if grad_norm is None else torch.tensor(grad_norm),
+        accumulating=accumulating,
+        step=step,
+    )
 
 
 def test_columns_are_step_result_fields_plus_skip_counts():
@@ -50,9 +78,18 @@ def test_a_step_result_is_frozen_and_reads_as_plain_values_at_once():
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.stepped = torch.tensor(True)  # type: ignore[misc]
     assert bool(r.skipped) and not bool(result(skipped=True, accumulating=True).skipped)
-    assert r.as_dict() == {"stepped": False, "found_inf": True, "scale": 1024.0, "next_scale": 512.0,
-                           "grad_norm": 0.25, "accumulating": False, "step": 5, "precision": None, "switched": False,
-                           "underflow": None}
+    assert r.as_dict() == {
+        "stepped": False,
+        "found_inf": True,
+        "scale": 1024.0,
+        "next_scale": 512.0,
+        "grad_norm": 0.25,
+        "accumulating": False,
+        "step": 5,
+        "precision": None,
+        "switched": False,
+        "underflow": None,
+    }
 
 
 def test_scaler_step_flags_are_bool_tensors_and_stepped_is_their_negation():
@@ -66,9 +103,21 @@ def test_step_record_reads_all_tensors_together_without_scalar_reads():
     with HostReadCounter() as reads:
         rec = step_record(result(skipped=True, step=4, grad_norm=2.5), loss=torch.tensor(3.25), lr=0.1)
     assert reads.count == 0  # no .item()/bool() per field: one stacked tolist() for every tensor
-    assert rec == {"stepped": False, "found_inf": True, "scale": 1024.0, "next_scale": 512.0, "grad_norm": 2.5,
-                   "accumulating": False, "step": 4, "precision": None, "switched": False, "underflow": None,
-                   "skipped": True, "loss": 3.25, "lr": 0.1}
+    assert rec == {
+        "stepped": False,
+        "found_inf": True,
+        "scale": 1024.0,
+        "next_scale": 512.0,
+        "grad_norm": 2.5,
+        "accumulating": False,
+        "step": 4,
+        "precision": None,
+        "switched": False,
+        "underflow": None,
+        "skipped": True,
+        "loss": 3.25,
+        "lr": 0.1,
+    }
 
 
 def test_step_record_refuses_extras_that_shadow_columns_or_are_not_scalars():
@@ -109,8 +158,12 @@ def test_extra_columns_are_fixed_by_the_first_row(tmp_path):
 def test_logs_a_real_loop_with_accumulation_and_an_overflow(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
-    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, fused=True),
-                             policy=DynamicScale(init_scale=8.0), accumulation_steps=2, clip_grad_norm=10.0)
+    opt = LossScaleOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.1, fused=True),
+        policy=DynamicScale(init_scale=8.0),
+        accumulation_steps=2,
+        clip_grad_norm=10.0,
+    )
     path = tmp_path / "loop.csv"
     with StepLogger(path) as log:
         for i in range(6):
@@ -128,6 +181,85 @@ def test_logs_a_real_loop_with_accumulation_and_an_overflow(tmp_path):
     assert table[0]["grad_norm"] != "" and table[1]["skipped_steps"] == "1"
 
 
+def test_diagnosis_columns_are_there_from_the_first_row_and_filled_in_the_traced_steps_row(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        policy=DynamicScale(init_scale=2.0**10),
+        diagnose=OverflowDiagnosis(model, patience=2),
+    )
+    path = tmp_path / "steps.csv"
+    with StepLogger(path, diagnosis=opt) as log, pytest.warns(OverflowWarning, match="forward overflow: '0'"):
+        for i in range(8):
+            if i == 3:  # from step 3 on the first Linear's float16 output passes 65504
+                with torch.no_grad():
+                    model[0].weight.mul_(1e6)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 4)).float().pow(2).mean()
+            opt.backward(loss)
+            row = log.log(opt.step(), loss=loss.detach())
+            assert row is not None and row.keys() >= set(DIAGNOSIS_COLUMNS)
+            opt.zero_grad()
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert tuple(rows[0]) == EXPECTED_COLUMNS + DIAGNOSIS_COLUMNS + ("loss",)
+    table = [dict(zip(rows[0], r)) for r in rows[1:]]
+    assert [r["skipped"] for r in table] == ["False"] * 3 + ["True"] * 5
+    # overflows at steps 3 and 4 (patience 2) fire the trigger; step 5 is traced and its row says what it found
+    assert [(r["overflow_kind"], r["overflow_module"]) for r in table] == [("", "")] * 5 + [("forward", "0")] + [
+        ("", "")
+    ] * 2
+
+
+def test_diagnosis_is_found_in_a_front_end_and_its_column_names_are_its_own(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    scaler = GradScaler("cpu", diagnose=model)
+    assert StepLogger(diagnosis=scaler)._reports.diagnosis is scaler.add_ons[0]
+    with pytest.raises(
+        TypeError,
+        match=r"StepLogger\(diagnosis=...\): diagnosis must be a lossscale.OverflowDiagnosis, or a "
+        r"LossScaleOptimizer or GradScaler built with diagnose=model; got a GradScaler built without diagnose=",
+    ):
+        StepLogger(diagnosis=GradScaler("cpu"))
+    with pytest.raises(TypeError, match=r"got a Linear\.$"):
+        StepLogger(diagnosis=model)
+    with StepLogger(tmp_path / "steps.csv", diagnosis=scaler) as log:
+        with pytest.raises(ValueError, match=r"'overflow_kind' is a column of the logger's diagnosis"):
+            log.log(result(), overflow_kind="mine")
+
+
+def test_tensorboard_gets_the_diagnosis_as_text(tmp_path, monkeypatch):
+    written: list[tuple[str, str, object, int]] = []
+
+    class Writer:  # torch.utils.tensorboard.SummaryWriter's calls (tensorboard need not be installed)
+        def __init__(self, log_dir: str) -> None:
+            pass
+
+        def add_scalar(self, tag: str, value: float, global_step: int) -> None:
+            written.append(("scalar", tag, value, global_step))
+
+        def add_text(self, tag: str, text: str, global_step: int) -> None:
+            written.append(("text", tag, text, global_step))
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    diagnosis = OverflowDiagnosis(model, patience=1, initial_limit=1)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), diagnose=diagnosis)
+    with StepLogger(tensorboard_dir=tmp_path, diagnosis=diagnosis) as log, pytest.warns(OverflowWarning):
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.full((2, 4), 1e5)).float().sum()  # the first Linear's output passes 65504
+            opt.backward(loss)
+            log.log(opt.step())
+    texts = [(tag, text, step) for kind, tag, text, step in written if kind == "text"]
+    assert texts == [("lossscale/overflow_kind", "forward", 1), ("lossscale/overflow_module", "0", 1)]
+    assert not [tag for kind, tag, _, _ in written if kind == "scalar" and "overflow" in tag]
+
+
 def test_tensorboard_writes_events_or_says_what_to_install(tmp_path):
     board = tmp_path / "tb"
     if importlib.util.find_spec("tensorboard") is None:
@@ -142,6 +274,7 @@ def test_tensorboard_writes_events_or_says_what_to_install(tmp_path):
 # --- killed mid-write: real processes, each forked from multiprocessing's fork server, which imports lossscale (and
 # so torch) once for them all; the distributed tests' ranks come from the same server. A writer sends a line through
 # a pipe when it reaches the point the test kills it at.
+
 
 def start_writer(write: Callable[[str, Connection], None], path: Path) -> tuple[BaseProcess, Connection]:
     """A process running ``write(path, said)``, and the end of the pipe ``said`` that it sends its lines to."""

@@ -21,13 +21,18 @@ if TYPE_CHECKING:
     from torch._ops import OpOverload
     from torch.utils.tensorboard import SummaryWriter
 
+    from lossscale.diagnosis.addon import OverflowDiagnosis
+
 __all__ = [
     "COLUMNS",
+    "DIAGNOSIS_COLUMNS",
+    "DiagnosisLog",
     "HostReadCounter",
     "ScalerStep",
     "StepLogger",
     "StepResult",
     "atomic_write",
+    "overflow_diagnosis",
     "read_scalars",
     "step_record",
 ]
@@ -153,6 +158,57 @@ COLUMNS: tuple[str, ...] = (
 )
 
 
+#: The columns a :class:`StepLogger` given a diagnosis adds after :data:`COLUMNS`: the report's kind and module name.
+DIAGNOSIS_COLUMNS: tuple[str, ...] = ("overflow_kind", "overflow_module")
+
+
+def overflow_diagnosis(call: str, source: object) -> OverflowDiagnosis:
+    """``source`` when it is an :class:`~lossscale.OverflowDiagnosis`, else the one among ``source.add_ons`` (a
+    LossScaleOptimizer's or GradScaler's, built with ``diagnose=model``).
+
+    Raises:
+        TypeError: ``source`` is neither, or carries no diagnosis.
+    """
+    from lossscale.diagnosis.addon import OverflowDiagnosis
+
+    if isinstance(source, OverflowDiagnosis):
+        return source
+    add_ons = getattr(source, "add_ons", None)
+    found = next((a for a in add_ons if isinstance(a, OverflowDiagnosis)), None) if add_ons is not None else None
+    if found is None:
+        carries = " built without diagnose=" if add_ons is not None else ""
+        raise TypeError(
+            f"{call}: diagnosis must be a lossscale.OverflowDiagnosis, or a LossScaleOptimizer or GradScaler built "
+            f"with diagnose=model; got a {type(source).__name__}{carries}."
+        )
+    return found
+
+
+class DiagnosisLog:
+    """Hands a logger the :data:`DIAGNOSIS_COLUMNS` of each new report of an overflow diagnosis, once: in the row or
+    log of the step whose trace made it (or the first one written after). No host read.
+
+    Example:
+        >>> import torch
+        >>> from lossscale import OverflowDiagnosis
+        >>> log = DiagnosisLog(OverflowDiagnosis(torch.nn.Linear(2, 2)))
+        >>> log.new_fields() is None  # no report yet
+        True
+    """
+
+    def __init__(self, diagnosis: OverflowDiagnosis) -> None:
+        self.diagnosis = diagnosis
+        self._seen = diagnosis.last_report  # a report made before the logger existed belongs to no row of its
+
+    def new_fields(self) -> dict[str, str | None] | None:
+        """``{"overflow_kind": ..., "overflow_module": ...}`` of a report not handed out before, else None."""
+        report = self.diagnosis.last_report
+        if report is None or report is self._seen:
+            return None
+        self._seen = report
+        return report.log_fields()
+
+
 def step_record(result: StepResult, **extra: object) -> dict[str, Any]:
     """Every field of ``result`` as plain Python values, plus ``skipped`` and ``extra``, with one host read.
 
@@ -198,15 +254,32 @@ class StepLogger:
     does); after that each row goes to the file in one ``write`` of a whole line, so the file a kill leaves ends
     with the last row written (readers such as ``csv.DictReader`` and ``pandas.read_csv`` read it as it is).
 
+    With ``diagnosis``, every row also has :data:`DIAGNOSIS_COLUMNS` right after :data:`COLUMNS`:
+    ``overflow_kind`` and ``overflow_module``, empty except in the row of the step whose trace made a new report
+    (the step the :class:`~lossscale.OverflowWarning` came with), where they are the report's kind and module name
+    (``overflow_module`` empty where the report names none). TensorBoard gets them as text.
+
     Args:
         path_csv: CSV file to write (replaced at the first row); None for no CSV.
         tensorboard_dir: Directory for a ``torch.utils.tensorboard.SummaryWriter``; None for none.
             Needs the ``tensorboard`` package.
+        diagnosis: An :class:`~lossscale.OverflowDiagnosis`, or the LossScaleOptimizer or GradScaler built with
+            ``diagnose=model`` that carries one; None for no diagnosis columns.
+
+    Raises:
+        TypeError: ``diagnosis`` is none of those.
     """
 
     def __init__(
-        self, path_csv: str | os.PathLike[str] | None = None, tensorboard_dir: str | os.PathLike[str] | None = None
+        self,
+        path_csv: str | os.PathLike[str] | None = None,
+        tensorboard_dir: str | os.PathLike[str] | None = None,
+        *,
+        diagnosis: object = None,
     ) -> None:
+        self._reports = (
+            None if diagnosis is None else DiagnosisLog(overflow_diagnosis("StepLogger(diagnosis=...)", diagnosis))
+        )
         self._path = None if path_csv is None else os.fspath(path_csv)
         self._file: IO[bytes] | None = None
         self._columns: tuple[str, ...] | None = None
@@ -239,9 +312,19 @@ class StepLogger:
         row = dict(record)
         self.skipped_steps += bool(row.get("skipped"))
         row["skipped_steps"] = self.skipped_steps
+        fixed = COLUMNS
+        if self._reports is not None:
+            taken = [k for k in DIAGNOSIS_COLUMNS if k in record]
+            if taken:
+                raise ValueError(
+                    f"StepLogger.log(..., {taken[0]}=...): {taken[0]!r} is a column of the logger's diagnosis "
+                    f"(StepLogger(diagnosis=...)); name the extra value differently."
+                )
+            row.update(self._reports.new_fields() or dict.fromkeys(DIAGNOSIS_COLUMNS))
+            fixed = COLUMNS + DIAGNOSIS_COLUMNS
         first = self._columns is None
         if self._columns is None:
-            self._columns = COLUMNS + tuple(k for k in row if k not in COLUMNS)
+            self._columns = fixed + tuple(k for k in row if k not in fixed)
         unknown = [k for k in row if k not in self._columns]
         if unknown:
             raise ValueError(
@@ -259,9 +342,11 @@ class StepLogger:
             step = int(row.get("step") or 0)
             for name in self._columns:
                 value = row.get(name)
+                tag = f"lossscale/{name}" if name in COLUMNS or name in DIAGNOSIS_COLUMNS else name
                 if isinstance(value, (bool, int, float)) and math.isfinite(float(value)) and name != "step":
-                    tag = f"lossscale/{name}" if name in COLUMNS else name
                     self._writer.add_scalar(tag, float(value), global_step=step)
+                elif name in DIAGNOSIS_COLUMNS and isinstance(value, str):
+                    self._writer.add_text(tag, value, global_step=step)
         self.rows += 1
         return row
 
