@@ -3,7 +3,10 @@ Accelerate's own path driving torch.amp.GradScaler."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from accelerate.utils import GradScalerKwargs
 from torch import nn
 
 import lossscale
+from lossscale import OverflowDiagnosis, OverflowWarning
 from lossscale.integrations.accelerate import use_lossscale
 
 TORCH_ARGS = dict(init_scale=2.0**10, growth_interval=2)
@@ -40,25 +44,29 @@ def accelerator(**kwargs: Any) -> Accelerator:
     return Accelerator(cpu=True, **kwargs)
 
 
-def prepared(kind: str) -> tuple[Accelerator, Any, Any, Any]:
+def prepared(kind: str, patience: int | None = None) -> tuple[Accelerator, Any, Any, Any]:
+    """``patience``: lossscale's scaler with ``diagnose=OverflowDiagnosis(model, patience=patience)``."""
     acc = accelerator(mixed_precision="fp16", gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if kind == "torch":  # Accelerate's own scaler path, switched on by hand on CPU
         acc.scaler = torch.amp.GradScaler("cpu", **TORCH_ARGS)
         acc.native_amp = True
     else:
-        assert isinstance(use_lossscale(acc, fp16_on_cpu=True, **TORCH_ARGS), lossscale.GradScaler)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        diagnose = None if patience is None else OverflowDiagnosis(model, patience=patience)
+        assert isinstance(use_lossscale(acc, fp16_on_cpu=True, diagnose=diagnose, **TORCH_ARGS), lossscale.GradScaler)
     g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(4 * BATCHES, 4, generator=g),
-                                          10 * torch.randn(4 * BATCHES, 1, generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(4 * BATCHES, 4, generator=g), 10 * torch.randn(4 * BATCHES, 1, generator=g)
+    )
     model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=4))
     return acc, model, opt, loader
 
 
-def train(acc: Accelerator, model: Any, opt: Any, loader: Any, start: int = 0,
-          stop: int = BATCHES) -> tuple[list[float], list[bool]]:
+def train(
+    acc: Accelerator, model: Any, opt: Any, loader: Any, start: int = 0, stop: int = BATCHES
+) -> tuple[list[float], list[bool]]:
     """accumulate / backward / clip_grad_norm_ / step; the scale after each micro-batch and the skips."""
     scales, skipped = [], []
     for i, (x, y) in enumerate(loader):
@@ -123,3 +131,57 @@ def test_refusals_name_the_problem_and_the_fix() -> None:
         use_lossscale(acc, fp16_on_cpu=True, growth_interval=3)
     assert use_lossscale(acc, fp16_on_cpu=True).get_scale() == 8.0  # the handler's arguments are used
     assert acc.native_amp and isinstance(acc.scaler, lossscale.GradScaler)
+
+
+class Amplify(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor  # 1e6: the float16 output of the Tanh before it passes 65504
+
+
+def test_diagnose_names_the_module_whose_forward_overflows() -> None:
+    torch.manual_seed(0)
+    layers = [("inp", nn.Linear(4, 8)), ("act", nn.Tanh()), ("amplify", Amplify(1e6)), ("out", nn.Linear(8, 1))]
+    model = nn.Sequential(OrderedDict(layers))
+    acc = accelerator(mixed_precision="fp16")
+    scaler = use_lossscale(acc, fp16_on_cpu=True, diagnose=model, **TORCH_ARGS)
+    prepared_model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    g = torch.Generator().manual_seed(1)
+    with pytest.warns(OverflowWarning, match=r"forward overflow: 'amplify' \(Amplify\) produced inf") as caught:
+        for _ in range(20):
+            x, y = torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+            acc.backward(F.mse_loss(prepared_model(x).float(), y))
+            opt.step()
+            opt.zero_grad()
+    [warning] = [w.message for w in caught if isinstance(w.message, OverflowWarning)]
+    assert (warning.report.kind, warning.report.module) == ("forward", "amplify")
+    assert "traced step 16" in str(warning)  # 16 overflowing steps (the default patience), then the traced one
+    [diagnosis] = scaler.add_ons
+    assert isinstance(diagnosis, OverflowDiagnosis) and diagnosis.model is model
+
+
+def test_diagnose_never_warns_on_isolated_overflows_and_changes_no_step() -> None:
+    ref_scales, _ = train(*prepared("ours"))
+    run = prepared("ours", patience=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scales, _ = train(*run)  # overflows at steps 0, 3 and 5: none two in a row
+    assert not [w for w in caught if issubclass(w.category, OverflowWarning)]
+    [diagnosis] = run[0].scaler.add_ons
+    assert isinstance(diagnosis, OverflowDiagnosis) and diagnosis.last_report is None
+    assert scales == ref_scales
+
+
+def test_diagnose_refuses_what_it_cannot_trace() -> None:
+    acc = accelerator(mixed_precision="fp16")
+    with pytest.raises(
+        TypeError,
+        match=r"use_lossscale\(diagnose=True\): diagnose must be a torch.nn.Module \(the model to trace when the "
+        r"loss scale collapses\), a lossscale.OverflowDiagnosis, or None/False \(no diagnosis\); got bool. Pass the "
+        r"model itself: diagnose=model.",
+    ):
+        use_lossscale(acc, fp16_on_cpu=True, diagnose=True)  # type: ignore[arg-type]
+    assert use_lossscale(acc, fp16_on_cpu=True, diagnose=False).add_ons == ()

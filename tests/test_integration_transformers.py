@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -16,9 +18,9 @@ from transformers.integrations import integration_utils
 
 import lossscale
 from _torch_versions import needs_torch
-from lossscale import PredictiveScale
-from lossscale.validation import StateDictError
+from lossscale import OverflowDiagnosis, OverflowWarning, PredictiveScale
 from lossscale.integrations.transformers import LossScaleCallback, use_lossscale
+from lossscale.validation import StateDictError
 from test_integration_accelerate import reset_accelerate_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,16 +62,30 @@ class Steps(TrainerCallback):
         self.skipped.append(optimizer.step_was_skipped)
 
 
-def trainer(out: Path, scaler: str, callbacks: list[TrainerCallback] | None = None, overflow: bool = True,
-            **args: Any) -> Trainer:
+def trainer(
+    out: Path, scaler: str, callbacks: list[TrainerCallback] | None = None, overflow: bool = True, **args: Any
+) -> Trainer:
     """A Trainer on a fresh tiny GPT-2 with torch's scaler (as the Trainer makes it on a GPU), lossscale's, or
     none yet (``scaler="none"``); ``overflow`` puts an inf into the gradients of the steps in INF_AT."""
     reset_accelerate_state()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(CONFIG)
-    args = dict(output_dir=str(out), fp16=True, use_cpu=True, max_steps=STEPS, per_device_train_batch_size=2,
-                learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
-                disable_tqdm=True) | args
+    args = (
+        dict(
+            output_dir=str(out),
+            fp16=True,
+            use_cpu=True,
+            max_steps=STEPS,
+            per_device_train_batch_size=2,
+            learning_rate=1e-3,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            seed=0,
+            disable_tqdm=True,
+        )
+        | args
+    )
     built = Trainer(model=model, args=TrainingArguments(**args), train_dataset=Tokens(), callbacks=callbacks)
     if scaler == "torch":
         built.accelerator.scaler = torch.amp.GradScaler("cpu", **TORCH_ARGS)
@@ -77,12 +93,14 @@ def trainer(out: Path, scaler: str, callbacks: list[TrainerCallback] | None = No
     elif scaler == "ours":
         use_lossscale(built, fp16_on_cpu=True, **TORCH_ARGS)
     if overflow:
+
         def inject(grad: torch.Tensor) -> torch.Tensor:  # into the scaled gradient of the step's last micro-batch
             if built.state.global_step not in INF_AT:
                 return grad
             grad = grad.clone()
             grad.view(-1)[0] = float("inf")
             return grad
+
         model.transformer.h[0].mlp.c_fc.weight.register_hook(inject)
     return built
 
@@ -101,8 +119,9 @@ def assert_same_weights(a: Trainer, b: Trainer) -> None:
 
 
 @pytest.mark.parametrize("accumulation,max_grad_norm", [(1, 0.0), (2, 1.0)])
-def test_adamw_torch_matches_the_trainers_torch_scaler_bit_for_bit(tmp_path: Path, accumulation: int,
-                                                                  max_grad_norm: float) -> None:
+def test_adamw_torch_matches_the_trainers_torch_scaler_bit_for_bit(
+    tmp_path: Path, accumulation: int, max_grad_norm: float
+) -> None:
     args = dict(optim="adamw_torch", gradient_accumulation_steps=accumulation, max_grad_norm=max_grad_norm)
     ref_steps, steps = Steps(), Steps()
     ref = trainer(tmp_path / "torch", "torch", [ref_steps], **args)
@@ -115,7 +134,7 @@ def test_adamw_torch_matches_the_trainers_torch_scaler_bit_for_bit(tmp_path: Pat
     assert steps.scales == ref_steps.scales and len(set(ref_steps.scales)) > 2
     assert column(logs, "loss_scale") == ref_steps.scales
     assert steps.skipped == ref_steps.skipped == SKIPPED
-    assert column(logs, "skipped_steps") == [sum(SKIPPED[:s + 1]) for s in range(STEPS)]
+    assert column(logs, "skipped_steps") == [sum(SKIPPED[: s + 1]) for s in range(STEPS)]
     lrs = column(logs, "learning_rate")  # each step's LR: a skipped step leaves the next one's equal
     assert [lrs[s + 1] == lrs[s] for s in range(STEPS - 1)] == SKIPPED[:-1]
     assert_same_weights(run, ref)
@@ -133,8 +152,8 @@ def test_default_fused_adamw_holds_the_lr_on_a_skipped_step_where_torchs_scaler_
     first = min(INF_AT)
     # Equal up to the first skipped step; the step after it starts from the same weights, at another LR.
     for key in ("loss", "grad_norm"):
-        assert column(logs, key)[:first + 2] == column(ref_logs, key)[:first + 2], key
-    assert column(logs, "learning_rate")[:first + 1] == column(ref_logs, "learning_rate")[:first + 1]
+        assert column(logs, key)[: first + 2] == column(ref_logs, key)[: first + 2], key
+    assert column(logs, "learning_rate")[: first + 1] == column(ref_logs, "learning_rate")[: first + 1]
     assert steps.scales == ref_steps.scales and column(logs, "loss_scale") == ref_steps.scales
     # torch: the fused kernel skipped the update, but Accelerate saw optimizer.step called, so the LR moved on.
     assert ref_steps.skipped == [False] * STEPS
@@ -149,8 +168,15 @@ def test_default_fused_adamw_holds_the_lr_on_a_skipped_step_where_torchs_scaler_
 @pytest.mark.parametrize("policy", [None, PredictiveScale(init_scale=2.0**8)], ids=["torch-rule", "predictive"])
 def test_resume_from_checkpoint_continues_bit_identically(tmp_path: Path, policy: Any) -> None:
     def build(out: Path) -> Trainer:
-        built = trainer(out, "none", [LossScaleCallback()], optim="adamw_torch", gradient_accumulation_steps=2,
-                        save_strategy="steps", save_steps=5)
+        built = trainer(
+            out,
+            "none",
+            [LossScaleCallback()],
+            optim="adamw_torch",
+            gradient_accumulation_steps=2,
+            save_strategy="steps",
+            save_steps=5,
+        )
         kwargs = TORCH_ARGS if policy is None else {"policy": policy}
         scaler = use_lossscale(built, fp16_on_cpu=True, **kwargs)
         assert policy is None or scaler.policy is policy
@@ -189,11 +215,19 @@ class Reporter(TrainerCallback):
 
 
 def test_values_reach_log_history_the_report_to_integrations_and_the_checkpoint(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reporter = Reporter()  # report_to=["lossscale-test"] makes the Trainer place it where it places integrations
     monkeypatch.setitem(integration_utils.INTEGRATION_TO_CALLBACK, "lossscale-test", reporter)
-    run = trainer(tmp_path, "ours", [LossScaleCallback()], max_steps=4, report_to=["lossscale-test"],
-                  save_strategy="steps", save_steps=4)
+    run = trainer(
+        tmp_path,
+        "ours",
+        [LossScaleCallback()],
+        max_steps=4,
+        report_to=["lossscale-test"],
+        save_strategy="steps",
+        save_steps=4,
+    )
     run.train()
     expected = [(256.0, 0), (512.0, 0), (512.0, 0), (256.0, 1)]  # the overflow at step 3 halves the scale
     assert [(log["loss_scale"], log["skipped_steps"]) for log in step_logs(run)] == expected
@@ -201,35 +235,48 @@ def test_values_reach_log_history_the_report_to_integrations_and_the_checkpoint(
     for reported, record in zip(reporter.logs, run.state.log_history, strict=True):
         assert type(reported["loss_scale"]) is float and type(reported["skipped_steps"]) is int
         assert {k: reported[k] for k in ("loss_scale", "skipped_steps")} == {
-            k: record[k] for k in ("loss_scale", "skipped_steps")}
+            k: record[k] for k in ("loss_scale", "skipped_steps")
+        }
     state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
     assert [(log["loss_scale"], log["skipped_steps"]) for log in state["log_history"]] == expected
 
 
 def test_use_lossscale_refuses_what_is_not_a_trainer() -> None:
-    with pytest.raises(TypeError, match=r"use_lossscale\(trainer=dict\(...\)\): trainer must be a "
-                                        r"transformers.Trainer; got builtins.dict"):
+    with pytest.raises(
+        TypeError,
+        match=r"use_lossscale\(trainer=dict\(...\)\): trainer must be a "
+        r"transformers.Trainer; got builtins.dict",
+    ):
         use_lossscale({})  # type: ignore[arg-type]
 
 
 def test_use_lossscale_refuses_a_trainer_without_fp16(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"TrainingArguments\(fp16=False, bf16=True\); loss scaling needs "
-                                         r"fp16=True .* TrainingArguments\(fp16=True, ...\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"TrainingArguments\(fp16=False, bf16=True\); loss scaling needs "
+        r"fp16=True .* TrainingArguments\(fp16=True, ...\)",
+    ):
         use_lossscale(trainer(tmp_path, "none", fp16=False, bf16=True), fp16_on_cpu=True)
 
 
 def test_use_lossscale_refuses_a_trainer_that_prepared_its_model(tmp_path: Path) -> None:
     trained = trainer(tmp_path, "none", overflow=False, max_steps=1)
     trained.train()  # fp16=True on CPU without use_lossscale: the Trainer trains in float32
-    with pytest.raises(RuntimeError, match=r"use_lossscale\(trainer, ...\) was called after the Trainer prepared "
-                                           r"its model .* before train\(\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"use_lossscale\(trainer, ...\) was called after the Trainer prepared "
+        r"its model .* before train\(\)",
+    ):
         use_lossscale(trained, fp16_on_cpu=True)
 
 
 def test_use_lossscale_refuses_cpu_unless_fp16_on_cpu(tmp_path: Path) -> None:
     built = trainer(tmp_path, "none")
-    with pytest.raises(ValueError, match=r"use_lossscale\(trainer, ...\): Accelerate drops fp16 on CPU .* "
-                                         r"use_lossscale\(trainer, fp16_on_cpu=True\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"use_lossscale\(trainer, ...\): Accelerate drops fp16 on CPU .* "
+        r"use_lossscale\(trainer, fp16_on_cpu=True\)",
+    ):
         use_lossscale(built)
     assert isinstance(use_lossscale(built, fp16_on_cpu=True), lossscale.GradScaler)
 
@@ -237,8 +284,11 @@ def test_use_lossscale_refuses_cpu_unless_fp16_on_cpu(tmp_path: Path) -> None:
 def test_loss_scale_callback_added_after_use_lossscale_refuses_to_train(tmp_path: Path) -> None:
     built = trainer(tmp_path, "ours", overflow=False)
     built.add_callback(LossScaleCallback())
-    with pytest.raises(RuntimeError, match=r"LossScaleCallback was not given a scaler: register it first .* then "
-                                           r"call use_lossscale\(trainer\) before trainer.train\(\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"LossScaleCallback was not given a scaler: register it first .* then "
+        r"call use_lossscale\(trainer\) before trainer.train\(\)",
+    ):
         built.train()
 
 
@@ -250,8 +300,11 @@ def test_an_accelerator_rebuilt_after_use_lossscale_is_refused_at_train(tmp_path
     built = trainer(tmp_path, "ours", callbacks=[LossScaleCallback()] if with_callback else None, overflow=False)
     built.create_accelerator_and_postprocess()
     who = "LossScaleCallback" if with_callback else r"use_lossscale\(trainer\)"
-    with pytest.raises(RuntimeError, match=who + r": the Trainer's optimizer steps with NoneType, not the scaler "
-                                             r"use_lossscale\(trainer\) installed.*hyperparameter_search rebuilds it"):
+    with pytest.raises(
+        RuntimeError,
+        match=who + r": the Trainer's optimizer steps with NoneType, not the scaler "
+        r"use_lossscale\(trainer\) installed.*hyperparameter_search rebuilds it",
+    ):
         built.train()
 
 
@@ -260,3 +313,48 @@ def test_the_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsy
     runpy.run_path(str(ROOT / "examples" / "transformers_trainer.py"), run_name="__main__")
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(printed) == 6 and all("loss_scale" in line and "skipped_steps" in line for line in printed)
+
+
+def test_diagnose_true_names_the_planted_module_in_the_warning_and_in_log_history(tmp_path: Path) -> None:
+    """The issue's acceptance: a GPT-2 built from a config, trained through the integration with a forward overflow
+    planted in one MLP's input projection, is diagnosed by name, and the result is in ``log_history``."""
+    run = trainer(tmp_path, "none", [LossScaleCallback()], overflow=False, max_steps=20, optim="adamw_torch")
+    with torch.no_grad():  # weights still below 65504 in float16, its outputs past it at every step
+        run.model.transformer.h[0].mlp.c_fc.weight.mul_(5e5)
+    use_lossscale(run, fp16_on_cpu=True, diagnose=True, **TORCH_ARGS)
+    with pytest.warns(OverflowWarning, match=r"forward overflow: 'transformer.h.0.mlp.c_fc' \(Conv1D\)") as caught:
+        run.train()
+    [warning] = [w.message for w in caught if isinstance(w.message, OverflowWarning)]
+    assert (warning.report.kind, warning.report.module) == ("forward", "transformer.h.0.mlp.c_fc")
+    assert "traced step 16" in str(warning)  # 16 overflowing steps (the default patience), then the traced one
+    found = [log for log in run.state.log_history if "overflow_kind" in log]
+    assert [(log["step"], log["overflow_kind"], log["overflow_module"]) for log in found] == [
+        (17, "forward", "transformer.h.0.mlp.c_fc")  # the log of the traced step, the 17th
+    ]
+    assert column(step_logs(run), "skipped_steps")[-1] == 20  # every step overflowed
+
+
+def test_diagnose_never_warns_on_isolated_overflows_and_changes_no_log(tmp_path: Path) -> None:
+    ref = trainer(tmp_path / "plain", "ours", [LossScaleCallback()], optim="adamw_torch")
+    ref.train()
+    run = trainer(tmp_path / "diagnosed", "none", [LossScaleCallback()], optim="adamw_torch")
+    diagnosis = OverflowDiagnosis(run.model, patience=2)
+    use_lossscale(run, fp16_on_cpu=True, diagnose=diagnosis, **TORCH_ARGS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.train()  # overflows at steps 3 and 8
+    assert not [w for w in caught if issubclass(w.category, OverflowWarning)]
+    assert diagnosis.last_report is None
+    assert step_logs(run) == step_logs(ref)  # no overflow_kind, the same losses, scales and skips
+
+
+def test_use_lossscale_refuses_a_diagnose_it_cannot_trace(tmp_path: Path) -> None:
+    built = trainer(tmp_path, "none", overflow=False)
+    with pytest.raises(
+        TypeError,
+        match=r"use_lossscale\(diagnose='yes'\): diagnose must be True \(the Trainer's own model, trainer.model\), "
+        r"a torch.nn.Module .*; got str",
+    ):
+        use_lossscale(built, fp16_on_cpu=True, diagnose="yes")  # type: ignore[arg-type]
+    [diagnosis] = use_lossscale(built, fp16_on_cpu=True, diagnose=True).add_ons
+    assert isinstance(diagnosis, OverflowDiagnosis) and diagnosis.model is built.model

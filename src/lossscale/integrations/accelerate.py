@@ -9,11 +9,16 @@ Accelerate call                    what lossscale's scaler does there (as torch'
 ``optimizer_step_was_skipped``     True after a step skipped for overflow (non-fused optimizers)
 ``save_state`` / ``load_state``    ``scaler.pt`` in torch's format (+ ``policy_state``), both ways
 =================================  ============================================================
+
+``use_lossscale(accelerator, fp16_on_cpu=..., diagnose=model)``: when the loss scale collapses, the next step of
+``model`` is traced and a :class:`lossscale.OverflowWarning` names the module (:mod:`lossscale.diagnosis`).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from lossscale.integrations import require
 
@@ -22,6 +27,8 @@ require("accelerate", "accelerate", "accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
+from lossscale.diagnosis.addon import OverflowDiagnosis  # noqa: E402
+from lossscale.integrations._diagnose import check_diagnose, diagnosis_for  # noqa: E402
 from lossscale.scaler import GradScaler  # noqa: E402
 
 __all__ = ["use_lossscale"]
@@ -76,25 +83,36 @@ def _check(accelerator: object, fp16_on_cpu: bool, name: str) -> None:
         )
 
 
-def use_lossscale(accelerator: Accelerator, *, fp16_on_cpu: bool = False, **scaler_kwargs: Any) -> GradScaler:
+def use_lossscale(
+    accelerator: Accelerator,
+    *,
+    fp16_on_cpu: bool = False,
+    diagnose: torch.nn.Module | OverflowDiagnosis | None = None,
+    **scaler_kwargs: Any,
+) -> GradScaler:
     """Install ``GradScaler(device=accelerator.device.type, **scaler_kwargs)`` as ``accelerator.scaler``; return it.
 
     Call it right after ``Accelerator(mixed_precision="fp16", ...)`` and before ``prepare()``::
 
-        scaler = use_lossscale(accelerator, growth_interval=1000)
+        scaler = use_lossscale(accelerator, growth_interval=1000, diagnose=model)
 
     Args:
         accelerator: An ``Accelerator`` made with ``mixed_precision="fp16"``, not yet ``prepare()``-d.
         fp16_on_cpu: True turns float16 autocast on for a CPU device, where Accelerate turns fp16 off.
+        diagnose: The model to trace when the loss scale collapses (the module you pass to ``prepare()``, before
+            or after it), or an :class:`~lossscale.OverflowDiagnosis` (its ``patience``); None or False: none.
+            The scaler's ``diagnose=`` (:mod:`lossscale.diagnosis`).
         **scaler_kwargs: Arguments of ``GradScaler``; or give them in the Accelerator's ``GradScalerKwargs``.
 
     Raises:
-        TypeError: ``accelerator`` is not an ``Accelerator``, or ``fp16_on_cpu`` not a bool.
+        TypeError: ``accelerator`` is not an ``Accelerator``, ``fp16_on_cpu`` not a bool, or ``diagnose`` none of
+            the values above.
         RuntimeError: called after ``prepare()``.
         ValueError: mixed_precision is not ``"fp16"``; a CPU device without ``fp16_on_cpu``, or
             ``fp16_on_cpu`` elsewhere; DeepSpeed or Megatron-LM; both ``scaler_kwargs`` and ``GradScalerKwargs``.
     """
-    return install(accelerator, fp16_on_cpu, scaler_kwargs)
+    check_diagnose("use_lossscale", diagnose, None)
+    return install(accelerator, fp16_on_cpu, scaler_kwargs, diagnose=diagnosis_for(diagnose))
 
 
 def install(
@@ -103,9 +121,10 @@ def install(
     scaler_kwargs: dict[str, Any],
     name: str = "accelerator",
     scaler_type: type[GradScaler] = GradScaler,
+    diagnose: OverflowDiagnosis | None = None,
 ) -> GradScaler:
     """:func:`use_lossscale`'s checks and installation, for the front ends built on it: ``name`` is the argument
-    their errors echo, ``scaler_type`` the GradScaler (or subclass) they install."""
+    their errors echo, ``scaler_type`` the GradScaler (or subclass) they install, ``diagnose`` its diagnosis."""
     _check(accelerator, fp16_on_cpu, name)
     handler = accelerator.scaler_handler
     if handler is not None and scaler_kwargs:
@@ -115,7 +134,7 @@ def install(
             f"arguments in one place, not both."
         )
     kwargs = handler.to_kwargs() if handler is not None else scaler_kwargs
-    scaler = scaler_type(device=accelerator.device.type, **kwargs)
+    scaler = scaler_type(device=accelerator.device.type, diagnose=diagnose, **kwargs)
     accelerator.scaler = scaler
     accelerator.native_amp = True
     return scaler

@@ -9,6 +9,7 @@ gradient accumulation              one ``scaler.step`` + ``update`` per optimize
 LR schedule on a skipped step      held, for fused optimizers too (torch's scaler: non-fused only)
 ``checkpoint-N/scaler.pt``         torch's keys + ``policy_state`` + ``skipped_steps``; resumes
 logs (``log_history``, report_to)  ``loss_scale`` and ``skipped_steps`` added to every log
+a collapsing scale (``diagnose``)  the next step traced; ``overflow_kind``/``overflow_module`` logged
 =================================  ===============================================================
 
 Built on :mod:`lossscale.integrations.accelerate`: its checks and installation, with the Trainer's names.
@@ -28,9 +29,11 @@ require("accelerate", "transformers", "transformers")
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
+from lossscale.diagnosis.addon import OverflowDiagnosis  # noqa: E402
+from lossscale.integrations._diagnose import carried, check_diagnose, diagnosis_for  # noqa: E402
 from lossscale.integrations.accelerate import install, prepared  # noqa: E402
 from lossscale.policies.base import Policy  # noqa: E402
-from lossscale.reporting import ScalerStep, read_scalars  # noqa: E402
+from lossscale.reporting import DiagnosisLog, ScalerStep, read_scalars  # noqa: E402
 from lossscale.scaler import GradScaler  # noqa: E402
 
 __all__ = ["LossScaleCallback", "use_lossscale"]
@@ -94,6 +97,10 @@ class LossScaleCallback(TrainerCallback):
 
     Values: ``loss_scale``, the current scale (a float: the one the next step's gradients carry);
     ``skipped_steps``, the steps skipped since training began (an int, restored on resume). One host read per log.
+    With ``use_lossscale(trainer, diagnose=True)``, the first log after the diagnosis made a report (at the step it
+    traced, or the next log) also has ``overflow_kind`` (a string: ``"forward"``, ``"loss"``, ...) and, where the
+    report names one, ``overflow_module`` (the module's qualified name, a string). Strings are what the Trainer's
+    logs take: ``log_history`` keeps them, TensorBoard gets them as text, MLflow drops them with a warning.
 
     Where it hooks in: ``Trainer.log(logs)`` appends a copy of ``logs`` to ``state.log_history``, then calls each
     callback's ``on_log`` in list order, the report_to integrations before the callbacks given to the Trainer.
@@ -104,9 +111,12 @@ class LossScaleCallback(TrainerCallback):
 
     def __init__(self) -> None:
         self._scaler: _TrainerScaler | None = None
+        self._reports: DiagnosisLog | None = None
 
     def _attach(self, scaler: _TrainerScaler) -> None:
         self._scaler = scaler
+        diagnosis = carried(scaler.add_ons)
+        self._reports = None if diagnosis is None else DiagnosisLog(diagnosis)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -134,6 +144,8 @@ class LossScaleCallback(TrainerCallback):
             return
         scale = self._scaler.loss_scale.scale if self._scaler.is_enabled() else 1.0
         values = read_scalars({"loss_scale": scale, "skipped_steps": self._scaler.skipped_steps})
+        found = self._reports.new_fields() if self._reports is not None else None
+        values.update({k: v for k, v in (found or {}).items() if v is not None})
         record = state.log_history[-1] if state.log_history else None
         if record is not None and record.keys() == logs.keys() | {"step"}:  # Trainer.log's copy of these logs
             record.update(values)
@@ -193,7 +205,12 @@ def _check(trainer: object) -> None:
 
 
 def use_lossscale(
-    trainer: Trainer, *, policy: Policy[Any] | None = None, fp16_on_cpu: bool = False, **scaler_kwargs: Any
+    trainer: Trainer,
+    *,
+    policy: Policy[Any] | None = None,
+    fp16_on_cpu: bool = False,
+    diagnose: bool | torch.nn.Module | OverflowDiagnosis | None = None,
+    **scaler_kwargs: Any,
 ) -> GradScaler:
     """Install lossscale's GradScaler in ``trainer``'s accelerator and hand it to the Trainer's
     :class:`LossScaleCallback`, if it has one; return the scaler.
@@ -212,22 +229,34 @@ def use_lossscale(
     behaviour, with no read for a fused optimizer), and which counts them (``skipped_steps``, saved in
     ``scaler.pt``).
 
+    ``diagnose=True`` gives the scaler an overflow diagnosis of ``trainer.model`` (:mod:`lossscale.diagnosis`): when
+    the loss scale collapses, the next training step is traced and a :class:`~lossscale.OverflowWarning` names the
+    module where the first inf or NaN appeared; :class:`LossScaleCallback` writes the finding into the logs.
+
     Args:
         trainer: A ``transformers.Trainer`` with ``fp16=True`` that has not prepared its model yet.
         policy: Any :class:`~lossscale.Policy` (a preset, ``PredictiveScale()``); default torch's rule.
         fp16_on_cpu: True turns float16 autocast on when the Trainer runs on CPU, where it drops fp16.
+        diagnose: True (the Trainer's own model), a module to trace, an :class:`~lossscale.OverflowDiagnosis` (its
+            ``patience``), or None or False (no diagnosis).
         **scaler_kwargs: Other arguments of ``GradScaler`` (``init_scale``, ``growth_interval``, ``skip_mode``).
 
     Raises:
-        TypeError: ``trainer`` is not a Trainer, or ``fp16_on_cpu`` not a bool.
+        TypeError: ``trainer`` is not a Trainer, ``fp16_on_cpu`` not a bool, or ``diagnose`` none of the values
+            above.
         RuntimeError: the Trainer already prepared its model (``train()``, ``evaluate()`` or ``predict()`` ran).
         ValueError: ``fp16`` is not True; CPU without ``fp16_on_cpu``, or ``fp16_on_cpu`` on another device;
             DeepSpeed (it keeps its own scaler); GradScaler's own refusals.
     """
     _check(trainer)
+    check_diagnose("use_lossscale", diagnose, "the Trainer's own model, trainer.model")
+    diagnosis = diagnosis_for(diagnose, trainer.model)
     kwargs = scaler_kwargs if policy is None else {"policy": policy, **scaler_kwargs}
     scaler = cast(
-        _TrainerScaler, install(trainer.accelerator, fp16_on_cpu, kwargs, name="trainer", scaler_type=_TrainerScaler)
+        _TrainerScaler,
+        install(
+            trainer.accelerator, fp16_on_cpu, kwargs, name="trainer", scaler_type=_TrainerScaler, diagnose=diagnosis
+        ),
     )
     callbacks = trainer.callback_handler.callbacks
     for old in [c for c in callbacks if isinstance(c, _ScalerCheck)]:  # an earlier call's
