@@ -122,3 +122,29 @@ def torch_plugin() -> LightningMixedPrecision:
 def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
+
+
+class Amplify(nn.Module):
+    """Multiplies by ``factor``: 1 is healthy; 1e6 makes the float16 output of the Tanh before it inf (a planted
+    forward overflow, persistent: every step overflows)."""
+
+    def __init__(self, factor: float = 1.0) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class Planted(Tiny):
+    """Tiny with ``net.amplify`` between its Tanh and its last Linear, multiplying by ``factor`` (no infs injected
+    into the loss)."""
+
+    def __init__(self, factor: float, **kwargs: Any) -> None:
+        super().__init__(inf_at=set(), **kwargs)
+        torch.manual_seed(0)
+        self.net = nn.Sequential()
+        self.net.add_module("inp", nn.Linear(4, 8))
+        self.net.add_module("act", nn.Tanh())
+        self.net.add_module("amplify", Amplify(factor))
+        self.net.add_module("out", nn.Linear(8, 1))

@@ -3,6 +3,8 @@ MixedPrecision plugin driving torch.amp.GradScaler."""
 
 from __future__ import annotations
 
+import warnings
+from collections import OrderedDict
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrec
 from torch import nn
 
 import lossscale
+from lossscale import OverflowDiagnosis, OverflowWarning
 from lossscale.integrations.fabric import MixedPrecision
 
 TORCH_ARGS = dict(init_scale=2.0**10, growth_interval=2)
@@ -102,3 +105,57 @@ def test_constructor_refuses_what_it_cannot_honour() -> None:
         MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     plugin = MixedPrecision("16-mixed", "cpu", scaler=lossscale.GradScaler("cpu", init_scale=4.0))
     assert isinstance(plugin, FabricMixedPrecision) and plugin.scaler.get_scale() == 4.0
+
+
+class Amplify(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor  # 1e6: the float16 output of the Tanh before it passes 65504
+
+
+def planted(factor: float) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [("inp", nn.Linear(4, 8)), ("act", nn.Tanh()), ("amplify", Amplify(factor)), ("out", nn.Linear(8, 1))]
+    return nn.Sequential(OrderedDict(layers))
+
+
+def test_diagnose_true_names_the_module_whose_forward_overflows() -> None:
+    plugin = MixedPrecision("16-mixed", "cpu", diagnose=True, **TORCH_ARGS)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    raw = planted(1e6)
+    model, opt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.05))
+    with pytest.warns(OverflowWarning, match=r"forward overflow: 'amplify' \(Amplify\) produced inf") as caught:
+        for x, y in batches() + batches()[:4]:  # 20 steps
+            fabric.backward(F.mse_loss(model(x).float(), y))
+            opt.step()
+            opt.zero_grad()
+    [warning] = [w.message for w in caught if isinstance(w.message, OverflowWarning)]
+    assert (warning.report.kind, warning.report.module) == ("forward", "amplify")
+    assert "traced step 16" in str(warning)  # 16 overflowing steps (the default patience), then the traced one
+    assert plugin.diagnosis is not None and plugin.diagnosis.model is raw  # True: the module given to setup
+
+
+def test_diagnose_never_warns_on_isolated_overflows_and_changes_no_step() -> None:
+    ref_scales, _ = train(*setup(ours()), 0, BATCHES)
+    run = setup(MixedPrecision("16-mixed", "cpu", diagnose=True, **TORCH_ARGS))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scales, _ = train(*run, 0, BATCHES)  # overflows at steps 0, 3 and 5
+    assert not [w for w in caught if issubclass(w.category, OverflowWarning)]
+    assert scales == ref_scales
+
+
+def test_diagnose_refuses_what_it_cannot_trace() -> None:
+    with pytest.raises(TypeError, match=r"diagnose must be True \(the module given to fabric.setup\), .*; got str"):
+        MixedPrecision("16-mixed", "cpu", diagnose="amplify")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"and a GradScaler built with diagnose= of its own"):
+        MixedPrecision("16-mixed", "cpu", scaler=lossscale.GradScaler("cpu", diagnose=planted(1.0)), diagnose=True)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", diagnose=True)])
+    fabric.setup(planted(1.0))
+    with pytest.raises(ValueError, match=r"a second one \(Linear\) was set up after Sequential; pass the module"):
+        fabric.setup(nn.Linear(2, 2))
+    given = OverflowDiagnosis(planted(1.0))
+    assert MixedPrecision("16-mixed", "cpu", diagnose=given).diagnosis is given

@@ -3,17 +3,20 @@ Lightning's own MixedPrecision plugin driving torch.amp.GradScaler."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
 import torch
-from _lightning_models import TORCH_ARGS, LIGHTNING_WARNINGS, assert_same_weights, fit, torch_plugin
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 
 import lossscale
+from _lightning_models import LIGHTNING_WARNINGS, TORCH_ARGS, Planted, Tiny, assert_same_weights, fit, torch_plugin
+from lossscale import OverflowDiagnosis, OverflowWarning
 from lossscale.integrations.lightning import MixedPrecision
 
 pytestmark = [pytest.mark.filterwarnings(w) for w in LIGHTNING_WARNINGS]  # the reasons are in _lightning_models
+
 
 def test_automatic_optimization_matches_lightning_with_torch_scaler_bit_for_bit() -> None:
     ref, ref_rec, ref_trainer = fit(torch_plugin())
@@ -65,3 +68,40 @@ def test_constructor_refuses_what_it_cannot_honour() -> None:
         MixedPrecision("16-mixed", torch.device("cpu"))  # type: ignore[arg-type]
     plugin = MixedPrecision("16-mixed", "cpu", policy=lossscale.DynamicScale(init_scale=8.0))
     assert isinstance(plugin, LightningMixedPrecision) and plugin.scaler.get_scale() == 8.0
+
+
+def test_diagnose_true_names_the_module_whose_forward_overflows() -> None:
+    plugin = MixedPrecision("16-mixed", "cpu", diagnose=True, **TORCH_ARGS)
+    with pytest.warns(OverflowWarning, match=r"forward overflow: 'net.amplify' \(Amplify\) produced inf") as caught:
+        module, _, _ = fit(plugin, Planted(factor=1e6), epochs=3, accumulate_grad_batches=1)  # 24 steps
+    [warning] = [w.message for w in caught if isinstance(w.message, OverflowWarning)]
+    assert (warning.report.kind, warning.report.module) == ("forward", "net.amplify")
+    assert "traced step 16" in str(warning)  # 16 overflowing steps (the default patience), then the traced one
+    assert plugin.diagnosis is not None and plugin.diagnosis.model is module  # True: the LightningModule trained
+
+
+def test_diagnose_never_warns_on_isolated_overflows_and_changes_no_step() -> None:
+    ref, ref_rec, _ = fit(MixedPrecision("16-mixed", "cpu", **TORCH_ARGS))
+    module = Tiny()
+    plugin = MixedPrecision("16-mixed", "cpu", diagnose=OverflowDiagnosis(module, patience=2), **TORCH_ARGS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, rec, _ = fit(plugin, module)  # overflows at steps 0, 3 and 5: none two in a row
+    assert not [w for w in caught if issubclass(w.category, OverflowWarning)]
+    assert plugin.diagnosis is not None and plugin.diagnosis.last_report is None and not plugin.diagnosis.tracing
+    assert rec.scales == ref_rec.scales
+    assert_same_weights(ours, ref)
+
+
+def test_diagnose_refuses_what_it_cannot_trace() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"MixedPrecision\(diagnose='model'\): diagnose must be True \(the LightningModule being trained\), "
+        r"a torch.nn.Module .*, a lossscale.OverflowDiagnosis, or None/False \(no diagnosis\); got str",
+    ):
+        MixedPrecision("16-mixed", "cpu", diagnose="model")  # type: ignore[arg-type]
+    own = lossscale.GradScaler("cpu", diagnose=torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"MixedPrecision\(diagnose=...\) and a GradScaler built with diagnose="):
+        MixedPrecision("16-mixed", "cpu", scaler=own, diagnose=True)
+    assert MixedPrecision("16-mixed", "cpu", scaler=own).diagnosis is own.add_ons[0]  # the scaler's, for loggers
+    assert MixedPrecision("16-mixed", "cpu", diagnose=False).diagnosis is None

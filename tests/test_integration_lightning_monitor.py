@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import csv
 from argparse import Namespace
 from typing import Any
 
 import pytest
-from _lightning_models import LIGHTNING_WARNINGS, TORCH_ARGS, Tiny, fit, torch_plugin
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import Logger
 
 import lossscale
-from lossscale.reporting import read_scalars as _read
+from _lightning_models import LIGHTNING_WARNINGS, TORCH_ARGS, Planted, Tiny, fit, torch_plugin
+from lossscale import OverflowWarning
 from lossscale.integrations.lightning import LossScaleMonitor, LossScalePrecision, MixedPrecision
+from lossscale.reporting import read_scalars as _read
 
 pytestmark = [pytest.mark.filterwarnings(w) for w in LIGHTNING_WARNINGS]  # the reasons are in _lightning_models
 
@@ -55,8 +58,13 @@ def test_logs_scale_and_skipped_steps_at_lightnings_cadence() -> None:
 
 def test_logs_the_underflow_the_wrapper_measures_under_loss_scale_precision() -> None:
     logger = MemoryLogger()
-    _, rec, _ = fit(LossScalePrecision(device="cpu"), Tiny(wrap=dict(underflow_stride=1)), logger=logger,
-                    log_every_n_steps=2, callbacks=[LossScaleMonitor(prefix="amp")])
+    _, rec, _ = fit(
+        LossScalePrecision(device="cpu"),
+        Tiny(wrap=dict(underflow_stride=1)),
+        logger=logger,
+        log_every_n_steps=2,
+        callbacks=[LossScaleMonitor(prefix="amp")],
+    )
     rows = [m for _, m in logger.rows if "amp/scale" in m]
     assert [m["amp/skipped_steps"] for m in rows] == [1, 2, 3, 3]
     assert [m["amp/underflow"] for m in rows] == [float(rec.results[s].underflow) for s in (1, 3, 5, 7)]
@@ -85,3 +93,81 @@ def test_refuses_a_trainer_it_cannot_serve() -> None:
         fit(torch_plugin(), logger=MemoryLogger(), epochs=1, callbacks=[LossScaleMonitor()])
     with pytest.raises(ValueError, match=r"LossScaleMonitor\(prefix=''\): prefix must be a non-empty string"):
         LossScaleMonitor(prefix="")
+
+
+class Board:
+    """What a TensorBoardLogger's writer is asked to write."""
+
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, float, int]] = []
+        self.texts: list[tuple[str, str, int]] = []
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        if not isinstance(value, (int, float)):
+            raise ValueError(f"add_scalar({tag!r}, {value!r}): a number")  # as TensorBoard's own writer refuses
+        self.scalars.append((tag, value, step))
+
+    def add_text(self, tag: str, text: str, global_step: int) -> None:
+        self.texts.append((tag, text, global_step))
+
+
+class BoardLogger(TensorBoardLogger):
+    """A TensorBoardLogger whose writer is a :class:`Board` (tensorboard need not be installed)."""
+
+    def __init__(self, root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        from lightning.fabric.loggers import tensorboard
+
+        with monkeypatch.context() as patch:
+            patch.setattr(tensorboard, "_TENSORBOARD_AVAILABLE", True)  # its check at construction, for a writer
+            super().__init__(root)
+        self.board = Board()
+
+    @property
+    def experiment(self) -> Any:
+        return self.board
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def save(self) -> None:
+        pass
+
+    def finalize(self, status: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("precision", ["MixedPrecision", "LossScalePrecision"])
+def test_logs_the_diagnosis_of_a_collapse_once_as_text(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, precision: str
+) -> None:
+    memory, board = MemoryLogger(), BoardLogger(str(tmp_path / "tb"), monkeypatch)
+    table = CSVLogger(str(tmp_path), name="csv")
+    plugin = (
+        MixedPrecision("16-mixed", "cpu", diagnose=True, **TORCH_ARGS)
+        if precision == "MixedPrecision"
+        else LossScalePrecision(device="cpu", diagnose=True)
+    )
+    with pytest.warns(OverflowWarning, match="net.amplify"):
+        fit(
+            plugin,
+            Planted(factor=1e6, wrap=None if precision == "MixedPrecision" else {}),
+            epochs=3,
+            accumulate_grad_batches=1,
+            logger=[memory, board, table],
+            log_every_n_steps=1,
+            callbacks=[LossScaleMonitor()],
+        )
+    found = [(step, m) for step, m in memory.rows if "lossscale/overflow_kind" in m]
+    assert [(step, m["lossscale/overflow_kind"], m["lossscale/overflow_module"]) for step, m in found] == [
+        (16, "forward", "net.amplify")  # in the log of the traced step, 16
+    ]
+    assert board.board.texts == [
+        ("lossscale/overflow_kind", "forward", 16),
+        ("lossscale/overflow_module", "net.amplify", 16),
+    ]
+    assert {tag for tag, _, _ in board.board.scalars} == {"lossscale/scale", "lossscale/skipped_steps"}
+    with open(table.experiment.metrics_file_path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["lossscale/overflow_kind"]]
+    assert [(r["lossscale/overflow_kind"], r["lossscale/overflow_module"]) for r in rows] == [
+        ("forward", "net.amplify")
+    ]

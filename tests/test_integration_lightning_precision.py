@@ -3,17 +3,28 @@ with torch's scaler (same skips, same scales) and against the wrapper in a plain
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from _lightning_models import (INF_AT, LIGHTNING_WARNINGS, TORCH_ARGS, Tiny, assert_same_weights, data, fit,
-                               torch_plugin)
 from torch import nn
 
 import lossscale
+from _lightning_models import (
+    INF_AT,
+    LIGHTNING_WARNINGS,
+    TORCH_ARGS,
+    Planted,
+    Tiny,
+    assert_same_weights,
+    data,
+    fit,
+    torch_plugin,
+)
+from lossscale import OverflowDiagnosis, OverflowWarning
 from lossscale.integrations.lightning import LossScalePrecision
 
 pytestmark = [pytest.mark.filterwarnings(w) for w in LIGHTNING_WARNINGS]  # the reasons are in _lightning_models
@@ -25,8 +36,12 @@ def plain_loop(epochs: int = 2, accumulate: int = 2, schedule: Any = None, **wra
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     if wrap.get("layerwise") is True:
         wrap = {**wrap, "layerwise": net}
-    opt = lossscale.LossScaleOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
-                                       policy=lossscale.DynamicScale(**TORCH_ARGS), schedule=schedule, **wrap)
+    opt = lossscale.LossScaleOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+        policy=lossscale.DynamicScale(**TORCH_ARGS),
+        schedule=schedule,
+        **wrap,
+    )
     results, steps = [], 0
     for epoch in range(epochs):
         for i, (x, y) in enumerate(data()):
@@ -75,8 +90,9 @@ def test_automatic_optimization_skips_like_torch_and_updates_like_the_plain_loop
 
 
 def test_clip_by_value_runs_inside_the_wrapper_when_the_wrapper_has_the_same_value() -> None:
-    ours, rec, _ = fit(plugin(), Tiny(wrap=dict(clip_grad_value=0.5)), epochs=1, gradient_clip_val=0.5,
-                       gradient_clip_algorithm="value")
+    ours, rec, _ = fit(
+        plugin(), Tiny(wrap=dict(clip_grad_value=0.5)), epochs=1, gradient_clip_val=0.5, gradient_clip_algorithm="value"
+    )
     net, results = plain_loop(epochs=1, clip_grad_value=0.5)
     skips = [bool(r.found_inf) for r in rec.results]
     assert skips == [bool(r.found_inf) for r in results] == [True, False, False, True]
@@ -98,9 +114,9 @@ def test_manual_optimization_with_a_schedule_switch_matches_the_plain_loop() -> 
     schedule = lossscale.PrecisionSchedule("fast|step|0.5", total_steps=8)
     module = Tiny(manual=True, wrap=dict(clip_grad_norm=1.0, schedule=schedule))
     ours, rec, _ = fit(plugin(), module, manual=True, epochs=1)
-    net, results = plain_loop(epochs=1, accumulate=1, schedule=lossscale.PrecisionSchedule("fast|step|0.5",
-                                                                                           total_steps=8),
-                              clip_grad_norm=1.0)
+    net, results = plain_loop(
+        epochs=1, accumulate=1, schedule=lossscale.PrecisionSchedule("fast|step|0.5", total_steps=8), clip_grad_norm=1.0
+    )
     assert [r.precision for r in rec.results] == ["float16"] * 4 + ["float32"] * 4
     assert [bool(r.found_inf) for r in rec.results] == [bool(r.found_inf) for r in results]
     assert ours.step_returns == rec.results  # opt.step() returns the StepResult, as in a plain loop
@@ -110,19 +126,25 @@ def test_manual_optimization_with_a_schedule_switch_matches_the_plain_loop() -> 
 def test_manual_optimization_through_the_proxy_does_not_diverge_after_a_switch() -> None:
     schedule = lossscale.PrecisionSchedule("fast|step|0.5", total_steps=8)
     module = Tiny(manual=True, own_backward=True, wrap=dict(clip_grad_norm=1.0, schedule=schedule))
-    ours, rec, _ = fit(plugin(), module, manual=True, epochs=1)
-    net, _ = plain_loop(epochs=1, accumulate=1, schedule=lossscale.PrecisionSchedule("fast|step|0.5",
-                                                                                     total_steps=8),
-                        clip_grad_norm=1.0)
+    ours, _rec, _ = fit(plugin(), module, manual=True, epochs=1)
+    net, _ = plain_loop(
+        epochs=1, accumulate=1, schedule=lossscale.PrecisionSchedule("fast|step|0.5", total_steps=8), clip_grad_norm=1.0
+    )
     assert_same_weights(ours.net, net)
 
 
 def test_wiring_that_would_scale_clip_or_count_wrongly_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"LossScaleOptimizer\(accumulation_steps=2\) with "
-                                         r"Trainer\(accumulate_grad_batches=2\).*accumulate_grad_batches=n"):
+    with pytest.raises(
+        ValueError,
+        match=r"LossScaleOptimizer\(accumulation_steps=2\) with "
+        r"Trainer\(accumulate_grad_batches=2\).*accumulate_grad_batches=n",
+    ):
         fit(plugin(), Tiny(wrap=dict(accumulation_steps=2)), epochs=1)
-    with pytest.raises(ValueError, match=r"gradient_clip_val=1.0, gradient_clip_algorithm='norm'.*"
-                                         r"has clip_grad_norm=0.5"):
+    with pytest.raises(
+        ValueError,
+        match=r"gradient_clip_val=1.0, gradient_clip_algorithm='norm'.*"
+        r"has clip_grad_norm=0.5",
+    ):
         fit(plugin(), Tiny(wrap=dict(clip_grad_norm=0.5)), epochs=1)
     with pytest.raises(ValueError, match=r"gradient_clip_algorithm='value'.*no clipping.*clip_grad_value=1.0"):
         fit(plugin(), Tiny(wrap={}), epochs=1, gradient_clip_algorithm="value")
@@ -153,3 +175,36 @@ def test_the_lightning_module_is_found_inside_a_strategy_wrapper() -> None:
     assert _lightning_module(wrapped) is module and _lightning_module(module) is module
     with pytest.raises(TypeError, match=r"found no LightningModule in the strategy's model Linear"):
         _lightning_module(nn.Linear(2, 2))
+
+
+def test_diagnose_true_names_the_module_whose_forward_overflows() -> None:
+    plugin = LossScalePrecision(device="cpu", diagnose=True)
+    with pytest.warns(OverflowWarning, match=r"forward overflow: 'net.amplify' \(Amplify\) produced inf") as caught:
+        module, _, _ = fit(plugin, Planted(factor=1e6, wrap={}), epochs=3, accumulate_grad_batches=1)
+    [warning] = [w.message for w in caught if isinstance(w.message, OverflowWarning)]
+    assert (warning.report.kind, warning.report.module) == ("forward", "net.amplify")
+    assert "traced step 16" in str(warning)  # 16 overflowing steps (the default patience), then the traced one
+    assert plugin.diagnosis is not None and plugin.diagnosis.model is module
+
+
+def test_diagnose_never_warns_on_isolated_overflows_and_changes_no_step() -> None:
+    _, ref_rec, _ = fit(plugin(), Tiny(wrap={}))
+    module = Tiny(wrap={})
+    diagnosing = LossScalePrecision(device="cpu", diagnose=OverflowDiagnosis(module, patience=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, rec, _ = fit(diagnosing, module)  # overflows at steps 0, 3 and 5: none two in a row
+    assert not [w for w in caught if issubclass(w.category, OverflowWarning)]
+    assert diagnosing.diagnosis is not None and diagnosing.diagnosis.last_report is None
+    assert rec.scales == ref_rec.scales
+
+
+def test_diagnose_refuses_what_it_cannot_trace() -> None:
+    with pytest.raises(TypeError, match=r"LossScalePrecision\(diagnose=1\): diagnose must be True \(the Lightning"):
+        LossScalePrecision(device="cpu", diagnose=1)  # type: ignore[arg-type]
+    own = OverflowDiagnosis(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"LossScalePrecision\(diagnose=...\) and a LossScaleOptimizer built with"):
+        fit(LossScalePrecision(device="cpu", diagnose=True), Tiny(wrap=dict(add_ons=[own])), epochs=1)
+    plugin = LossScalePrecision(device="cpu")  # without diagnose=, the wrapper's own diagnosis, for loggers
+    fit(plugin, Tiny(wrap=dict(add_ons=[own])), epochs=1)
+    assert plugin.diagnosis is own

@@ -5,8 +5,11 @@ name                            what it is
 ==============================  ===================================================================
 ``MixedPrecision``              Lightning's own float16 AMP plugin with :class:`lossscale.GradScaler`
 ``LossScalePrecision``          a precision plugin for :class:`lossscale.LossScaleOptimizer`
-``LossScaleMonitor``            a callback logging the scale, skipped steps and underflow
+``LossScaleMonitor``            a callback logging the scale, skipped steps, underflow and diagnosis
 ==============================  ===================================================================
+
+Both plugins take ``diagnose=True``: when the loss scale collapses, trace the next step of the LightningModule
+being trained and warn with a :class:`lossscale.OverflowWarning` naming the module (:mod:`lossscale.diagnosis`).
 """
 
 from __future__ import annotations
@@ -25,16 +28,21 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.fabric.utilities.types import Optimizable, Steppable  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
+from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
+from lossscale.diagnosis.addon import OverflowDiagnosis  # noqa: E402
+from lossscale.integrations._diagnose import PluginDiagnosis, carried  # noqa: E402
 from lossscale.integrations._scaler import make_scaler, scaler_result  # noqa: E402
 from lossscale.optimizer import LossScaleOptimizer  # noqa: E402
-from lossscale.reporting import ScalerStep, StepResult, read_scalars  # noqa: E402
+from lossscale.reporting import DiagnosisLog, ScalerStep, StepResult, read_scalars  # noqa: E402
 from lossscale.scaler import GradScaler  # noqa: E402
 
 __all__ = ["LossScaleMonitor", "LossScalePrecision", "MixedPrecision"]
+
+_TRAINED = "the LightningModule being trained"
 
 
 class MixedPrecision(_LightningMixedPrecision):
@@ -48,17 +56,30 @@ class MixedPrecision(_LightningMixedPrecision):
         precision: ``"16-mixed"``.
         device: The autocast device type (``"cuda"``, ``"cpu"``, ...).
         scaler: An existing :class:`~lossscale.GradScaler`; or leave it out and pass ``scaler_kwargs``.
+        diagnose: True: when the loss scale collapses, trace the LightningModule's next step and warn with a
+            :class:`~lossscale.OverflowWarning` (:mod:`lossscale.diagnosis`). Or a module to trace, or an
+            :class:`~lossscale.OverflowDiagnosis` (its ``patience``); None or False: no diagnosis.
         **scaler_kwargs: Arguments of ``GradScaler`` (``init_scale``, ``growth_interval``, ``policy``, ...).
 
     Raises:
-        ValueError: a precision other than ``"16-mixed"``, or both ``scaler`` and ``scaler_kwargs``.
-        TypeError: ``device`` is not a string, or ``scaler`` not a :class:`~lossscale.GradScaler`.
+        ValueError: a precision other than ``"16-mixed"``, or both ``scaler`` and ``scaler_kwargs``; ``diagnose``
+            and a ``scaler`` built with ``diagnose=`` of its own.
+        TypeError: ``device`` is not a string, ``scaler`` not a :class:`~lossscale.GradScaler`, or ``diagnose``
+            none of the values above.
     """
 
     def __init__(
-        self, precision: str = "16-mixed", device: str = "cuda", scaler: GradScaler | None = None, **scaler_kwargs: Any
+        self,
+        precision: str = "16-mixed",
+        device: str = "cuda",
+        scaler: GradScaler | None = None,
+        *,
+        diagnose: bool | torch.nn.Module | OverflowDiagnosis | None = None,
+        **scaler_kwargs: Any,
     ) -> None:
+        self._diagnose = PluginDiagnosis("MixedPrecision", diagnose, _TRAINED)
         scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs)  # precision: "16-mixed"
+        self._diagnose.refuse_another(scaler.add_ons, "GradScaler")
         super().__init__("16-mixed", device, scaler=scaler)  # type: ignore[arg-type]  # Lightning types the slot as torch's GradScaler; lossscale's has its surface
         self.last_result: StepResult | None = None
         self._carried: torch.Tensor | None = None
@@ -68,6 +89,26 @@ class MixedPrecision(_LightningMixedPrecision):
     def _grad_scaler(self) -> GradScaler:
         """``scaler``, the lossscale GradScaler the plugin was built with (Lightning types it as torch's)."""
         return cast(GradScaler, self.scaler)
+
+    @property
+    def diagnosis(self) -> OverflowDiagnosis | None:
+        """The overflow diagnosis (``diagnose=``'s, or the scaler's own), or None; with ``diagnose=True`` it exists
+        once the Trainer connected the plugin to the LightningModule."""
+        return self._diagnose.diagnosis or carried(self._grad_scaler.add_ons)
+
+    def connect(
+        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        """Lightning's connect; with ``diagnose=True``, the LightningModule becomes the module traced."""
+        if self._diagnose.follows_module:
+            self._diagnose.bind(_lightning_module(model, "MixedPrecision.connect"))
+        return super().connect(model, optimizers, lr_schedulers)
+
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]  # Lightning's own signature, which narrows Fabric's
+        """Lightning's scaling of the loss, shown to the diagnosis."""
+        scaled = super().pre_backward(tensor, module)
+        self._diagnose.on_scale_loss(tensor, scaled)
+        return scaled
 
     def _after_closure(self, model: pl.LightningModule, optimizer: Steppable) -> None:
         """Lightning's hooks and clipping, then note the scale the gradients carry."""
@@ -89,6 +130,7 @@ class MixedPrecision(_LightningMixedPrecision):
         self.last_result = scaler_result(
             out, self._carried, self._grad_scaler, model.trainer.global_step, self._grad_norm
         )
+        self._diagnose.after_step(self.last_result)
         return out.value
 
 
@@ -103,8 +145,9 @@ def _unwrap(optimizer: object) -> object:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _lightning_module(model: torch.nn.Module) -> pl.LightningModule:
-    """The LightningModule itself, or the one a strategy wrapped (DDP: ``model.module``)."""
+def _lightning_module(model: torch.nn.Module, call: str = "LossScalePrecision.connect") -> pl.LightningModule:
+    """The LightningModule itself, or the one a strategy wrapped (DDP: ``model.module``); ``call`` is for the
+    error."""
     found = model
     while not isinstance(found, pl.LightningModule):
         inner = getattr(found, "module", None)
@@ -113,8 +156,8 @@ def _lightning_module(model: torch.nn.Module) -> pl.LightningModule:
         found = inner
     if not isinstance(found, pl.LightningModule):
         raise TypeError(
-            f"LossScalePrecision.connect: found no LightningModule in the strategy's model "
-            f"{type(model).__name__}; LossScalePrecision serves single-device and DDP strategies."
+            f"{call}: found no LightningModule in the strategy's model {type(model).__name__}; it serves "
+            f"single-device and DDP strategies."
         )
     return found
 
@@ -136,18 +179,34 @@ class LossScalePrecision(Precision):
     optimization. ``global_step`` counts skipped steps too. In manual optimization ``manual_backward(loss)``
     needs exactly one LossScaleOptimizer (else call ``opt.backward(loss)``).
 
+    Diagnosis: ``diagnose=True`` traces the LightningModule's next step when the wrapper's scale collapses and warns
+    with a :class:`~lossscale.OverflowWarning` (:mod:`lossscale.diagnosis`); the plugin feeds it the losses it scales
+    and the wrapper's steps. It needs exactly one LossScaleOptimizer; the same is ``LossScaleOptimizer(...,
+    diagnose=self)`` in ``configure_optimizers`` (one per optimizer, and for ``opt.backward(loss)`` in manual
+    optimization, which bypasses the plugin).
+
     Args:
         dtype: The autocast dtype, ``torch.float16`` (default) or ``torch.bfloat16``; with a wrapper's
             schedule, the schedule's low-precision dtype.
         device: The autocast device type (``"cuda"``, ``"cpu"``, ...).
+        diagnose: True (the LightningModule), a module to trace, an :class:`~lossscale.OverflowDiagnosis` (its
+            ``patience``), or None or False (no diagnosis).
 
     Raises:
-        ValueError: another ``dtype``; at ``connect``, wiring that would scale, clip or count wrongly.
-        TypeError: ``device`` is not a string; at ``connect``, an optimizer that is not a LossScaleOptimizer.
+        ValueError: another ``dtype``; at ``connect``, wiring that would scale, clip or count wrongly, or
+            ``diagnose`` with several LossScaleOptimizers or with a wrapper built with ``diagnose=``.
+        TypeError: ``device`` is not a string, or ``diagnose`` none of the values above; at ``connect``, an
+            optimizer that is not a LossScaleOptimizer.
         RuntimeError: ``manual_backward(loss)`` with several LossScaleOptimizers.
     """
 
-    def __init__(self, dtype: torch.dtype = torch.float16, device: str = "cuda") -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.float16,
+        device: str = "cuda",
+        *,
+        diagnose: bool | torch.nn.Module | OverflowDiagnosis | None = None,
+    ) -> None:
         if dtype not in _PRECISIONS:
             raise ValueError(
                 f"LossScalePrecision(dtype={dtype!r}): dtype must be torch.float16 or torch.bfloat16 "
@@ -161,9 +220,17 @@ class LossScalePrecision(Precision):
         self.dtype = dtype
         self.device = device
         self.precision = _PRECISIONS[dtype]
+        self._diagnose = PluginDiagnosis("LossScalePrecision", diagnose, _TRAINED)
         self.last_result: StepResult | None = None
         self._wrappers: list[LossScaleOptimizer] = []
         self._module: pl.LightningModule | None = None
+
+    @property
+    def diagnosis(self) -> OverflowDiagnosis | None:
+        """The overflow diagnosis (``diagnose=``'s, or the first one a wrapper carries), or None; with
+        ``diagnose=True`` it exists once the Trainer connected the plugin to the LightningModule."""
+        own = self._diagnose.diagnosis
+        return own or next((d for w in self._wrappers if (d := carried(w.add_ons)) is not None), None)
 
     def connect(
         self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
@@ -178,6 +245,15 @@ class LossScalePrecision(Precision):
             )
         self._wrappers = [cast(LossScaleOptimizer, _unwrap(o)) for o in optimizers]  # each checked just above
         self._module = _lightning_module(model)
+        if self._diagnose.on:
+            if len(self._wrappers) != 1:
+                raise ValueError(
+                    f"LossScalePrecision(diagnose=...) follows one LossScaleOptimizer's steps; configure_optimizers "
+                    f"returned {len(self._wrappers)}. Pass diagnose=self to the LossScaleOptimizer(s) in "
+                    f"configure_optimizers instead."
+                )
+            self._diagnose.refuse_another(self._wrappers[0].add_ons, "LossScaleOptimizer")
+            self._diagnose.bind(self._module)
         trainer = self._module.trainer
         if self._module.automatic_optimization:
             self._check_accumulation(trainer.accumulate_grad_batches)
@@ -266,7 +342,9 @@ class LossScalePrecision(Precision):
     def backward(  # type: ignore[override]  # Lightning's own signature, which narrows Fabric's
         self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Steppable | None, *args: Any, **kwargs: Any
     ) -> None:
-        model.backward(self._wrapper(optimizer, "backward").scale_loss(tensor), *args, **kwargs)
+        scaled = self._wrapper(optimizer, "backward").scale_loss(tensor)
+        self._diagnose.on_scale_loss(tensor, scaled)
+        model.backward(scaled, *args, **kwargs)
 
     def clip_gradients(
         self,
@@ -293,6 +371,7 @@ class LossScalePrecision(Precision):
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: nothing to step
         self.last_result = wrapper.step()
+        self._diagnose.after_step(self.last_result)
         return self.last_result
 
 
@@ -304,15 +383,20 @@ class _ReportsSteps(Protocol):
 
 class LossScaleMonitor(Callback):
     """Logs ``<prefix>/scale``, ``<prefix>/skipped_steps`` and ``<prefix>/underflow`` to the Trainer's loggers,
-    read from the lossscale precision plugin's ``last_result``.
+    read from the lossscale precision plugin's ``last_result``, and the overflow diagnosis's findings.
 
     Rule, after each optimizer step::
 
         skipped_steps += result.skipped          # on the device
         if Lightning logs at this step:          # one host read for all values
             log(scale=result.scale, skipped_steps, underflow=result.underflow if measured)
+            if the plugin's diagnosis made a report since the last log:     # no host read
+                log(overflow_kind=report.kind, overflow_module=report.module)   # text; module left out if None
 
-    ``skipped_steps`` is saved in the callback's checkpoint state.
+    The diagnosis's values are strings, which Lightning's ``self.log`` refuses: they go to each logger's
+    ``log_metrics`` (CSVLogger, WandbLogger and others take them; MLFlowLogger drops strings with a warning),
+    except a TensorBoardLogger, which gets them through ``add_text``. ``skipped_steps`` is saved in the
+    callback's checkpoint state.
 
     Args:
         prefix: The metric-name prefix (default ``"lossscale"``).
@@ -329,6 +413,7 @@ class LossScaleMonitor(Callback):
         self.prefix = prefix
         self._skipped: torch.Tensor | int = 0
         self._seen: StepResult | None = None
+        self._reports: DiagnosisLog | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not trainer.loggers:
@@ -345,6 +430,12 @@ class LossScaleMonitor(Callback):
                 f"in Trainer(plugins=[...])."
             )
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Follow the plugin's diagnosis, if any (with ``diagnose=True`` the plugin built it at connect)."""
+        diagnosis = getattr(trainer.precision_plugin, "diagnosis", None)
+        if self._reports is None or self._reports.diagnosis is not diagnosis:
+            self._reports = None if diagnosis is None else DiagnosisLog(diagnosis)
+
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         """Count a new step's skip on the device; read and log only when Lightning logs."""
         result = cast(_ReportsSteps, trainer.precision_plugin).last_result  # setup() checked it has last_result
@@ -357,9 +448,17 @@ class LossScaleMonitor(Callback):
         values: dict[str, torch.Tensor | int] = {"scale": result.scale, "skipped_steps": self._skipped}
         if result.underflow is not None:
             values["underflow"] = result.underflow
-        metrics = {f"{self.prefix}/{k}": v for k, v in read_scalars(values).items()}
+        metrics: dict[str, Any] = {f"{self.prefix}/{k}": v for k, v in read_scalars(values).items()}
+        found = self._reports.new_fields() if self._reports is not None else None
+        text: dict[str, Any] = {f"{self.prefix}/{k}": v for k, v in (found or {}).items() if v is not None}
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+            if isinstance(logger, TensorBoardLogger):  # its log_metrics takes numbers only
+                logger.log_metrics(metrics, step=step)
+                for tag, value in text.items():
+                    logger.experiment.add_text(tag, value, global_step=step)
+            else:  # typed as numbers, the other loggers' log_metrics write strings too (MLflow's drops them)
+                logger.log_metrics({**metrics, **text}, step=step)
 
     def state_dict(self) -> dict[str, Any]:
         """The running count of skipped steps (one host read)."""
