@@ -1,24 +1,28 @@
 """What overflow diagnosis costs: a healthy training step with the OverflowDiagnosis add-on against the same step
 without it, the traced step against a plain one, and one find_overflow call against one step.
 
-    python benchmarks/diagnosis.py [--device cuda] [--repeats 7] [--steps 30] [--tiny]
+    python benchmarks/diagnosis.py [--device cuda] [--repeats 7] [--steps 30] [--tiny] [--json PATH]
 
 The step is a float16-autocast transformer encoder (torch.nn.TransformerEncoderLayer blocks) trained by a small
 loop that calls the add-on's hooks in a front end's order (on_scale_loss, after_step; check and unscale with
 torch's fused kernel, a skip without host read, the policy's update). Variants run interleaved, round after round,
 and the median per-step time of each is reported with the ratio. No number is asserted; the machine is printed.
+run_all.py writes its table into RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, machine, table
 from lossscale import presets
 from lossscale.addons.base import StepOutcome
 from lossscale.diagnosis import OverflowDiagnosis, find_overflow
@@ -88,13 +92,14 @@ def timed(fn, steps: int, device: str) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--size", default="256,4,16,64", help="d_model,layers,batch,sequence (default %(default)s)")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long run (tests)")
+    parser.add_argument("--json", default=None, help="write the rows, the machine and the table here (run_all.py)")
     args = parser.parse_args(argv)
     d, layers, batch, seq = (32, 1, 2, 8) if args.tiny else tuple(int(v) for v in args.size.split(","))
     repeats, steps = (2, 2) if args.tiny else (args.repeats, args.steps)
@@ -142,18 +147,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     medians = {name: statistics.median(v) for name, v in times.items()}
     # each variant's ratio to the plain step of the same round, then the median over rounds
     ratios = {name: statistics.median(t / p for t, p in zip(v, times["plain step"])) for name, v in times.items()}
-    machine = (
-        torch.cuda.get_device_name()
-        if device == "cuda"
-        else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    )
-    print(
-        f"# diagnosis cost: {device} ({machine}), torch {torch.__version__}, encoder d={d} x{layers}, "
-        f"batch {batch}x{seq}; median of {repeats} interleaved rounds of {steps} steps"
-    )
-    for name, value in medians.items():
-        print(f"{name:<30} {value * 1e3:9.3f} ms   {ratios[name]:7.3f}x the plain step of the same round")
-    return ratios
+    rows = [
+        {"variant": name, "ms": value * 1e3, "x plain step (same round)": ratios[name]}
+        for name, value in medians.items()
+    ]
+    md = (
+        f"Device: {device}. A float16-autocast encoder d={d} x{layers}, batch {batch}x{seq}; median of {repeats} "
+        f"interleaved rounds of {steps} steps (find_overflow: one call a round):\n\n"
+        + table([{k: f"{v:.3f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows], list(rows[0]))
+    )  # three decimals: a 1% cost must show
+    payload = {"machine": machine(device), "rows": rows, "markdown": md}
+    emit("diagnosis", payload, args.json)
+    return payload
 
 
 if __name__ == "__main__":

@@ -39,22 +39,74 @@ BENCHMARKS = [
     ("layerwise", "Per-layer loss scales: hook and unscale overhead", []),
     ("language_model", "Language model: a tiny GPT-2 with global, predictive and per-layer scales", []),
     ("many_tensors", "Many small tensors: 2,000 tensors against torch's pipeline", []),
+    (
+        "diagnosis",
+        "Overflow diagnosis: a healthy step with the add-on, the traced step, find_overflow",
+        ["--size", "128,2,8,32", "--repeats", "15", "--steps", "10"],
+    ),
 ]
 # (module, title, arguments for a full run) with --device cuda: each also gets --device; sized together for a few
 # minutes on one H100 (1B parameters in 100 tensors and a 350M transformer layout: about 25 GB of device memory)
 GPU = "GPU: "
 GPU_BENCHMARKS = [  # the open measurements first (issues 28 and 31), so that a run cut short by its budget has them
     ("many_tensors", GPU + "many small tensors, 2,000 tensors against torch's pipeline", []),
-    ("language_model", GPU + "GPT-2 medium's shape with global, predictive and per-layer scales",
-     ["--layers", "24", "--d-model", "1024", "--heads", "16", "--context", "256", "--sequences", "16",
-      "--steps", "120", "--files", "120"]),
+    (
+        "language_model",
+        GPU + "GPT-2 medium's shape with global, predictive and per-layer scales",
+        [
+            "--layers",
+            "24",
+            "--d-model",
+            "1024",
+            "--heads",
+            "16",
+            "--context",
+            "256",
+            "--sequences",
+            "16",
+            "--steps",
+            "120",
+            "--files",
+            "120",
+        ],
+    ),
     ("graphs", GPU + "a step replayed from a CUDA graph against the eager step", []),
     ("host_reads", GPU + "host reads and synchronisations per step", []),
-    ("end_to_end", GPU + "end to end, a small transformer's training step",
-     ["--d-model", "512", "--layers", "6", "--heads", "8", "--context", "256", "--sequences", "32", "--rounds", "21"]),
-    ("step_overhead", GPU + "step overhead against torch.amp.GradScaler at 1B and 350M",
-     ["--sizes", "1000", "--optimizers", "fused AdamW,foreach Adam", "--scaling-sizes", "",
-      "--layouts", "100 tensors,transformer", "--layout-size", "350"]),
+    (
+        "end_to_end",
+        GPU + "end to end, a small transformer's training step",
+        [
+            "--d-model",
+            "512",
+            "--layers",
+            "6",
+            "--heads",
+            "8",
+            "--context",
+            "256",
+            "--sequences",
+            "32",
+            "--rounds",
+            "21",
+        ],
+    ),
+    (
+        "step_overhead",
+        GPU + "step overhead against torch.amp.GradScaler at 1B and 350M",
+        [
+            "--sizes",
+            "1000",
+            "--optimizers",
+            "fused AdamW,foreach Adam",
+            "--scaling-sizes",
+            "",
+            "--layouts",
+            "100 tensors,transformer",
+            "--layout-size",
+            "350",
+        ],
+    ),
+    ("diagnosis", GPU + "overflow diagnosis: a healthy step with the add-on, the traced step, find_overflow", []),
 ]
 
 
@@ -64,10 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated module names")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     parser.add_argument("--json-dir", default=None, help="keep each benchmark's JSON output in this folder")
-    parser.add_argument("--extra", action="append", default=[],
-                        help='NAME=ARGS: more arguments for one benchmark, e.g. "step_overhead=--sizes 1,20"')
-    parser.add_argument("--device", default="cpu", help="cpu (default: BENCHMARKS) or a CUDA device "
-                                                        "(GPU_BENCHMARKS, written as the GPU sections)")
+    parser.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        help='NAME=ARGS: more arguments for one benchmark, e.g. "step_overhead=--sizes 1,20"',
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default: BENCHMARKS) or a CUDA device (GPU_BENCHMARKS, written as the GPU sections)",
+    )
     args = parser.parse_args(argv)
     extras = {k: v.split() for k, v in (e.split("=", 1) for e in args.extra)}
     gpu = torch.device(args.device).type == "cuda"
@@ -94,13 +153,23 @@ def main(argv: list[str] | None = None) -> int:
             described = payload.get("machine", {})
             machine = ", ".join(f"{k}={v}" for k, v in described.items())
             command = " ".join([f"python benchmarks/{name}.py", *map(shlex.quote, argv_b)])
-            device = (f"Device: {described.get('gpu')}, torch {described.get('torch')}, CUDA "
-                      f"{described.get('cuda_version')}\n\n" if gpu else "")
-            sections[title] = (f"## {title}\n\n{device}`{command}` on {datetime.date.today().isoformat()}\n\n"
-                               f"Machine: {machine}\n\n{payload['markdown']}\n")
-    head = ["# Benchmark results", "",
-            "Generated by `python benchmarks/run_all.py` (sections may be regenerated one at a time with "
-            "`--only`; the GPU sections by `--device cuda`). Do not edit by hand.", ""]
+            device = (
+                f"Device: {described.get('gpu')}, torch {described.get('torch')}, CUDA "
+                f"{described.get('cuda_version')}\n\n"
+                if gpu
+                else ""
+            )
+            sections[title] = (
+                f"## {title}\n\n{device}`{command}` on {datetime.date.today().isoformat()}\n\n"
+                f"Machine: {machine}\n\n{payload['markdown']}\n"
+            )
+    head = [
+        "# Benchmark results",
+        "",
+        "Generated by `python benchmarks/run_all.py` (sections may be regenerated one at a time with "
+        "`--only`; the GPU sections by `--device cuda`). Do not edit by hand.",
+        "",
+    ]
     merged = _combined(Path(args.out), sections, [t for _, t, _ in chosen], gpu, bool(args.only))
     Path(args.out).write_text("\n".join(head) + "\n" + "\n".join(merged))
     print(f"wrote {args.out}")
@@ -124,8 +193,12 @@ def _merge(path: Path, fresh: dict[str, str]) -> list[str]:
     out = [fresh.get(title, text) for title, text in old.items()]
     first_gpu = next((i for i, title in enumerate(old) if title.startswith(GPU)), len(out))
     new = [(title, text) for title, text in fresh.items() if title not in old]
-    return (out[:first_gpu] + [text for title, text in new if not title.startswith(GPU)] + out[first_gpu:]
-            + [text for title, text in new if title.startswith(GPU)])
+    return (
+        out[:first_gpu]
+        + [text for title, text in new if not title.startswith(GPU)]
+        + out[first_gpu:]
+        + [text for title, text in new if title.startswith(GPU)]
+    )
 
 
 def _sections(path: Path) -> dict[str, str]:
