@@ -16,7 +16,7 @@ Accelerate call                    what lossscale's scaler does there (as torch'
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -87,7 +87,7 @@ def use_lossscale(
     accelerator: Accelerator,
     *,
     fp16_on_cpu: bool = False,
-    diagnose: torch.nn.Module | OverflowDiagnosis | None = None,
+    diagnose: torch.nn.Module | OverflowDiagnosis | Literal[False] | None = None,
     **scaler_kwargs: Any,
 ) -> GradScaler:
     """Install ``GradScaler(device=accelerator.device.type, **scaler_kwargs)`` as ``accelerator.scaler``; return it.
