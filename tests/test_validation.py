@@ -314,7 +314,7 @@ def test_an_int_past_floats_range_is_a_value_error(check):
     | st.lists(st.integers(), max_size=2),
     st.sampled_from([("scale",), ("scale", "growth_tracker"), ()]),
 )
-def test_checked_state_dict_wants_a_dict_with_every_key(state_dict, keys):
+def test_validated_state_dict_wants_a_dict_with_every_key(state_dict, keys):
     check = lambda d: validated_state_dict(CALL, d, keys, " Hint.")  # noqa: E731
     if not isinstance(state_dict, dict):
         with pytest.raises(TypeError) as info:

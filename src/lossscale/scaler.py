@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import abc, defaultdict
 from collections.abc import Iterable
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -32,6 +32,9 @@ from lossscale.validation import (
     validate_optimizer,
     validate_process_group,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["GradScaler"]
 
@@ -85,7 +88,7 @@ class GradScaler:
         policy: Policy[Any] | None = None,
         overflow_mode: OverflowMode = "inf_nan",
         saturation_dtype: torch.dtype = torch.float16,
-        process_group: Any = None,
+        process_group: ProcessGroup | None = None,
         skip_mode: Literal["auto", "host"] = "auto",
         diagnose: Any = None,
     ) -> None:
@@ -140,10 +143,10 @@ class GradScaler:
         self._amax_seen: list[torch.Tensor] = []  # this iteration's gradient maxima (policies that observe them)
 
     def _place(self, device: torch.device) -> None:
-        if not self._placed:
-            self._loss_scale.to(device)
-            self._placed = True
-            self._attach_add_ons()
+        """Move the scale to the first scaled output's device, and tell the add-ons."""
+        self._loss_scale.to(device)
+        self._placed = True
+        self._attach_add_ons()
 
     def _attach_add_ons(self) -> None:
         """Tell the add-ons where the scale lives (again once it moved to the first scaled output's device)."""
@@ -151,13 +154,12 @@ class GradScaler:
         for add_on in self._add_ons:
             add_on.attach(host)
 
-    def _require_state(self, call: str) -> LossScale[Any]:
-        if not self._placed:
-            raise RuntimeError(
-                f"{call} was called before scale(): call scaler.scale(loss).backward() earlier in "
-                f"the iteration so the scaler knows the scale and its device."
-            )
-        return self._loss_scale
+    @staticmethod
+    def _before_scale(call: str) -> RuntimeError:
+        return RuntimeError(
+            f"{call} was called before scale(): call scaler.scale(loss).backward() earlier in "
+            f"the iteration so the scaler knows the scale and its device."
+        )
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         """The scale on ``device``, copied once per device and value (its value may change)."""
@@ -174,26 +176,23 @@ class GradScaler:
         """Multiply a tensor (or nested lists/tuples of tensors) by the current scale. No host read."""
         if not self._enabled:
             return outputs
-
-        def apply(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                self._place(value.device)
-                if self._loss_scale.policy.observes_loss_finite:  # whether the losses themselves were finite
-                    finite = torch.isfinite(value.detach()).all().to(self._loss_scale.device)
-                    self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-                scaled = stages.scale_loss(value, self._scale_on(value.device), call="GradScaler.scale(outputs)")
-                for add_on in self._add_ons:
-                    add_on.on_scale_loss(value, scaled)
-                return scaled
-            if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
-                mapped = map(apply, value)
-                return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
-            raise ArgumentTypeError(
-                f"GradScaler.scale(outputs): outputs must be a Tensor or an iterable of "
-                f"Tensors (the loss); got {type(value).__name__} {value!r}."
-            )
-
-        return apply(outputs)
+        if isinstance(outputs, torch.Tensor):
+            if not self._placed:
+                self._place(outputs.device)
+            if self._loss_scale.policy.observes_loss_finite:  # whether the losses themselves were finite
+                finite = torch.isfinite(outputs.detach()).all().to(self._loss_scale.device)
+                self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+            scaled = stages.scale_loss(outputs, self._scale_on(outputs.device), call="GradScaler.scale(outputs)")
+            for add_on in self._add_ons:
+                add_on.on_scale_loss(outputs, scaled)
+            return scaled
+        if isinstance(outputs, abc.Iterable) and not isinstance(outputs, (str, bytes)):
+            mapped = map(self.scale, outputs)
+            return type(outputs)(mapped) if isinstance(outputs, (list, tuple)) else mapped
+        raise ArgumentTypeError(
+            f"GradScaler.scale(outputs): outputs must be a Tensor or an iterable of "
+            f"Tensors (the loss); got {type(outputs).__name__} {outputs!r}."
+        )
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and record whether they overflowed.
@@ -201,7 +200,9 @@ class GradScaler:
         if not self._enabled:
             return
         validate_optimizer("GradScaler.unscale_", optimizer)
-        loss_scale = self._require_state("unscale_()")
+        if not self._placed:
+            raise self._before_scale("unscale_()")
+        loss_scale = self._loss_scale
         record = self._per_optimizer_states[id(optimizer)]
         if record["stage"] is OptState.UNSCALED:
             raise RuntimeError(
@@ -252,7 +253,8 @@ class GradScaler:
                 "GradScaler.step(optimizer, closure=...) cannot scale the closure's loss."
             )
         validate_optimizer("GradScaler.step", optimizer)
-        self._require_state("step()")
+        if not self._placed:
+            raise self._before_scale("step()")
         record = self._per_optimizer_states[id(optimizer)]
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError(
@@ -300,7 +302,9 @@ class GradScaler:
         tensor on an accelerator). No host read otherwise, unless the policy raises at its floor."""
         if not self._enabled:
             return
-        loss_scale = self._require_state("update()")
+        if not self._placed:
+            raise self._before_scale("update()")
+        loss_scale = self._loss_scale
         if new_scale is not None:
             loss_scale.set_scale(new_scale, f"GradScaler.update(new_scale={new_scale!r})", "new_scale")
         else:
@@ -412,7 +416,7 @@ class GradScaler:
         policy = self._policy_from(state_dict, call)
         if "policy_state" in state_dict:  # ours: the whole record
             values = state_dict["policy_state"]
-            _check_copies_agree(state_dict, call)
+            _validate_copies_agree(state_dict, call)
         else:  # torch's format
             if "scale" not in state_dict:
                 raise StateDictError(
@@ -592,7 +596,7 @@ def _policy_from_args(policy: Policy[Any] | None, torch_args: dict[str, Any]) ->
     return policy
 
 
-def _check_copies_agree(state_dict: dict[str, Any], call: str) -> None:
+def _validate_copies_agree(state_dict: dict[str, Any], call: str) -> None:
     """Raise where torch's keys and ``policy_state`` hold different values of the same field."""
     record = state_dict["policy_state"]
     if not isinstance(record, dict):

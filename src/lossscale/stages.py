@@ -29,8 +29,8 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from lossscale.ops import distributed as _dist
 from lossscale.ops.clip import global_norm_squared, grouped_norm_squared
 from lossscale.ops.overflow import OverflowMode, check_, check_with_amax_, one, overflowing, unscale_and_check_
 from lossscale.validation import SMALLEST_NORMAL_FLOAT32, capturing
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "NoGradientsError",
@@ -186,17 +189,18 @@ def measure_(
 
 def norm_squared(
     groups: Groups,
-    grads: list[torch.Tensor],
+    grads: Callable[[], list[torch.Tensor]],
     device: torch.device,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     sharded: bool | None = None,
 ) -> torch.Tensor:
     """The squared global L2 norm of the gradients, 0-d float32 on ``device``: of ``groups`` as they are where
-    they are plain local gradients, else of the parameters' own gradients ``grads`` (shards, by their placement or
-    ``sharded=True``, summed over the ranks that hold them). One read of every gradient; no host read."""
+    they are plain local gradients, else of the parameters' own gradients, listed by ``grads()`` only then (shards,
+    by their placement or ``sharded=True``, summed over the ranks that hold them). One read of every gradient; no
+    host read."""
     if sharded is not True and groups.plain:
         return grouped_norm_squared(groups, device)
-    return global_norm_squared(grads, process_group, sharded, device)
+    return global_norm_squared(grads(), process_group, sharded, device)
 
 
 def note_non_finite_(found_inf: torch.Tensor, value: torch.Tensor) -> None:
@@ -257,13 +261,15 @@ def inverse(scale: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
     return torch.where(found.to(device=inv.device, dtype=torch.bool), one(inv.device), inv)
 
 
-def agree_(found_inf: torch.Tensor, process_group: Any = None, *, is_flag: bool = False) -> torch.Tensor:
+def agree_(
+    found_inf: torch.Tensor, process_group: ProcessGroup | None = None, *, is_flag: bool = False
+) -> torch.Tensor:
     """found_inf as the group's 0/1 flag (:func:`lossscale.ops.distributed.reduce_found_inf`). One all-reduce
     under torch.distributed, else a 0-d clamp (none with ``is_flag``); no host read."""
     return _dist.reduce_found_inf(found_inf, process_group, is_flag=is_flag)
 
 
-def agree_amax_(amax: torch.Tensor, process_group: Any = None) -> torch.Tensor:
+def agree_amax_(amax: torch.Tensor, process_group: ProcessGroup | None = None) -> torch.Tensor:
     """amax as the group's maximum, in place. One all-reduce under torch.distributed; no host read."""
     if _dist.active(process_group):
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=process_group)

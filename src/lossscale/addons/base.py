@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["AddOn", "Host", "StepOutcome", "Unscaled"]
 
@@ -46,7 +49,7 @@ class Host:
     call: str
     params: tuple[torch.Tensor, ...] = ()
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    process_group: Any = None
+    process_group: ProcessGroup | None = None
     sharded_grads: bool | None = None
     is_scaled: Callable[[], bool] = _always_scaled
 

@@ -26,7 +26,7 @@ class EMA(AddOn):
     """
 
     def __init__(self, momentum: float = 0.99, overwrite_every: int | None = None) -> None:
-        _check_config("EMA", momentum, overwrite_every)
+        _validate_config("EMA", momentum, overwrite_every)
         self.momentum = float(momentum)
         self.overwrite_every = overwrite_every
         self.params: list[torch.Tensor] = []
@@ -112,7 +112,7 @@ class EMA(AddOn):
                 s.copy_(v)
 
 
-def _check_config(call: str, momentum: object, overwrite_every: object) -> None:
+def _validate_config(call: str, momentum: object, overwrite_every: object) -> None:
     """momentum a number in [0, 1); overwrite_every None or an int >= 1."""
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
         raise ArgumentTypeError(

@@ -327,10 +327,10 @@ class PrecisionSchedule(AddOn):
                 f"{self!r}.load_state_dict(...): the checkpoint was saved by a schedule with mode "
                 f"{state_dict.get('mode')!r}; build the schedule with that mode to resume it."
             )
-        return _checked_state(f"{self!r}.load_state_dict", state_dict)
+        return _validated_state(f"{self!r}.load_state_dict", state_dict)
 
 
-def _checked_state(call: str, state_dict: Mapping[str, object]) -> ScheduleState:
+def _validated_state(call: str, state_dict: Mapping[str, object]) -> ScheduleState:
     """The saved ``step`` (an integer >= 0) and ``switch_step`` (None or an integer >= 0), checked."""
     values: dict[str, int | None] = {}
     for f in dataclasses.fields(ScheduleState):

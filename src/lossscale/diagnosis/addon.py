@@ -172,7 +172,8 @@ class OverflowDiagnosis(AddOn):
 
     def _publish_and_poll(self) -> bool:
         """Copy the latched flag towards the host without blocking; True if a completed copy says it fired."""
-        fired = self._state.fired  # type: ignore[union-attr]
+        assert self._state is not None  # after_step advanced it first
+        fired = self._state.fired
         if fired.device.type != "cuda":
             if not self._slots:
                 self._slots = [(torch.zeros((), dtype=torch.bool), None)]

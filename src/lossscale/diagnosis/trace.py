@@ -367,13 +367,13 @@ def _floats(values: list[float | None]) -> list[float]:
 def _read(tensors: list[torch.Tensor | None]) -> list[float | None]:
     """Every 0-d tensor as a float (None stays None), one host read per device."""
     out: list[float | None] = [None] * len(tensors)
-    by_device: dict[torch.device, list[int]] = {}
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
         if t is not None:
-            by_device.setdefault(t.device, []).append(i)
-    for idx in by_device.values():
-        read = torch.stack([tensors[i].reshape(()).float() for i in idx]).tolist()  # type: ignore[union-attr]
-        for i, v in zip(idx, read):
+            by_device.setdefault(t.device, []).append((i, t))
+    for present in by_device.values():
+        read = torch.stack([t.reshape(()).float() for _, t in present]).tolist()
+        for (i, _), v in zip(present, read):
             out[i] = v
     return out
 

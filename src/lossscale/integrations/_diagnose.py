@@ -13,10 +13,10 @@ from lossscale.diagnosis.addon import OverflowDiagnosis
 from lossscale.reporting import StepResult
 from lossscale.validation import ArgumentTypeError
 
-__all__ = ["PluginDiagnosis", "carried", "check_diagnose", "diagnosis_for"]
+__all__ = ["PluginDiagnosis", "carried", "validate_diagnose", "diagnosis_for"]
 
 
-def check_diagnose(call: str, diagnose: object, true_means: str | None) -> None:
+def validate_diagnose(call: str, diagnose: object, true_means: str | None) -> None:
     """Raise unless ``diagnose`` is None, False, a ``torch.nn.Module``, an :class:`OverflowDiagnosis`, or True where
     ``true_means`` says which module True traces (None: True is refused, the framework has no model to offer)."""
     if diagnose is None or isinstance(diagnose, (nn.Module, OverflowDiagnosis)):
@@ -58,7 +58,7 @@ class PluginDiagnosis:
     the framework trains, given to :meth:`bind` when the plugin meets it. No host read."""
 
     def __init__(self, call: str, diagnose: object, true_means: str) -> None:
-        check_diagnose(call, diagnose, true_means)
+        validate_diagnose(call, diagnose, true_means)
         self.call = call
         self.follows_module = diagnose is True
         self.diagnosis: OverflowDiagnosis | None = None if diagnose is True else diagnosis_for(diagnose)

@@ -24,12 +24,12 @@ from lossscale.integrations import require
 
 require("accelerate", "accelerate", "accelerate")
 
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import DistributedType  # noqa: E402
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
-from lossscale.diagnosis.addon import OverflowDiagnosis  # noqa: E402
-from lossscale.integrations._diagnose import check_diagnose, diagnosis_for  # noqa: E402
-from lossscale.scaler import GradScaler  # noqa: E402
+from lossscale.diagnosis.addon import OverflowDiagnosis
+from lossscale.integrations._diagnose import diagnosis_for, validate_diagnose
+from lossscale.scaler import GradScaler
 
 __all__ = ["use_lossscale"]
 
@@ -41,7 +41,7 @@ def prepared(accelerator: Accelerator) -> bool:
     return bool(accelerator._models or accelerator._optimizers)  # read only: Accelerate keeps no public list
 
 
-def _check(accelerator: object, fp16_on_cpu: bool, name: str) -> None:
+def _validate(accelerator: object, fp16_on_cpu: bool, name: str) -> None:
     call = f"use_lossscale({name}, ...)"
     if not isinstance(accelerator, Accelerator):
         raise TypeError(
@@ -111,7 +111,7 @@ def use_lossscale(
         ValueError: mixed_precision is not ``"fp16"``; a CPU device without ``fp16_on_cpu``, or
             ``fp16_on_cpu`` elsewhere; DeepSpeed or Megatron-LM; both ``scaler_kwargs`` and ``GradScalerKwargs``.
     """
-    check_diagnose("use_lossscale", diagnose, None)
+    validate_diagnose("use_lossscale", diagnose, None)
     return install(accelerator, fp16_on_cpu, scaler_kwargs, diagnose=diagnosis_for(diagnose))
 
 
@@ -125,7 +125,7 @@ def install(
 ) -> GradScaler:
     """:func:`use_lossscale`'s checks and installation, for the front ends built on it: ``name`` is the argument
     their errors echo, ``scaler_type`` the GradScaler (or subclass) they install, ``diagnose`` its diagnosis."""
-    _check(accelerator, fp16_on_cpu, name)
+    _validate(accelerator, fp16_on_cpu, name)
     handler = accelerator.scaler_handler
     if handler is not None and scaler_kwargs:
         raise ValueError(

@@ -10,15 +10,15 @@ from lossscale.integrations import require
 
 require("lightning.fabric", "lightning", "fabric")
 
-from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPrecision  # noqa: E402
-from lightning.fabric.plugins.precision import Precision as _FabricPrecision  # noqa: E402
-from lightning.fabric.utilities.types import Optimizable  # noqa: E402
+from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPrecision
+from lightning.fabric.plugins.precision import Precision as _FabricPrecision
+from lightning.fabric.utilities.types import Optimizable
 
-from lossscale.diagnosis.addon import OverflowDiagnosis  # noqa: E402
-from lossscale.integrations._diagnose import PluginDiagnosis, carried  # noqa: E402
-from lossscale.integrations._scaler import make_scaler, scaler_result  # noqa: E402
-from lossscale.reporting import StepResult  # noqa: E402
-from lossscale.scaler import GradScaler  # noqa: E402
+from lossscale.diagnosis.addon import OverflowDiagnosis
+from lossscale.integrations._diagnose import PluginDiagnosis, carried
+from lossscale.integrations._scaler import make_scaler, scaler_result
+from lossscale.reporting import StepResult
+from lossscale.scaler import GradScaler
 
 __all__ = ["MixedPrecision"]
 

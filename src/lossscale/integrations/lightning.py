@@ -24,21 +24,21 @@ from lossscale.integrations import require
 
 require("lightning.pytorch", "lightning", "lightning")
 
-import lightning.pytorch as pl  # noqa: E402
-from lightning.fabric.utilities.types import Optimizable, Steppable  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
-from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
-from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
-from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision  # noqa: E402
-from lightning.pytorch.plugins.precision import Precision  # noqa: E402
-from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
+import lightning.pytorch as pl
+from lightning.fabric.utilities.types import Optimizable, Steppable
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from lossscale.diagnosis.addon import OverflowDiagnosis  # noqa: E402
-from lossscale.integrations._diagnose import PluginDiagnosis, carried  # noqa: E402
-from lossscale.integrations._scaler import make_scaler, scaler_result  # noqa: E402
-from lossscale.optimizer import LossScaleOptimizer  # noqa: E402
-from lossscale.reporting import DiagnosisLog, ScalerStep, StepResult, read_scalars  # noqa: E402
-from lossscale.scaler import GradScaler  # noqa: E402
+from lossscale.diagnosis.addon import OverflowDiagnosis
+from lossscale.integrations._diagnose import PluginDiagnosis, carried
+from lossscale.integrations._scaler import make_scaler, scaler_result
+from lossscale.optimizer import LossScaleOptimizer
+from lossscale.reporting import DiagnosisLog, ScalerStep, StepResult, read_scalars
+from lossscale.scaler import GradScaler
 
 __all__ = ["LossScaleMonitor", "LossScalePrecision", "MixedPrecision"]
 
@@ -256,14 +256,14 @@ class LossScalePrecision(Precision):
             self._diagnose.bind(self._module)
         trainer = self._module.trainer
         if self._module.automatic_optimization:
-            self._check_accumulation(trainer.accumulate_grad_batches)
+            self._validate_accumulation(trainer.accumulate_grad_batches)
             if trainer.gradient_clip_val:
                 for w in self._wrappers:
-                    self._check_clip(w, trainer.gradient_clip_val, trainer.gradient_clip_algorithm, mapping=True)
+                    self._validate_clip(w, trainer.gradient_clip_val, trainer.gradient_clip_algorithm, mapping=True)
         self._check_schedules()
         return model, optimizers, lr_schedulers
 
-    def _check_accumulation(self, accumulate_grad_batches: int) -> None:
+    def _validate_accumulation(self, accumulate_grad_batches: int) -> None:
         for w in self._wrappers:
             if w.accumulation_steps > 1:
                 raise ValueError(
@@ -274,7 +274,7 @@ class LossScalePrecision(Precision):
                 )
 
     @staticmethod
-    def _check_clip(
+    def _validate_clip(
         w: LossScaleOptimizer, value: int | float, algorithm: GradClipAlgorithmType | str | None, mapping: bool = False
     ) -> None:
         algorithm = GradClipAlgorithmType(algorithm or "norm")
@@ -354,7 +354,7 @@ class LossScalePrecision(Precision):
     ) -> None:
         """Lightning's clipping request: the wrapper clips in its step, so the value must be the wrapper's."""
         if clip_val and clip_val > 0:
-            self._check_clip(self._wrapper(optimizer, "clip_gradients"), clip_val, gradient_clip_algorithm)
+            self._validate_clip(self._wrapper(optimizer, "clip_gradients"), clip_val, gradient_clip_algorithm)
 
     def optimizer_step(  # type: ignore[override]  # Lightning's own signature, which narrows Fabric's
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any

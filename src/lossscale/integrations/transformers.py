@@ -27,14 +27,14 @@ from lossscale.validation import StateDictError
 require("transformers", "transformers", "transformers")
 require("accelerate", "transformers", "transformers")
 
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from lossscale.diagnosis.addon import OverflowDiagnosis  # noqa: E402
-from lossscale.integrations._diagnose import carried, check_diagnose, diagnosis_for  # noqa: E402
-from lossscale.integrations.accelerate import install, prepared  # noqa: E402
-from lossscale.policies.base import Policy  # noqa: E402
-from lossscale.reporting import DiagnosisLog, ScalerStep, read_scalars  # noqa: E402
-from lossscale.scaler import GradScaler  # noqa: E402
+from lossscale.diagnosis.addon import OverflowDiagnosis
+from lossscale.integrations._diagnose import carried, diagnosis_for, validate_diagnose
+from lossscale.integrations.accelerate import install, prepared
+from lossscale.policies.base import Policy
+from lossscale.reporting import DiagnosisLog, ScalerStep, read_scalars
+from lossscale.scaler import GradScaler
 
 __all__ = ["LossScaleCallback", "use_lossscale"]
 
@@ -249,7 +249,7 @@ def use_lossscale(
             DeepSpeed (it keeps its own scaler); GradScaler's own refusals.
     """
     _check(trainer)
-    check_diagnose("use_lossscale", diagnose, "the Trainer's own model, trainer.model")
+    validate_diagnose("use_lossscale", diagnose, "the Trainer's own model, trainer.model")
     diagnosis = diagnosis_for(diagnose, trainer.model)
     kwargs = scaler_kwargs if policy is None else {"policy": policy, **scaler_kwargs}
     scaler = cast(

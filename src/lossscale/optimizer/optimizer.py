@@ -392,7 +392,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         call = "LossScaleOptimizer.scale_loss(loss)"
         run = self._run
         if run.window is None:
-            run.window = self._open_window()
+            run.window = Window(self.scaling_active, self._precision())
         if self._flat is not None and not self._flat.attached(params := self._params()):
             self._attach_flat(params)  # before the backward, so that it writes into the buffer
         if not run.window.scaled and self._options.accumulation_steps == 1:
@@ -401,7 +401,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         else:
             factor = self._loss_scale.scale if run.window.scaled else torch.ones_like(self._loss_scale.scale)
             scaled = stages.scale_loss(loss, factor, self._options.accumulation_steps, call)
-            if self.policy.observes_loss_finite:
+            if self._loss_scale.policy.observes_loss_finite:
                 finite = torch.isfinite(loss.detach()).all()
                 run.loss_finite = finite if run.loss_finite is None else run.loss_finite & finite
         for add_on in self._add_ons:
@@ -432,7 +432,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 loss = closure()
         run = self._run
         if run.window is None:  # a window whose gradients came without scale_loss (written to .grad by hand)
-            run.window = self._open_window()
+            run.window = Window(self.scaling_active, self._precision())
         run.micro += 1
         if run.micro < self._options.accumulation_steps:
             false = torch.zeros((), dtype=torch.bool, device=self._device)
@@ -453,9 +453,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         run.last_result = result
         return result
 
-    def _open_window(self) -> Window:
-        return Window(self.scaling_active, self._precision())
-
     # --- the boundary step ---------------------------------------------------------------------
 
     def _boundary_step(self, loss: Any) -> StepResult:
@@ -463,7 +460,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         run = self._run
         window, run.window = run.window, None
         assert window is not None  # step() opens it
-        plan = self._plans.for_window(window.scaled)
+        plan = self._plans.scaled if window.scaled else self._plans.unscaled
         groups = self._grouped_gradients()
         scale = self._loss_scale.scale
         found, inv = self._guard(plan, scale)
@@ -545,7 +542,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 norm_sq = global_norm_squared(self._grads(), options.process_group, options.sharded_grads, self._device)
             else:
                 norm_sq = stages.norm_squared(
-                    groups, self._grads(), self._device, options.process_group, options.sharded_grads
+                    groups, self._grads, self._device, options.process_group, options.sharded_grads
                 )
             if plan.checks:
                 stages.note_non_finite_(found, norm_sq)

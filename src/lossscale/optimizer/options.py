@@ -8,7 +8,7 @@ windows that ran unscaled (a precision schedule's bfloat16 or float32 phase).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -21,6 +21,9 @@ from lossscale.validation import (
     validate_positive_or_none,
     validate_process_group,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "Measure",
@@ -48,7 +51,7 @@ class StepOptions:
     accumulation_steps: int = 1
     skip_mode: SkipMode = "auto"
     saturation_dtype: torch.dtype = torch.float16
-    process_group: Any = None
+    process_group: ProcessGroup | None = None
     sharded_grads: bool | None = None
     check_when_unscaled: bool = True
     underflow_stride: int | None = None
@@ -123,6 +126,8 @@ class StepPlan:
         our_pass: What our pass over the gradients does, or None for no pass.
         clip_value: Clamp each unscaled gradient to [-v, v], or None.
         skip_mode: How an overflowing step is skipped.
+        inverse_needed: The step computes ``1/scale``: our pass or the clip needs it (never with an add-on's
+            unscale).
     """
 
     scaled: bool
@@ -135,11 +140,7 @@ class StepPlan:
     our_pass: OurPass | None
     clip_value: float | None
     skip_mode: ResolvedSkipMode
-
-    @property
-    def inverse_needed(self) -> bool:
-        """Whether the step computes ``1/scale``: our pass or the clip needs it (never with an add-on's unscale)."""
-        return self.scaled and not self.add_on_unscales and (self.unscaler == "ours" or self.clip_norm)
+    inverse_needed: bool
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,6 @@ class Plans:
 
     scaled: StepPlan
     unscaled: StepPlan
-
-    def for_window(self, scaled: bool) -> StepPlan:
-        return self.scaled if scaled else self.unscaled
 
 
 def resolve(options: StepOptions, inner: torch.optim.Optimizer, add_ons: list[AddOn], observes_amax: bool) -> Plans:
@@ -209,4 +207,5 @@ def _plan(
         our_pass=our_pass,
         clip_value=options.clip_grad_value,
         skip_mode=skip_mode,
+        inverse_needed=scaled and not add_on_unscales and (unscaler == "ours" or clip_norm),
     )
