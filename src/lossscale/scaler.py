@@ -90,7 +90,7 @@ class GradScaler:
         saturation_dtype: torch.dtype = torch.float16,
         process_group: ProcessGroup | None = None,
         skip_mode: Literal["auto", "host"] = "auto",
-        diagnose: Any = None,
+        diagnose: torch.nn.Module | AddOn | None = None,
     ) -> None:
         policy = _policy_from_args(
             policy,

@@ -189,7 +189,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         ema: AddOn | None = None,
         schedule: AddOn | None = None,
         layerwise: Any = None,
-        diagnose: Any = None,
+        diagnose: torch.nn.Module | AddOn | None = None,
         add_ons: list[AddOn] | tuple[AddOn, ...] = (),
         **options: Any,
     ) -> None:
