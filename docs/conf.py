@@ -162,6 +162,26 @@ def _generate_api_pages() -> None:
 _generate_api_pages()
 
 
+# Annotations name torch.distributed's ProcessGroup under ``if TYPE_CHECKING:`` (a torch build without distributed
+# support still imports lossscale). autodoc evaluates a signature's annotations in its module: one unresolved name
+# leaves the whole signature as strings, and its aliases (OverflowMode, SkipMode) as targets no page has. The name
+# is given to the modules that annotate with it, for the build only.
+def _resolvable_type_checking_names() -> None:
+    import torch.distributed
+
+    for name in _public_modules():
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # an optional dependency (triton)
+            continue
+        source = getattr(module, "__file__", None)
+        if source and "ProcessGroup" not in vars(module) and "ProcessGroup" in Path(source).read_text("utf-8"):
+            module.ProcessGroup = torch.distributed.ProcessGroup
+
+
+_resolvable_type_checking_names()
+
+
 # napoleon reads the first line of a property's or a module constant's docstring as "type: description" (Google
 # style); this project writes them as sentences ("Whether losses are scaled now: ...", "2**-126, the smallest normal
 # float32: ..."), so a first line whose part before the colon has two words in a row gets an empty type, not a type
