@@ -4,7 +4,7 @@ without it, the traced step against a plain one, and one find_overflow call agai
     python benchmarks/diagnosis.py [--device cuda] [--repeats 7] [--steps 30] [--tiny] [--json PATH]
 
 The step is a float16-autocast transformer encoder (torch.nn.TransformerEncoderLayer blocks) trained by a small
-loop that calls the add-on's hooks in a front end's order (on_scale_loss, after_step; check and unscale with
+loop that calls the add-on's hooks in a front end's order (on_loss, after_step; check and unscale with
 torch's fused kernel, a skip without host read, the policy's update). Variants run interleaved, round after round,
 and the median per-step time of each is reported with the ratio. No number is asserted; the machine is printed.
 run_all.py writes its table into RESULTS.md.
@@ -65,7 +65,7 @@ class Loop:
         scale = self.state.scale
         scaled = loss * scale
         if self.addon is not None:
-            self.addon.on_scale_loss(loss, scaled)
+            self.addon.on_loss(loss, True)
         scaled.backward()
         grads = [p.grad for p in self.params]
         found = torch.zeros(1, device=self.device)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     outcome = StepOutcome(~found_inf, found_inf, plain.state.scale, plain.state.scale, 0)
 
     def hooks_only():
-        addon.on_scale_loss(loss, loss)
+        addon.on_loss(loss, True)
         addon.after_step(outcome)
 
     variants = {

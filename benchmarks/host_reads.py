@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lossscale
 from _common import add_device_argument, checked_device, emit, machine, table
-from lossscale import HostReadCounter, LossScaleOptimizer
+from lossscale import LossScaleOptimizer
+from lossscale.testing import HostReadCounter
 
 OPTIMIZERS = {
     "fused AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),

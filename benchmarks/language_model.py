@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device_argument, checked_device, emit, machine, paired_ratio, synchronizer, table
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale
-from lossscale.addons.layerwise import LayerScales
+from lossscale.layerwise import LayerScales
 from lossscale.demo.train import VOCAB, Config, batch, load_corpus
 from lossscale.ops.overflow import amax_kernel_module
 
@@ -263,7 +263,7 @@ def rows_of(runs: dict[str, Run], free: dict[str, list[float]] | None = None) ->
             by_layer.append({"run": name, **{layer: f"{f / max(t, 1):.1e}" for layer, (f, t) in run.flushed.items()}})
         else:
             row["underflow, mean"] = "-"
-        if run.last_result is not None and run.last_result.layer_scales:
+        if run.last_result is not None and run.last_result.fields.get("layer_scales"):
             exponents = [
                 math.log2(float(s) / float(run.last_result.scale)) for s in run.last_result.layer_scales.values()
             ]

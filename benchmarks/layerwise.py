@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device_argument, alternate, checked_device, emit, machine, synchronizer, table
-from lossscale.addons.layerwise import LayerScales
+from lossscale.layerwise import LayerScales
 
 
 class _Attenuate(torch.autograd.Function):

@@ -17,7 +17,7 @@ self host time per call differs most (what ``PredictiveScale``'s read and update
 
 Then the overflow pass alone over gradients of the model's shapes, host time of the call: torch's fused check
 (DynamicScale's pass), the multi-tensor inf-norm PredictiveScale reads its amax from without triton, with its
-per-tensor results reduced by ``ops.gather.largest`` (what the step runs then) and by ``torch.stack``, and on CUDA
+per-tensor results gathered by ``ops.clip.norms`` and reduced (what the step runs then) and by ``torch.stack``, and on CUDA
 with triton ``ops.amax_kernel`` (one kernel with one small output: what the step runs there).
 
 No RESULTS.md section: the ratios live in ``end_to_end.py`` and ``language_model.py``; this says why they are what
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device_argument, checked_device, synchronizer
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale
 from lossscale.demo.train import QUICK, CharTransformer, batch, load_corpus
-from lossscale.ops.gather import largest
+from lossscale.ops.clip import norms
 from lossscale.ops.overflow import amax_kernel_module
 
 
@@ -190,9 +190,7 @@ def overflow_passes(cfg, device: str, rounds: int) -> tuple[int, dict[str, float
             grads, found, one
         ),
         "inf-norm alone": lambda: torch._foreach_norm(grads, ord=inf),
-        "inf-norm + ops.gather.largest (PredictiveScale without triton)": lambda: largest(
-            torch._foreach_norm(grads, ord=inf)
-        ),
+        "ops.clip.norms(inf) + max (PredictiveScale without triton)": lambda: norms(grads, inf).max(),
         "inf-norm + torch.stack + max": lambda: torch.stack(torch._foreach_norm(grads, ord=inf)).max(),
     }
     kernel = amax_kernel_module() if torch.device(device).type == "cuda" else None

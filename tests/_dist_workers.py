@@ -5,7 +5,7 @@ from a fork server that imported torch once, not from the pytest process) and ru
 test. A scenario is a function ``(rank, world_size, *args) -> picklable`` run on every rank at once;
 the parent compares what the ranks return. A rank that raises sends its traceback; the parent fails
 the test with it and closes the pool (the other rank may be stuck in a collective), which the next
-test starts again. The ranks join with ``lossscale.ops.distributed.init_from_env`` on torchrun's
+test starts again. The ranks join with ``lossscale.testing.init_from_env`` on torchrun's
 variables (loopback only), turn warnings into errors as pytest does in the parent, and always destroy
 their process group before they exit; ``close`` joins every rank (killing one that does not exit).
 """
@@ -128,7 +128,7 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> N
     )
     try:
         try:
-            from lossscale.ops.distributed import init_from_env
+            from lossscale.testing import init_from_env
 
             joined = init_from_env("gloo", timeout_s=30.0)
             if joined != (rank, world_size):
@@ -229,17 +229,26 @@ SCALER_INJECT = {2: {1: INF}, 5: {1: NAN}, 6: {0: INF, 1: INF}}
 
 
 def helpers(rank: int, world_size: int) -> dict:
-    """The lossscale.ops.distributed helpers, and the stages that agree across ranks, on real ranks."""
-    from lossscale import stages
+    """The lossscale.ops.distributed and lossscale.testing helpers, and the stages that agree across ranks, on real
+    ranks."""
+    from lossscale import stages, testing
     from lossscale.ops import distributed as ld
 
-    out: dict[str, Any] = {"init_again": ld.init_from_env(), "main": ld.is_main_process(), "active": ld.active()}
-    # reduce_found_inf: a 0/1 flag on every rank, whatever the local counts.
+    out: dict[str, Any] = {
+        "init_again": testing.init_from_env(),
+        "main": testing.is_main_process(),
+        "active": ld.active(),
+    }
+    # agree_: a 0/1 flag on every rank, whatever the local counts.
     out["found"] = [
-        float(ld.reduce_found_inf(torch.tensor(v))) for v in ([0.0, 2.0][rank], [0.0, 0.0][rank], [3.0, 1.0][rank])
+        float(stages.agree_(torch.tensor(v), is_flag=False)[0])
+        for v in ([0.0, 2.0][rank], [0.0, 0.0][rank], [3.0, 1.0][rank])
     ]
+    # with a forward fault: both agreed in one reduction
+    found, fault = stages.agree_(torch.tensor([0.0, 1.0][rank]), torch.tensor([1.0, 0.0][rank]))
+    out["found_and_fault"] = [float(found), None if fault is None else float(fault)]
     alone = own_group(rank, world_size)
-    out["found_alone"] = float(ld.reduce_found_inf(torch.tensor([2.0, 0.0][rank]), alone))
+    out["found_alone"] = float(stages.agree_(torch.tensor([2.0, 0.0][rank]), None, alone, is_flag=False)[0])
     out["amax"] = float(stages.agree_amax_(torch.tensor([3.0, 5.0][rank])))
     out["amax_alone"] = float(stages.agree_amax_(torch.tensor([3.0, 5.0][rank]), alone))
     # all_reduce_grads_: mixed dtypes, a non-contiguous tensor and a None entry.
@@ -257,7 +266,8 @@ def helpers(rank: int, world_size: int) -> dict:
 
 def scaler_plain(rank: int, world_size: int, opt_name: str, unscale_first: bool) -> dict:
     """Plain data parallel without DDP: gradients averaged by all_reduce_grads_, then GradScaler."""
-    from lossscale import DynamicScale, GradScaler, HostReadCounter
+    from lossscale import DynamicScale, GradScaler
+    from lossscale.testing import HostReadCounter
     from lossscale.ops.distributed import all_reduce_grads_
 
     model = make_model()
@@ -301,19 +311,15 @@ def lso_ddp(
     whether the gradients were still views of the buffer after each step (DDP wrote into them in place)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer
-    from lossscale.compat.keras import KerasArguments
+    from lossscale import DynamicScale, LossScaleOptimizer
+    from lossscale.testing import HostReadCounter
+    from lossscale.compat.keras import _KerasStep
 
     model = DDP(make_model())
     inner = OPTIMIZERS[opt_name](model.parameters())
-    clips = {
-        None: {},
-        "norm": {"clip_grad_norm": 0.3},
-        "value": {"clip_grad_value": 0.05},
-        "per_param": {"add_ons": [KerasArguments(inner, clipnorm=0.2, weight_decay=None)]},
-    }[clip]
+    clips = {None: {}, "norm": {"clip_grad_norm": 0.3}, "value": {"clip_grad_value": 0.05}, "per_param": {}}[clip]
     opt = LossScaleOptimizer(
-        inner,
+        _KerasStep(inner, clipnorm=0.2, weight_decay=None) if clip == "per_param" else inner,
         policy=DynamicScale(init_scale=2.0**10, growth_interval=3),
         skip_mode=skip_mode,
         process_group=None if agree else own_group(rank, world_size),
@@ -412,8 +418,9 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from lossscale import DynamicScale, GradScaler, HostReadCounter, LossScaleOptimizer
-    from lossscale.compat.keras import KerasArguments
+    from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
+    from lossscale.testing import HostReadCounter
+    from lossscale.compat.keras import _KerasStep
     from lossscale.ops.clip import squared_norms
 
     model = make_model()
@@ -435,8 +442,9 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
         inner = OPTIMIZERS[opt_name](module.parameters())
         if lso_args is None:
             return inner, GradScaler("cpu", policy=policy)
-        extras = [KerasArguments(inner, clipnorm=0.2, weight_decay=None)] if kind == "lso_per_param" else []
-        return LossScaleOptimizer(inner, policy=policy, module=module, add_ons=extras, **lso_args), None
+        if kind == "lso_per_param":
+            inner = _KerasStep(inner, clipnorm=0.2, weight_decay=None)
+        return LossScaleOptimizer(inner, policy=policy, module=module, **lso_args), None
 
     opt, scaler = trainer(model)
     ref_opt, ref_scaler = trainer(reference)

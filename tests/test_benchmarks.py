@@ -150,7 +150,7 @@ def test_the_free_running_measure_reads_nothing_back():
     make the measure per-step timing again); the training run counts skips, with a read per step."""
     import argparse
 
-    from lossscale.reporting import HostReadCounter
+    from lossscale.testing import HostReadCounter
 
     sys.path.insert(0, str(BENCH))
     try:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from lossscale import HostReadCounter
+from lossscale.testing import HostReadCounter
 from lossscale.compat import ascend
 from lossscale.compat.ascend import ExponentialUpdateLossScaleManager, FixedLossScaleManager, NPULossScaleOptimizer
 from oracles import f32

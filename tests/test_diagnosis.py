@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lossscale import DynamicScale, HostReadCounter, presets
+from lossscale import DynamicScale, presets
+from lossscale.testing import HostReadCounter
 from lossscale.addons.base import StepOutcome
 from lossscale.diagnosis import (
     OverflowDiagnosis,
@@ -501,17 +502,18 @@ def test_report_prints_and_plots(tmp_path):
 
 
 class TinyFrontEnd:
-    """What a front end does around its add-ons, in their order: scale the loss (``on_scale_loss``), backward,
+    """What a front end does around its add-ons, in their order: show the loss (``on_loss``), scale it, backward,
     check and unscale without a host read, a masked SGD step, the policy's update, ``after_step``."""
 
     def __init__(self, model: nn.Module, policy, addon: OverflowDiagnosis, lr: float = 1e-3) -> None:
-        from lossscale.addons.base import Host
+        from lossscale.addons.base import FrontEnd
+        from lossscale.state import LossScale
 
         self.model, self.policy, self.addon, self.lr = model, policy, addon, lr
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.state = policy.init()
         self.steps = 0
-        addon.attach(Host("TinyFrontEnd", tuple(self.params)))
+        addon.attach(FrontEnd("TinyFrontEnd", LossScale(policy), tuple(self.params)))
 
     def step(self, x: torch.Tensor, reads: list[int] | None = None) -> torch.Tensor:
         """One training step; where ``reads`` is given, the host reads inside the add-on's hooks are appended."""
@@ -520,7 +522,7 @@ class TinyFrontEnd:
         scale = self.state.scale
         scaled = loss * scale
         with HostReadCounter() as counter:
-            self.addon.on_scale_loss(loss, scaled)
+            self.addon.on_loss(loss, True)
         if reads is not None:
             reads.append(counter.count)
         scaled.backward()

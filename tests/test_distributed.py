@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from _dist_workers import CKPT_INJECT, DDP_SKIPPED, FSDP_INJECT_STEP, SCALER_INJECT, RankPool
 from _torch_versions import needs_torch
+from lossscale import stages, testing
 from lossscale.ops import distributed as ld
 
 # FSDP2 (fully_shard) on CPU processes with gloo: torch 2.6 has no Stream.record_event on the CPU stream FSDP2 uses,
@@ -104,6 +105,7 @@ def test_helpers_on_two_ranks(ranks):
         assert out["active"] is True
         assert out["found"] == [1.0, 0.0, 1.0]  # local counts (0, 2), (0, 0), (3, 1): a 0/1 flag everywhere
         assert out["found_alone"] == [1.0, 0.0][rank]  # a one-rank group: clamped, not reduced
+        assert out["found_and_fault"] == [1.0, 1.0]  # each agreed over the ranks in one reduction
         assert out["amax"] == 5.0 and out["amax_alone"] == [3.0, 5.0][rank]
         assert out["reduced_len"] == 3
         a, b, c = out["sums"]
@@ -267,9 +269,12 @@ def test_docs_example_runs_under_torchrun(torchrun_example):
 def test_outside_torch_distributed_the_helpers_are_local():
     assert not dist.is_initialized()
     assert ld.active() is False
-    assert ld.is_main_process() is True
+    assert testing.is_main_process() is True
     found = torch.tensor(3.0)
-    assert ld.reduce_found_inf(found) is found and float(found) == 1.0  # still a 0/1 flag
+    assert stages.agree_(found, is_flag=False) == (found, None) and float(found) == 1.0  # still a 0/1 flag
+    fault = torch.tensor(1.0)
+    agreed = stages.agree_(torch.tensor(0.0), fault)
+    assert agreed[1] is fault and float(agreed[0]) == 0.0
     g = torch.ones(3)
     assert ld.all_reduce_grads_([None, g]) == [g] and torch.equal(g, torch.ones(3))
     assert ld.local_shard(g) is g and ld.is_shard(g) is False
@@ -284,9 +289,9 @@ def test_all_reduce_grads_refuses_sparse_gradients():
 def test_init_from_env_alone_is_a_single_process(monkeypatch):
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    assert ld.init_from_env() == (0, 1)
+    assert testing.init_from_env() == (0, 1)
     assert not dist.is_initialized()
-    ld.shutdown()  # nothing to destroy: a no-op
+    testing.shutdown()  # nothing to destroy: a no-op
 
 
 def test_init_from_env_names_the_missing_torchrun_variables(monkeypatch):
@@ -295,5 +300,5 @@ def test_init_from_env_names_the_missing_torchrun_variables(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(RuntimeError, match=r"init_from_env\(backend='gloo'\).*MASTER_ADDR, MASTER_PORT are missing"):
-        ld.init_from_env()
+        testing.init_from_env()
     assert not dist.is_initialized()

@@ -581,9 +581,12 @@ OPTIMIZER = {
     "LossScaleOptimizer.backward": EntryPoint(
         wrapped, [Refusal("'loss'", lambda w, s: s.backward("loss"), TypeError, ("backward(", "loss", "str"))]
     ),
-    "LossScaleOptimizer.attach_schedule": EntryPoint(
+    "LossScaleOptimizer.attach_add_ons": EntryPoint(
         wrapped,
-        [Refusal("'fast|step'", lambda w, s: s.attach_schedule("fast|step"), TypeError, ("schedule=", "'fast|step'"))],
+        [
+            Refusal("'fast|step'", lambda w, s: s.attach_add_ons(["fast|step"]), TypeError, ("add_ons", "str")),
+            Refusal("two EMAs", lambda w, s: s.attach_add_ons([EMA(), EMA()]), ValueError, ("'ema'", "once")),
+        ],
     ),
     "LossScaleOptimizer.load_state_dict": EntryPoint(
         wrapped,

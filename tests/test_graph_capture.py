@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lossscale.optimizer.optimizer
 import lossscale.stages
 import lossscale.state
 from lossscale import DynamicScale, GradScaler, LossScale, LossScaleOptimizer, PredictiveScale
@@ -18,7 +17,7 @@ from lossscale import DynamicScale, GradScaler, LossScale, LossScaleOptimizer, P
 @pytest.fixture
 def capture(monkeypatch):
     """Every tensor counts as being on a stream that is capturing a CUDA graph."""
-    for module in (lossscale.state, lossscale.stages, lossscale.optimizer.optimizer):
+    for module in (lossscale.state, lossscale.stages):
         monkeypatch.setattr(module, "capturing", lambda tensor: True)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import lossscale.ops.gather
+import lossscale.ops.clip
 from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -114,10 +114,10 @@ def test_loss_scale_optimizer_adds_fewer_ops_per_tensor_than_torchs_pipeline(opt
 
 @pytest.mark.parametrize("opt_name", ["fused AdamW", "foreach Adam"])
 def test_with_the_gpus_gather_the_clip_adds_no_op_per_tensor(monkeypatch, opt_name):
-    """On a GPU the per-tensor norms are gathered by one multi-tensor copy (ops.gather), not stacked: the CPU made to
+    """On a GPU the per-tensor norms are gathered by one multi-tensor copy (ops.clip.norms), not stacked: the CPU made to
     take that path."""
-    monkeypatch.setattr(lossscale.ops.gather, "STACK_ON", frozenset())
-    sizes = (2 * lossscale.ops.gather.MIN_COUNT, LARGE)  # both gathered (fewer values are stacked)
+    monkeypatch.setattr(lossscale.ops.clip, "STACK_ON", frozenset())
+    sizes = (2 * lossscale.ops.clip.MIN_COUNT, LARGE)  # both gathered (fewer values are stacked)
     assert _extra_growth("LossScaleOptimizer", opt_name, clip=True, sizes=sizes) == {}
 
 
@@ -156,7 +156,7 @@ def test_with_flat_gradients_the_optimizer_adds_nothing_per_tensor(opt_name, cli
 
 def _layer_unscale(units: int, per_unit: int, count):
     """``count`` of one ``LayerScales.unscale_`` over ``units`` units of ``per_unit`` Linear layers each."""
-    from lossscale.addons.layerwise import LayerScales
+    from lossscale.layerwise import LayerScales
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -179,7 +179,7 @@ def test_per_layer_unscale_adds_no_op_per_tensor(monkeypatch, gather_on_cpu):
     multi-tensor call that is handed each gradient once (a list of per-gradient factors would hand two tensors per
     gradient, and on CUDA leave torch's multi-tensor fast path for one kernel per gradient)."""
     if gather_on_cpu:
-        monkeypatch.setattr(lossscale.ops.gather, "STACK_ON", frozenset())
+        monkeypatch.setattr(lossscale.ops.clip, "STACK_ON", frozenset())
     tensors = (4 * 2 * 5, 4 * 2 * 50)  # 4 units of 5 and 50 Linear layers (weight and bias)
     ops = growth_per_tensor(_layer_unscale(4, 5, host_ops), _layer_unscale(4, 50, host_ops), *tensors)
     assert ops == ({} if gather_on_cpu else dict.fromkeys(STACK_VIEWS, 1.0))

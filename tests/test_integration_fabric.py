@@ -155,7 +155,7 @@ def test_diagnose_refuses_what_it_cannot_trace() -> None:
         MixedPrecision("16-mixed", "cpu", scaler=lossscale.GradScaler("cpu", diagnose=planted(1.0)), diagnose=True)
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", diagnose=True)])
     fabric.setup(planted(1.0))
-    with pytest.raises(ValueError, match=r"a second one \(Linear\) was set up after Sequential; pass the module"):
+    with pytest.raises(ValueError, match=r"another one \(Linear\) came after Sequential; pass the module"):
         fabric.setup(nn.Linear(2, 2))
     given = OverflowDiagnosis(planted(1.0))
     assert MixedPrecision("16-mixed", "cpu", diagnose=given).diagnosis is given

@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import Logger
 
 import lossscale
+import lossscale.testing
 from _lightning_models import LIGHTNING_WARNINGS, TORCH_ARGS, Planted, Tiny, fit, torch_plugin
 from lossscale import OverflowWarning
 from lossscale.integrations.lightning import LossScaleMonitor, LossScalePrecision, MixedPrecision
@@ -76,10 +77,10 @@ def test_reads_the_host_only_when_it_logs(monkeypatch: pytest.MonkeyPatch) -> No
 
     reads: list[dict[str, Any]] = []  # the monitor's one batched read (tolist) per log
     monkeypatch.setattr(lightning, "read_scalars", lambda v: reads.append(v) or _read(v))
-    with lossscale.HostReadCounter() as without:
+    with lossscale.testing.HostReadCounter() as without:
         fit(plugin(), logger=MemoryLogger(), log_every_n_steps=3, epochs=2)
     logger = MemoryLogger()
-    with lossscale.HostReadCounter() as with_monitor:
+    with lossscale.testing.HostReadCounter() as with_monitor:
         fit(plugin(), logger=logger, log_every_n_steps=3, epochs=2, callbacks=[LossScaleMonitor()])
     logged = sum(any(k.startswith("lossscale/") for k in m) for _, m in logger.rows)
     assert logged == len(reads) == 2  # steps 2 and 5 of 8

@@ -1,4 +1,4 @@
-"""lossscale.addons.layerwise.LayerScales: per-layer scales, driven by hand around a plain torch optimizer, then
+"""lossscale.layerwise.LayerScales: per-layer scales, driven by hand around a plain torch optimizer, then
 wired into LossScaleOptimizer(layerwise=...).
 
 The deep network: 12 blocks of Linear, LayerNorm, Tanh under float16 autocast on CPU, each block's backward signal
@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from _torch_versions import TORCH_VERSION
-from lossscale import DynamicScale, HostReadCounter, LossScaleOptimizer, PrecisionSchedule
-from lossscale.addons.layerwise import LayerScales
+from lossscale import DynamicScale, LossScaleOptimizer, PrecisionSchedule
+from lossscale.testing import HostReadCounter
+from lossscale.layerwise import LayerScales
 
 BLOCKS, WIDTH = 12, 32
 
@@ -395,7 +396,7 @@ def test_per_layer_scales_reach_the_first_blocks_through_the_optimizer():
     assert list(result.layer_scales) == [str(i) for b in range(BLOCKS) for i in (4 * b, 4 * b + 1)]
     assert float(max(result.layer_scales.values())) > float(result.scale)
     opt, *_ = _train(deep_net(), 1, False)
-    assert opt.last_result.layer_scales is None
+    assert "layer_scales" not in opt.last_result.fields
 
 
 def test_uniform_layers_follow_the_global_trajectory_bit_for_bit():
@@ -1127,14 +1128,13 @@ def test_independent_overflows_are_each_attributed_to_their_own_unit():
         assert all(float(layers.exponent[i]) < float(before[i]) for i in lowered)
 
 
-# --- as an add-on (lossscale.addons.base): the hooks a front end calls ------------------------------------------
+# --- in its front end (lossscale.optimizer.layerwise): the calls a front end makes --------------------------------
 
 
-def test_the_add_on_hooks_run_the_same_steps_as_driving_it_by_hand():
-    """attach, on_scale_loss, unscale, step_fields and advance over a front end's parameters (a head outside the
-    units among them): the same gradients, exponents and global found_inf as unscale_ and update by hand, bit for
+def test_the_front_ends_calls_run_the_same_steps_as_driving_it_by_hand():
+    """bind, backward_from, unscale, layer_scales and update_observed over a front end's parameters (a head outside
+    the units among them): the same gradients, exponents and global found_inf as unscale_ and update by hand, bit for
     bit; unscale's found_inf and amax are the per-unit ones' any and max, on the scale's device."""
-    from lossscale.addons.base import AddOn, Host
 
     def same(a, b):  # bit for bit, NaN where NaN
         return (
@@ -1149,10 +1149,9 @@ def test_the_add_on_hooks_run_the_same_steps_as_driving_it_by_hand():
         body, head = deep_net(), torch.nn.Linear(WIDTH, WIDTH)
         return body, head, LayerScales(body)
 
-    (body_a, head_a, by_hand), (body_b, head_b, add_on) = build(), build()
-    assert isinstance(add_on, AddOn) and add_on.key == "layerwise" and add_on.unscales
+    (body_a, head_a, by_hand), (body_b, head_b, driven) = build(), build()
     params_a, params_b = [*body_a.parameters(), *head_a.parameters()], [*body_b.parameters(), *head_b.parameters()]
-    add_on.attach(Host("Front", params=tuple(params_b)))
+    driven.bind("Front", params_b, None, lambda: True)
     scale = torch.tensor(2.0**16)
     for step in range(4):
         for p in params_a + params_b:
@@ -1163,31 +1162,24 @@ def test_the_add_on_hooks_run_the_same_steps_as_driving_it_by_hand():
             loss_a = (head_a(body_a(x)).float() * poison - y).pow(2).mean()
             loss_b = (head_b(body_b(x)).float() * poison - y).pow(2).mean()
         by_hand.backward_from(loss_a * scale).backward()
-        scaled = loss_b * scale
-        add_on.on_scale_loss(loss_b, scaled)
-        scaled.backward()
+        driven.backward_from(loss_b * scale).backward()
         found_u, amax_u = by_hand.unscale_(scale, params=params_a)
-        unscaled = add_on.unscale(scale, torch.zeros(()))
-        assert same(unscaled.found_inf, found_u.any())
-        assert same(unscaled.amax, amax_u.max())
-        fields = add_on.step_fields(scale)
-        assert list(fields) == ["layer_scales"]
-        assert all(
-            torch.equal(v, w) for v, w in zip(fields["layer_scales"].values(), by_hand.layer_scales(scale).values())
-        )
+        found, amax = driven.unscale(scale)
+        assert same(found, found_u.any())
+        assert same(amax, amax_u.max())
+        totals = driven.layer_scales(scale)
+        assert all(torch.equal(v, w) for v, w in zip(totals.values(), by_hand.layer_scales(scale).values()))
         want = by_hand.update(found_u, amax_u, scale)
-        got = add_on.advance(torch.zeros((), dtype=torch.bool), scale)
+        got = driven.update_observed(torch.zeros((), dtype=torch.bool), scale)
         assert torch.equal(got, want) and bool(got) == (step == 2)
-        assert torch.equal(add_on.exponent, by_hand.exponent)
+        assert torch.equal(driven.exponent, by_hand.exponent)
         assert all(same(p.grad, q.grad) for p, q in zip(params_a, params_b))
-    assert float(add_on.exponent.max()) >= 32
+    assert float(driven.exponent.max()) >= 32
     found = torch.ones((), dtype=torch.bool)
-    assert add_on.advance(found, scale) is found  # nothing kept since the last advance: found_inf as it is
+    assert driven.update_observed(found, scale) is found  # nothing kept since the last update: found_inf as it is
 
 
-def test_attach_takes_the_front_ends_is_scaled_and_process_group_and_refuses_parameters_outside_every_unit():
-    from lossscale.addons.base import Host
-
+def test_bind_takes_the_front_ends_is_scaled_and_process_group_and_refuses_parameters_outside_every_unit():
     model, other = deep_net(), deep_net(seed=1)
     layers = LayerScales(model)
     with pytest.raises(
@@ -1195,17 +1187,35 @@ def test_attach_takes_the_front_ends_is_scaled_and_process_group_and_refuses_par
         match=r"^Front\(layerwise=Sequential\): none of the inner optimizer's 48 "
         r"parameters belongs to a unit.*pass the model whose parameters",
     ):
-        layers.attach(Host("Front", params=tuple(other.parameters())))
-    host = Host("Front", params=tuple(model.parameters()), is_scaled=lambda: False)
-    layers.attach(host)
-    layers.attach(host)  # again when the front end's options change
-    assert layers.is_scaled is host.is_scaled and layers.process_group is None
+        layers.bind("Front", list(other.parameters()), None, lambda: True)
+
+    def is_scaled():
+        return False
+
+    layers.bind("Front", list(model.parameters()), None, is_scaled)
+    layers.bind("Front", list(model.parameters()), None, is_scaled)  # again when the front end's options change
+    assert layers.is_scaled is is_scaled and layers.process_group is None
     loss_of(model, 0, half=True).backward()  # not scaled: the hooks pass the gradients through
     ref = plain_copy(model)
     for p in ref.parameters():
         p.grad = None
     loss_of(ref, 0, half=True).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_layerwise_makes_a_front_end_of_its_own_that_only_a_plain_optimizer_class_takes():
+    from lossscale.optimizer.layerwise import LayerwiseOptimizer
+
+    model = deep_net()
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), layerwise=model)
+    assert type(opt) is LayerwiseOptimizer and isinstance(opt, LossScaleOptimizer)
+    assert type(LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))) is LossScaleOptimizer
+
+    class Mine(LossScaleOptimizer):
+        pass
+
+    with pytest.raises(TypeError, match=r"Mine\(layerwise=...\): per-layer scales are a LossScaleOptimizer of their own"):
+        Mine(torch.optim.SGD(deep_net().parameters(), lr=0.1), layerwise=deep_net())
 
 
 def test_validate_state_dict_raises_what_load_state_dict_would_and_changes_nothing():

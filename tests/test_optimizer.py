@@ -19,13 +19,13 @@ from lossscale import (
     DynamicScale,
     FixedScale,
     FloorError,
-    HostReadCounter,
     LossScale,
     LossScaleOptimizer,
     PredictiveScale,
     StepResult,
 )
-from lossscale.compat.keras import KerasArguments
+from lossscale.testing import HostReadCounter
+from lossscale.compat.keras import _KerasStep
 from lossscale.stages import NoGradientsError
 
 INF, NAN = math.inf, math.nan
@@ -172,12 +172,11 @@ def test_random_overflows_skip_exactly_the_poisoned_steps_and_never_corrupt(make
     ema = EMA(0.9)
     inner = make_opt(model.parameters())
     opt = LossScaleOptimizer(
-        inner,
+        _KerasStep(inner, clipnorm=None, weight_decay=0.01),
         policy=DynamicScale(init_scale=2.0**20, growth_interval=5, hysteresis=2),
         skip_mode=skip_mode,
         clip_grad_norm=1.0,
         ema=ema,
-        add_ons=[KerasArguments(inner, clipnorm=None, weight_decay=0.01)],
         flat_grads=flat,
     )
     gen = torch.Generator().manual_seed(0)
@@ -312,11 +311,10 @@ def test_ema_and_weight_decay_only_on_applied_steps():
     ema = EMA(momentum=0.5)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = LossScaleOptimizer(
-        inner,
+        _KerasStep(inner, clipnorm=None, weight_decay=0.5),
         policy=FixedScale(1.0),
         ema=ema,
         skip_mode="masked",
-        add_ons=[KerasArguments(inner, clipnorm=None, weight_decay=0.5)],
     )
     opt.zero_grad()
     opt.backward(loss_fn(model, *data[0]))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lossscale import EMA, DynamicScale, LossScaleOptimizer, PrecisionSchedule
-from lossscale.addons.layerwise import LayerScales
+from lossscale.layerwise import LayerScales
 
 
 def _model():

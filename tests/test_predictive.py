@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossscale import GradScaler, HostReadCounter, LossScaleOptimizer
+from lossscale import GradScaler, LossScaleOptimizer
+from lossscale.testing import HostReadCounter
 from lossscale.ops.underflow import underflow_share
 from lossscale.policies.predictive import PredictiveScale
 from oracles import PredictiveOracle

@@ -22,14 +22,14 @@ import torch
 from lossscale import (
     DynamicScale,
     GradScaler,
-    HostReadCounter,
     LossScaleOptimizer,
     OverflowDiagnosis,
     OverflowWarning,
     ScalerStep,
     StepResult,
 )
-from lossscale.reporting import COLUMNS, DIAGNOSIS_COLUMNS, StepLogger, atomic_write, step_record
+from lossscale.testing import HostReadCounter
+from lossscale.reporting import COLUMNS, EventFields, StepLogger, atomic_write, step_record
 
 EXPECTED_COLUMNS = (
     "step",
@@ -37,14 +37,16 @@ EXPECTED_COLUMNS = (
     "found_inf",
     "scale",
     "next_scale",
+    "forward_fault",
     "grad_norm",
-    "accumulating",
-    "precision",
-    "switched",
     "underflow",
+    "accumulating",
     "skipped",
     "skipped_steps",
+    "forward_faults",
 )
+#: The fields a diagnosis adds to every result (empty but in the step whose trace made a report).
+DIAGNOSIS_COLUMNS = ("overflow_kind", "overflow_module")
 
 
 def result(skipped=False, step=0, grad_norm=None, accumulating=False):
@@ -86,10 +88,14 @@ def test_a_step_result_is_frozen_and_reads_as_plain_values_at_once():
         "grad_norm": 0.25,
         "accumulating": False,
         "step": 5,
-        "precision": None,
-        "switched": False,
+        "forward_fault": None,
         "underflow": None,
     }
+    with_fields = dataclasses.replace(r, fields={"precision": "float16", "layer_scales": {"0": torch.tensor(2.0)}})
+    assert with_fields.precision == "float16" and float(with_fields.layer_scales["0"]) == 2.0  # by their names
+    assert with_fields.as_dict()["precision"] == "float16" and "layer_scales" not in with_fields.as_dict()
+    with pytest.raises(AttributeError, match=r"no attribute 'switched' \(the added fields are \['layer_scales', "):
+        _ = with_fields.switched
 
 
 def test_scaler_step_flags_are_bool_tensors_and_stepped_is_their_negation():
@@ -97,6 +103,9 @@ def test_scaler_step_flags_are_bool_tensors_and_stepped_is_their_negation():
         decision = ScalerStep(found_inf=torch.tensor(found))
         assert decision.found_inf.dtype == torch.bool and decision.stepped.dtype == torch.bool
         assert bool(decision.found_inf) is found and bool(decision.stepped) is not found
+        for fault in (False, True):  # a forward fault skips the step too
+            decision = ScalerStep(found_inf=torch.tensor(found), forward_fault=torch.tensor(fault))
+            assert bool(decision.stepped) is not (found or fault)
 
 
 def test_step_record_reads_all_tensors_together_without_scalar_reads():
@@ -111,8 +120,7 @@ def test_step_record_reads_all_tensors_together_without_scalar_reads():
         "grad_norm": 2.5,
         "accumulating": False,
         "step": 4,
-        "precision": None,
-        "switched": False,
+        "forward_fault": None,
         "underflow": None,
         "skipped": True,
         "loss": 3.25,
@@ -190,7 +198,7 @@ def test_diagnosis_columns_are_there_from_the_first_row_and_filled_in_the_traced
         diagnose=OverflowDiagnosis(model, patience=2),
     )
     path = tmp_path / "steps.csv"
-    with StepLogger(path, diagnosis=opt) as log, pytest.warns(OverflowWarning, match="forward overflow: '0'"):
+    with StepLogger(path) as log, pytest.warns(OverflowWarning, match="forward overflow: '0'"):
         for i in range(8):
             if i == 3:  # from step 3 on the first Linear's float16 output passes 65504
                 with torch.no_grad():
@@ -212,21 +220,34 @@ def test_diagnosis_columns_are_there_from_the_first_row_and_filled_in_the_traced
     ] * 2
 
 
-def test_diagnosis_is_found_in_a_front_end_and_its_column_names_are_its_own(tmp_path):
+def test_the_diagnosis_argument_is_no_longer_needed_and_says_so_and_added_fields_keep_their_names(tmp_path):
     model = torch.nn.Linear(2, 2)
     scaler = GradScaler("cpu", diagnose=model)
-    assert StepLogger(diagnosis=scaler)._reports.diagnosis is scaler.add_ons[0]
-    with pytest.raises(
-        TypeError,
-        match=r"StepLogger\(diagnosis=...\): diagnosis must be a lossscale.OverflowDiagnosis, or a "
-        r"LossScaleOptimizer or GradScaler built with diagnose=model; got a GradScaler built without diagnose=",
-    ):
-        StepLogger(diagnosis=GradScaler("cpu"))
-    with pytest.raises(TypeError, match=r"got a Linear\.$"):
-        StepLogger(diagnosis=model)
-    with StepLogger(tmp_path / "steps.csv", diagnosis=scaler) as log:
-        with pytest.raises(ValueError, match=r"'overflow_kind' is a column of the logger's diagnosis"):
-            log.log(result(), overflow_kind="mine")
+    with pytest.warns(FutureWarning, match=r"StepLogger\(diagnosis=...\) is no longer needed.*Leave it out"):
+        StepLogger(diagnosis=scaler)
+    added = StepResult(
+        stepped=torch.tensor(True),
+        found_inf=torch.tensor(False),
+        scale=torch.tensor(8.0),
+        next_scale=torch.tensor(8.0),
+        fields={"overflow_kind": None, "overflow_module": None},
+    )
+    with StepLogger(tmp_path / "steps.csv") as log:
+        with pytest.raises(ValueError, match=r"'overflow_kind' is a field the step's add-ons added"):
+            log.log(added, overflow_kind="mine")
+        with pytest.raises(ValueError, match=r"'scale' is a StepResult column"):
+            log.log(added, scale=1.0)
+        row = log.log(added)
+    assert row is not None and [k for k in row if k not in COLUMNS] == ["overflow_kind", "overflow_module"]
+
+
+def test_event_fields_keep_a_value_until_it_is_taken_and_a_later_one_replaces_it():
+    events = EventFields()
+    events.add({"precision": "float16", "overflow_kind": None})
+    events.add({"precision": "float32", "overflow_kind": "forward"})
+    assert events.take() == {"precision": "float32", "overflow_kind": "forward"}
+    events.add({"overflow_kind": None})
+    assert events.take() == {}
 
 
 def test_tensorboard_gets_the_diagnosis_as_text(tmp_path, monkeypatch):
@@ -249,7 +270,7 @@ def test_tensorboard_gets_the_diagnosis_as_text(tmp_path, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
     diagnosis = OverflowDiagnosis(model, patience=1, initial_limit=1)
     opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), diagnose=diagnosis)
-    with StepLogger(tensorboard_dir=tmp_path, diagnosis=diagnosis) as log, pytest.warns(OverflowWarning):
+    with StepLogger(tensorboard_dir=tmp_path) as log, pytest.warns(OverflowWarning):
         for _ in range(3):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.full((2, 4), 1e5)).float().sum()  # the first Linear's output passes 65504

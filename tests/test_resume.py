@@ -35,7 +35,7 @@ from torch import nn
 import lossscale
 from lossscale import EMA, DynamicScale, FloorError, LossScaleOptimizer, PrecisionSchedule, PredictiveScale, presets
 from lossscale.compat import ascend, keras, mindspore, nnabla
-from lossscale.compat.keras import KerasArguments
+from lossscale.compat.keras import _KerasStep
 
 MAX_STEPS = 40
 SCHEDULE_STEPS = 20  # a precision schedule's total_steps: 'fast|step|0.5' switches back at optimizer step 10
@@ -363,14 +363,13 @@ class OptimizerCase(Case):
         schedule = PrecisionSchedule("fast|step|0.5", total_steps=SCHEDULE_STEPS) if self.schedule else None
         options = dict(self.options)
         inner = self.inner(model.parameters())
-        decay = options.pop("weight_decay", None)  # Keras's decoupled decay, an add-on of the facade's
+        decay = options.pop("weight_decay", None)  # Keras's decoupled decay, the facade's step around the inner one
         opt = LossScaleOptimizer(
-            inner,
+            _KerasStep(inner, None, decay) if decay else inner,
             policy=None if self.policy is None else self.policy(),
             ema=None if self.ema is None else EMA(*self.ema),
             schedule=schedule,
             layerwise=model if self.layerwise else None,
-            add_ons=[KerasArguments(inner, None, decay)] if decay else [],
             **options,
         )
         return Live(model=model, opt=opt, schedule=schedule)

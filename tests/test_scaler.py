@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossscale import DynamicScale, GradScaler, HostReadCounter, PredictiveScale
+from lossscale import DynamicScale, GradScaler, PredictiveScale
+from lossscale.testing import HostReadCounter
 
 INF, NAN = math.inf, math.nan
 INJECT = {3: INF, 4: NAN, 9: INF, 10: INF, 11: INF, 17: NAN}

@@ -244,10 +244,18 @@ def test_state_dict_round_trips_and_refuses_another_mode():
     s = PrecisionSchedule("fast|step|0.5", total_steps=10)
     dtypes_over(s, 7)
     saved = s.state_dict()
-    assert saved == {"mode": "fast|step|0.5", "step": 6, "switch_step": 5}
+    # never attached to an optimizer: a switch that happened counts as reported
+    assert saved == {"mode": "fast|step|0.5", "step": 6, "switch_step": 5, "reported": True, "window": None}
     fresh = PrecisionSchedule("fast|step|0.5", total_steps=10)
     fresh.load_state_dict(saved)
     assert (fresh.state, fresh.dtype) == (s.state, None)
+    older = {"mode": "fast|step|0.5", "step": 6, "switch_step": 5}  # saved before reported and window were kept
+    fresh.load_state_dict(older)
+    assert fresh.state_dict() == saved
+    with pytest.raises(ValueError, match=r"window must be None or the precision"):
+        fresh.load_state_dict({**saved, "window": "float8"})
+    with pytest.raises(TypeError, match=r"reported must be a bool; got str"):
+        fresh.load_state_dict({**saved, "reported": "yes"})
     other = PrecisionSchedule("fast1|step|0.5", total_steps=10)
     with pytest.raises(ValueError, match=r"saved by a schedule with mode 'fast\|step\|0.5'"):
         other.load_state_dict(saved)
@@ -328,7 +336,7 @@ def test_scaler_is_active_before_the_switch_and_idle_after():
     frozen = float(opt.scale)
     assert all(float(r.scale) == 1.0 and float(r.next_scale) == frozen for r in late)
     assert [bool(r.stepped) for r in late] == [i != 22 for i in range(15, 30)]  # still catches inf after
-    assert not opt.scaling_active
+    assert schedule.on_loss(torch.tensor(0.5), False) is False  # the hook's answer: losses are not scaled now
     metrics = [r.as_dict() for r in results]  # what a logger records
     assert (metrics[14]["precision"], metrics[15]["precision"], metrics[15]["switched"]) == ("float16", "float32", True)
     loss = torch.tensor(0.5)
@@ -339,7 +347,7 @@ def test_bfloat16_phase_never_scales():
     model, data = regression()
     schedule = PrecisionSchedule("fast1|step|0.5", total_steps=10)
     opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), schedule=schedule)
-    assert not opt.scaling_active
+    assert schedule.on_loss(torch.tensor(0.5), False) is False
     results = train(model, opt, schedule, data, 0, 10, "step")
     assert [r.precision for r in results] == ["bfloat16"] * 5 + ["float32"] * 5
     assert all(float(r.scale) == 1.0 and bool(r.stepped) for r in results)

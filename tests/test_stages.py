@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from lossscale import HostReadCounter, stages
+from lossscale import stages
+from lossscale.testing import HostReadCounter
 
 INF = math.inf
 
@@ -155,9 +156,10 @@ def test_a_host_decision_reads_the_flag_once():
         assert got is applies and reads.count == 1
 
 
-def test_whether_a_step_takes_grad_scaler_is_decided_by_the_step_function_itself():
-    """A class whose step takes ``grad_scaler=``, one whose step does not, and an instance whose step was replaced
-    by a wrapper of its own each get their own answer, however often asked."""
+def test_how_a_step_takes_the_scale_is_decided_by_the_optimizer_and_its_step_function():
+    """Torch's fused optimizers take the flags; a class whose step takes ``grad_scaler=``, and an instance whose step
+    was replaced by a wrapper that does, take the scaler; one that supports no amp scaling takes nothing; each gets its
+    own answer, however often asked."""
 
     class Takes(torch.optim.SGD):
         def step(self, closure=None, grad_scaler=None):
@@ -167,7 +169,33 @@ def test_whether_a_step_takes_grad_scaler_is_decided_by_the_step_function_itself
     takes, plain = Takes([w], lr=0.1), torch.optim.SGD([w], lr=0.1)
     wrapped = torch.optim.SGD([w], lr=0.1)
     wrapped.step = lambda closure=None, grad_scaler=None: None
+    fused = torch.optim.AdamW([w], fused=True)
+    for opt in (takes, wrapped):
+        opt._step_supports_amp_scaling = True
     for _ in range(2):
-        assert stages.takes_grad_scaler(takes) is True
-        assert stages.takes_grad_scaler(plain) is False
-        assert stages.takes_grad_scaler(wrapped) is True
+        assert stages.fused_scaling(takes) == "scaler"
+        assert stages.fused_scaling(plain) is None
+        assert stages.fused_scaling(wrapped) == "scaler"
+        assert stages.fused_scaling(fused) == "flags"
+
+
+@pytest.mark.parametrize("norm", [0.0, 0.5, 1.0, 3.0, 1e15, INF, math.nan])
+def test_the_norm_clip_is_torchs_rule_on_the_unscaled_norm_and_a_non_finite_norm_is_an_overflow(norm):
+    scale = 2.0**10
+    grad = torch.tensor([norm * scale, 0.0]) if math.isfinite(norm) else torch.tensor([norm, 1.0])
+    opt = sgd_over(grad)
+    groups = stages.grouped_gradients(opt, "test")
+    found = torch.zeros(())
+    with HostReadCounter() as reads:
+        got_norm, coefficient = stages.clip_norm(groups, lambda: [grad], torch.tensor(1 / scale), found, 1.0)
+    assert reads.count == 0 and got_norm.shape == coefficient.shape == ()
+    if math.isfinite(norm):
+        assert float(found) == 0.0 and float(got_norm) == pytest.approx(norm, rel=1e-6)
+        assert float(coefficient) == pytest.approx(min(1.0, 1.0 / (norm + 1e-6)), rel=1e-6, abs=0)
+        # torch's clip_grad_norm_ on the unscaled gradient agrees
+        unscaled = torch.nn.Parameter(torch.zeros(2))
+        unscaled.grad = grad / scale
+        torch.nn.utils.clip_grad_norm_([unscaled], 1.0)
+        assert torch.allclose(unscaled.grad, grad / scale * coefficient, rtol=1e-6, atol=0)
+    else:
+        assert float(found) == 1.0

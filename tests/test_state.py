@@ -16,7 +16,8 @@ import pickle
 import pytest
 import torch
 
-from lossscale import DynamicScale, FloorError, GradScaler, HostReadCounter, LossScale, PredictiveScale, presets
+from lossscale import DynamicScale, FloorError, GradScaler, LossScale, PredictiveScale, presets
+from lossscale.testing import HostReadCounter
 from lossscale.state import ReplayedUpdate
 from oracles import f32
 

@@ -8,7 +8,7 @@ from lossscale.policies import presets
 from lossscale.policies.base import FixedScale, FloorError, Policy, ScaleState
 from lossscale.policies.dynamic import DynamicScale
 from lossscale.policies.predictive import PredictiveScale
-from lossscale.reporting import HostReadCounter, ScalerStep, StepLogger, StepResult
+from lossscale.reporting import ScalerStep, StepLogger, StepResult
 from lossscale.scaler import GradScaler
 from lossscale.state import LossScale
 
@@ -18,7 +18,6 @@ __all__ = [
     "FixedScale",
     "FloorError",
     "GradScaler",
-    "HostReadCounter",
     "LossScale",
     "LossScaleOptimizer",
     "OverflowDiagnosis",

@@ -1,5 +1,5 @@
-"""What a step decided and how to read it: the step records, a CSV/TensorBoard logger, host-read counting,
-and the one way the library writes a file (:func:`atomic_write`)."""
+"""What a step decided and how to read it: the step records, a CSV/TensorBoard logger, and the one way the library
+writes a file (:func:`atomic_write`)."""
 
 from __future__ import annotations
 
@@ -10,33 +10,15 @@ import io
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
-    from torch._ops import OpOverload
     from torch.utils.tensorboard import SummaryWriter
-
-    from lossscale.diagnosis.addon import OverflowDiagnosis
-
-__all__ = [
-    "COLUMNS",
-    "DIAGNOSIS_COLUMNS",
-    "DiagnosisLog",
-    "HostReadCounter",
-    "ScalerStep",
-    "StepLogger",
-    "StepResult",
-    "atomic_write",
-    "overflow_diagnosis",
-    "read_scalars",
-    "step_record",
-]
-
 
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str]) -> Iterator[str]:
@@ -86,45 +68,78 @@ def read_scalars(values: Mapping[str, object]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class StepResult:
-    """The decision of one ``step()``; tensors stay on the device until the caller reads them.
+class StepOutcome:
+    """What one optimizer step decided, as device tensors (no host read): what an add-on's ``after_step`` sees.
 
     Attributes:
-        stepped: 0-d bool, True where the inner optimizer's update was applied.
-        found_inf: 0-d bool, True where the gradients overflowed (and the step was skipped).
-        scale: 0-d float32, the loss scale the gradients of this step carried.
+        stepped: 0-d bool, True where the inner optimizer's update was applied
+            (``not (found_inf or forward_fault)``).
+        found_inf: 0-d bool, True where the gradients overflowed.
+        scale: 0-d float32, the loss scale the step's gradients carried (1 where its losses were not scaled).
         next_scale: 0-d float32, the scale after the policy's update.
-        grad_norm: 0-d float32, the unscaled global gradient norm when it was computed, else None.
-        accumulating: True between accumulation boundaries (nothing was applied or checked).
-        step: Index of this accumulation boundary (optimizer step attempts so far, skipped included).
-        precision: ``"float16"``, ``"bfloat16"`` or ``"float32"`` under a schedule, else None.
-        switched: True on the boundary where a precision schedule switched back to full precision.
-        underflow: 0-d float32 share of gradient values float16 would flush to zero (the meter on), else None.
-        loss: What the closure passed to ``step(closure)`` returned (None without a closure); not a column.
-        layer_scales: Per-layer scales by module name when per-layer scaling is on; else None.
+        step: The number of optimizer steps before this one (0 for the first), skipped ones included.
+        forward_fault: 0-d bool, True where a loss of the step was non-finite (a forward fault: the step is
+            skipped and the policy does not see it), where a front end finds forward faults (``heal=True``); else
+            None.
+        loss_scaled: Whether the step's losses were scaled (False in a precision schedule's bfloat16 or float32
+            phase).
     """
 
     stepped: torch.Tensor
     found_inf: torch.Tensor
     scale: torch.Tensor
     next_scale: torch.Tensor
-    grad_norm: torch.Tensor | None = None
-    accumulating: bool = False
     step: int = 0
-    precision: str | None = None
-    switched: bool = False
+    forward_fault: torch.Tensor | None = None
+    loss_scaled: bool = dataclasses.field(default=True, metadata={"column": False})
+
+    @property
+    def skipped(self) -> torch.Tensor:
+        """0-d bool, True where the step was skipped."""
+        return ~self.stepped
+
+
+@dataclass(frozen=True)
+class StepResult(StepOutcome):
+    """The decision of one ``LossScaleOptimizer.step()``: a :class:`StepOutcome`, with what only the optimizer
+    knows; tensors stay on the device until the caller reads them.
+
+    Attributes:
+        grad_norm: 0-d float32, the unscaled global gradient norm when it was computed (``clip_grad_norm``), else
+            None.
+        underflow: 0-d float32 share of gradient values float16 would flush to zero (``underflow_stride``), else
+            None.
+        accumulating: True between accumulation boundaries (nothing was applied or checked).
+        loss: What the closure passed to ``step(closure)`` returned (None without a closure); not a column.
+        fields: What the add-ons and the front end added (name -> value): ``precision`` and ``switched`` of a
+            :class:`~lossscale.PrecisionSchedule`, ``overflow_kind``/``overflow_module`` of a diagnosis,
+            ``layer_scales`` of per-layer scales. Each is also an attribute (``result.precision``). Filled once, by
+            the step that makes the result.
+    """
+
+    grad_norm: torch.Tensor | None = None
     underflow: torch.Tensor | None = None
+    accumulating: bool = False
     loss: object = dataclasses.field(default=None, metadata={"column": False})
-    layer_scales: dict[str, torch.Tensor] | None = dataclasses.field(default=None, metadata={"column": False})
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict, metadata={"column": False})
 
     @property
     def skipped(self) -> torch.Tensor:
         """0-d bool, True where the step was skipped at a boundary (never while accumulating)."""
         return ~self.stepped if not self.accumulating else torch.zeros_like(self.stepped)
 
+    def __getattr__(self, name: str) -> Any:
+        """An added field by its name (``result.precision``, ``result.layer_scales``)."""
+        fields = self.__dict__.get("fields")
+        if fields is not None and name in fields:
+            return fields[name]
+        added = f" (the added fields are {sorted(fields)})" if fields else ""
+        raise AttributeError(f"'StepResult' object has no attribute {name!r}{added}")
+
     def as_dict(self) -> dict[str, Any]:
-        """Every column field (and ``loss``) as plain Python values (reads the tensors on the host: one sync)."""
+        """Every column (and ``loss``) as plain Python values (reads the tensors on the host: one sync)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("column", True)}
+        values.update((k, v) for k, v in self.fields.items() if _is_column_value(v))
         if isinstance(self.loss, torch.Tensor) and self.loss.numel() == 1:
             values["loss"] = self.loss.detach()
         return read_scalars(values)
@@ -136,81 +151,68 @@ class ScalerStep:
 
     Attributes:
         found_inf: 0-d bool tensor, True where the gradients overflowed.
-        stepped: 0-d bool tensor, True where the optimizer's update was applied (``~found_inf``).
         value: What ``optimizer.step()`` returned (None when it was skipped without calling it).
+        forward_fault: 0-d bool tensor, True where a loss scaled this iteration was non-finite (the step is skipped
+            and the scale left as it was), where the scaler finds forward faults (``heal=True``); else None.
 
     No host read.
     """
 
     found_inf: torch.Tensor
     value: object = None
+    forward_fault: torch.Tensor | None = None
 
     @property
     def stepped(self) -> torch.Tensor:
-        return ~self.found_inf
+        """0-d bool tensor, True where the optimizer's update was applied: ``not (found_inf or forward_fault)``."""
+        return ~self.found_inf if self.forward_fault is None else ~(self.found_inf | self.forward_fault)
 
 
-#: The columns every row has, in order: ``step``, StepResult's other fields, ``skipped`` and the running count.
+def _is_column_value(value: object) -> bool:
+    """Whether an added field is written as a column: None, a number, a bool, a string, a one-element tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+#: The columns every row has, in order: ``step``, the step's other fields, ``skipped`` and the running counts of
+#: skipped steps and forward faults. The fields the add-ons add follow them, then the caller's extras.
 COLUMNS: tuple[str, ...] = (
     ("step",)
     + tuple(f.name for f in dataclasses.fields(StepResult) if f.name != "step" and f.metadata.get("column", True))
-    + ("skipped", "skipped_steps")
+    + ("skipped", "skipped_steps", "forward_faults")
 )
 
 
-#: The columns a :class:`StepLogger` given a diagnosis adds after :data:`COLUMNS`: the report's kind and module name.
-DIAGNOSIS_COLUMNS: tuple[str, ...] = ("overflow_kind", "overflow_module")
-
-
-def overflow_diagnosis(call: str, source: object) -> OverflowDiagnosis:
-    """``source`` when it is an :class:`~lossscale.OverflowDiagnosis`, else the one among ``source.add_ons`` (a
-    LossScaleOptimizer's or GradScaler's, built with ``diagnose=model``).
-
-    Raises:
-        TypeError: ``source`` is neither, or carries no diagnosis.
-    """
-    from lossscale.diagnosis.addon import OverflowDiagnosis
-
-    if isinstance(source, OverflowDiagnosis):
-        return source
-    add_ons = getattr(source, "add_ons", None)
-    found = next((a for a in add_ons if isinstance(a, OverflowDiagnosis)), None) if add_ons is not None else None
-    if found is None:
-        carries = " built without diagnose=" if add_ons is not None else ""
-        raise TypeError(
-            f"{call}: diagnosis must be a lossscale.OverflowDiagnosis, or a LossScaleOptimizer or GradScaler built "
-            f"with diagnose=model; got a {type(source).__name__}{carries}."
-        )
-    return found
-
-
-class DiagnosisLog:
-    """Hands a logger the :data:`DIAGNOSIS_COLUMNS` of each new report of an overflow diagnosis, once: in the row or
-    log of the step whose trace made it (or the first one written after). No host read.
+class EventFields:
+    """The added fields of a front end's steps, for a logger that writes at its own cadence (every N steps): each
+    value that is not None, taken once, at the first :meth:`take` after the step that made it (a later one of the same
+    name replaces it). No host read.
 
     Example:
-        >>> import torch
-        >>> from lossscale import OverflowDiagnosis
-        >>> log = DiagnosisLog(OverflowDiagnosis(torch.nn.Linear(2, 2)))
-        >>> log.new_fields() is None  # no report yet
-        True
+        >>> events = EventFields()
+        >>> events.add({"overflow_kind": None})
+        >>> events.add({"overflow_kind": "forward", "overflow_module": "0"})
+        >>> events.take(), events.take()
+        ({'overflow_kind': 'forward', 'overflow_module': '0'}, {})
     """
 
-    def __init__(self, diagnosis: OverflowDiagnosis) -> None:
-        self.diagnosis = diagnosis
-        self._seen = diagnosis.last_report  # a report made before the logger existed belongs to no row of its
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] = {}
 
-    def new_fields(self) -> dict[str, str | None] | None:
-        """``{"overflow_kind": ..., "overflow_module": ...}`` of a report not handed out before, else None."""
-        report = self.diagnosis.last_report
-        if report is None or report is self._seen:
-            return None
-        self._seen = report
-        return report.log_fields()
+    def add(self, fields: Mapping[str, Any]) -> None:
+        """Keep the fields of one step that are not None."""
+        self._pending.update((k, v) for k, v in fields.items() if v is not None)
+
+    def take(self) -> dict[str, Any]:
+        """The fields kept since the last take, and forget them."""
+        taken, self._pending = self._pending, {}
+        return taken
 
 
 def step_record(result: StepResult, **extra: object) -> dict[str, Any]:
-    """Every field of ``result`` as plain Python values, plus ``skipped`` and ``extra``, with one host read.
+    """Every column of ``result`` as plain Python values (:data:`COLUMNS` but the running counts, then the fields the
+    add-ons added), plus ``skipped`` and ``extra``, with one host read.
 
     >>> import torch
     >>> from lossscale import StepResult
@@ -220,15 +222,16 @@ def step_record(result: StepResult, **extra: object) -> dict[str, Any]:
     >>> rec["skipped"], rec["scale"], rec["next_scale"], rec["loss"], rec["grad_norm"]
     (True, 8.0, 4.0, 2.5, None)
     """
-    clash = [k for k in extra if k in COLUMNS]
+    added = {k: v for k, v in result.fields.items() if _is_column_value(v)}
+    clash = [k for k in extra if k in COLUMNS or k in added]
     if clash:
-        raise ValueError(
-            f"step_record(..., {clash[0]}=...): {clash[0]!r} is a StepResult column; name the extra value differently."
-        )
+        whose = "a StepResult column" if clash[0] in COLUMNS else "a field the step's add-ons added"
+        raise ValueError(f"step_record(..., {clash[0]}=...): {clash[0]!r} is {whose}; name the extra value differently.")
     values: dict[str, object] = {
         f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.metadata.get("column", True)
     }
     values["skipped"] = result.skipped
+    values.update(added)
     if isinstance(result.loss, torch.Tensor) and "loss" not in extra:  # a closure's loss, when step(closure) ran
         values["loss"] = result.loss.detach()
     values.update(extra)
@@ -245,29 +248,24 @@ def step_record(result: StepResult, **extra: object) -> dict[str, Any]:
 class StepLogger:
     """Writes one row per optimizer step to a CSV file and, if asked, to TensorBoard.
 
-    Rows have :data:`COLUMNS` (``skipped_steps``: the count of skipped steps so far), then the extra names of
-    the first row logged. Accumulation micro-steps are not logged. TensorBoard gets the numeric columns as
-    ``lossscale/<column>`` (extras under their own names) at ``global_step=step``.
+    Rows have :data:`COLUMNS` (``skipped_steps`` and ``forward_faults``: the counts of skipped steps and of forward
+    faults so far), then the fields the step's add-ons added (a :class:`~lossscale.PrecisionSchedule`'s
+    ``precision`` and ``switched``; a diagnosis's ``overflow_kind`` and ``overflow_module``, empty except in the row
+    of the step whose trace made a report), then the extra names of the first row logged. Accumulation micro-steps
+    are not logged. TensorBoard gets the numeric columns as ``lossscale/<column>`` (extras under their own names)
+    at ``global_step=step``, and the text ones (the diagnosis's) as text.
 
     The CSV survives a killed process: a file already at ``path_csv`` stays as it was until the new log has its
     header and first row (they are written to a temporary file that then replaces it, as :func:`atomic_write`
     does); after that each row goes to the file in one ``write`` of a whole line, so the file a kill leaves ends
     with the last row written (readers such as ``csv.DictReader`` and ``pandas.read_csv`` read it as it is).
 
-    With ``diagnosis``, every row also has :data:`DIAGNOSIS_COLUMNS` right after :data:`COLUMNS`:
-    ``overflow_kind`` and ``overflow_module``, empty except in the row of the step whose trace made a new report
-    (the step the :class:`~lossscale.OverflowWarning` came with), where they are the report's kind and module name
-    (``overflow_module`` empty where the report names none). TensorBoard gets them as text.
-
     Args:
         path_csv: CSV file to write (replaced at the first row); None for no CSV.
         tensorboard_dir: Directory for a ``torch.utils.tensorboard.SummaryWriter``; None for none.
             Needs the ``tensorboard`` package.
-        diagnosis: An :class:`~lossscale.OverflowDiagnosis`, or the LossScaleOptimizer or GradScaler built with
-            ``diagnose=model`` that carries one; None for no diagnosis columns.
-
-    Raises:
-        TypeError: ``diagnosis`` is none of those.
+        diagnosis: No longer needed (the diagnosis's columns come with each result) and ignored, with a
+            FutureWarning; it will be removed.
     """
 
     def __init__(
@@ -277,12 +275,18 @@ class StepLogger:
         *,
         diagnosis: object = None,
     ) -> None:
-        self._reports = (
-            None if diagnosis is None else DiagnosisLog(overflow_diagnosis("StepLogger(diagnosis=...)", diagnosis))
-        )
+        if diagnosis is not None:
+            warnings.warn(
+                "StepLogger(diagnosis=...) is no longer needed: the overflow_kind and overflow_module columns come "
+                "with each StepResult of a front end built with diagnose=...; the argument is ignored and will be "
+                "removed. Leave it out.",
+                FutureWarning,
+                stacklevel=2,
+            )
         self._path = None if path_csv is None else os.fspath(path_csv)
         self._file: IO[bytes] | None = None
         self._columns: tuple[str, ...] | None = None
+        self._added: set[str] = set()  # the names the step's add-ons added: tagged lossscale/<name>, as COLUMNS
         if self._path is not None:  # fail here, not at the first row, if the file cannot be written
             directory = os.path.dirname(os.path.abspath(self._path))
             if not os.access(directory, os.W_OK):
@@ -299,32 +303,26 @@ class StepLogger:
                 ) from None
             self._writer = SummaryWriter(os.fspath(tensorboard_dir))
         self.skipped_steps = 0
+        self.forward_faults = 0
         self.rows = 0
 
     def log(self, result: StepResult, **extra: object) -> dict[str, Any] | None:
         """Read ``result`` (one host read) and write its row; None for an accumulation micro-step."""
         if result.accumulating:
             return None
+        self._added.update(k for k, v in result.fields.items() if _is_column_value(v))
         return self.write(step_record(result, **extra))
 
     def write(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        """Write a record that :func:`step_record` made; return it with ``skipped_steps`` filled in."""
+        """Write a record that :func:`step_record` made; return it with the running counts filled in."""
         row = dict(record)
         self.skipped_steps += bool(row.get("skipped"))
+        self.forward_faults += bool(row.get("forward_fault"))
         row["skipped_steps"] = self.skipped_steps
-        fixed = COLUMNS
-        if self._reports is not None:
-            taken = [k for k in DIAGNOSIS_COLUMNS if k in record]
-            if taken:
-                raise ValueError(
-                    f"StepLogger.log(..., {taken[0]}=...): {taken[0]!r} is a column of the logger's diagnosis "
-                    f"(StepLogger(diagnosis=...)); name the extra value differently."
-                )
-            row.update(self._reports.new_fields() or dict.fromkeys(DIAGNOSIS_COLUMNS))
-            fixed = COLUMNS + DIAGNOSIS_COLUMNS
+        row["forward_faults"] = self.forward_faults
         first = self._columns is None
         if self._columns is None:
-            self._columns = fixed + tuple(k for k in row if k not in fixed)
+            self._columns = COLUMNS + tuple(k for k in row if k not in COLUMNS)
         unknown = [k for k in row if k not in self._columns]
         if unknown:
             raise ValueError(
@@ -342,10 +340,10 @@ class StepLogger:
             step = int(row.get("step") or 0)
             for name in self._columns:
                 value = row.get(name)
-                tag = f"lossscale/{name}" if name in COLUMNS or name in DIAGNOSIS_COLUMNS else name
+                tag = f"lossscale/{name}" if name in COLUMNS or name in self._added else name
                 if isinstance(value, (bool, int, float)) and math.isfinite(float(value)) and name != "step":
                     self._writer.add_scalar(tag, float(value), global_step=step)
-                elif name in DIAGNOSIS_COLUMNS and isinstance(value, str):
+                elif isinstance(value, str):
                     self._writer.add_text(tag, value, global_step=step)
         self.rows += 1
         return row
@@ -386,29 +384,3 @@ def _csv_line(values: Iterable[object]) -> str:
     return buffer.getvalue()
 
 
-class HostReadCounter(TorchDispatchMode):
-    """Context manager counting scalar host reads while active: calls of ``aten._local_scalar_dense``, the op
-    behind ``.item()``, ``bool(t)``, ``float(t)`` and ``int(t)`` (on CUDA each one waits for the device).
-
-    Example:
-        >>> import torch
-        >>> with HostReadCounter() as reads:
-        ...     _ = torch.ones(()).item()
-        >>> reads.count
-        1
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(
-        self,
-        func: OpOverload,
-        types: Sequence[type],
-        args: Sequence[object] = (),
-        kwargs: Mapping[str, object] | None = None,
-    ) -> object:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))

@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import math
 from collections import abc, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from lossscale import stages
-from lossscale.addons.arguments import add_ons_from
-from lossscale.addons.base import AddOn, Host, StepOutcome
+from lossscale.addons.base import AddOn, FrontEnd
+from lossscale.keywords import add_ons_from, validate_add_ons
 from lossscale.ops import distributed as _dist
-from lossscale.ops.overflow import OverflowMode, saturation_threshold, validate_mode
+from lossscale.ops.overflow import OverflowMode, check_, check_with_amax_, saturation_threshold, validate_mode
 from lossscale.policies.base import Policy, validate_policy
 from lossscale.policies.dynamic import DynamicScale, validate_dynamic_args
-from lossscale.reporting import ScalerStep
+from lossscale.reporting import ScalerStep, StepOutcome
 from lossscale.state import LossScale
 from lossscale.validation import (
     ArgumentTypeError,
@@ -45,6 +46,19 @@ _TORCH_COPIES = {"scale": "scale", "_growth_tracker": "growth_tracker"}  # torch
 def _fresh_record() -> dict[str, Any]:
     """torch's ``_refresh_per_optimizer_state()``: equal to it, so code comparing with it still works."""
     return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+@dataclass
+class _Iteration:
+    """What lives from one ``update()`` to the next: torch's record per optimizer (``_per_optimizer_states``), the
+    gradient maxima (a policy that reads them), whether the losses scaled were finite (where they are watched) and the
+    iteration's forward fault once agreed."""
+
+    records: defaultdict[int, dict[str, Any]] = field(default_factory=lambda: defaultdict(_fresh_record))
+    amax_seen: list[torch.Tensor] = field(default_factory=list)
+    loss_finite: torch.Tensor | None = None
+    fault: torch.Tensor | None = None
+    losses: int = 0  # the losses scaled, counted where add-ons see them
 
 
 class GradScaler:
@@ -113,13 +127,18 @@ class GradScaler:
         validate_process_group("GradScaler", process_group)
         self.process_group = process_group
         self._loss_scale = LossScale(policy)
+        # what the policy reads besides found_inf (fixed with its class, which a LossScale keeps)
+        self._reads_amax, self._reads_loss_finite = policy.observes_amax, policy.observes_loss_finite
         self._placed = False  # whether the state has moved to the device of the first scaled output
         self._replicas: dict[torch.device, torch.Tensor] = {}
-        self._loss_finite: torch.Tensor | None = None  # every scaled output finite (policies that observe it)
         self._updates = 0  # update() calls that advanced the policy
-        self._add_ons: list[AddOn] = add_ons_from("GradScaler", (), self._loss_scale.device, diagnose=diagnose)
-        self._attach_add_ons()
-        self._reset_records()
+        self._iteration = _Iteration()
+        self._add_ons: list[AddOn] = []
+        self._finds_forward_faults = False
+        #: The fields the add-ons added at the last ``update()`` (a diagnosis's ``overflow_kind``, ...): what a
+        #: LossScaleOptimizer puts in its StepResult, for the loggers of a GradScaler's steps.
+        self.last_fields: dict[str, Any] = {}
+        self.attach_add_ons(add_ons_from("GradScaler", diagnose=diagnose))
 
     # --- state -------------------------------------------------------------------------------
 
@@ -138,9 +157,23 @@ class GradScaler:
         """The add-ons (``diagnose=``'s), in the order their hooks run."""
         return tuple(self._add_ons)
 
-    def _reset_records(self) -> None:
-        self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(_fresh_record)
-        self._amax_seen: list[torch.Tensor] = []  # this iteration's gradient maxima (policies that observe them)
+    def attach_add_ons(self, add_ons: Sequence[AddOn]) -> None:
+        """Take more add-ons (built by :func:`lossscale.keywords.add_ons_from`, as an integration does when it meets
+        the model), checked with the ones already here; they attach at once."""
+        validate_add_ons("GradScaler", [*self._add_ons, *add_ons])
+        self._add_ons = [*self._add_ons, *add_ons]
+        self._finds_forward_faults = any(a.finds_forward_faults for a in self._add_ons)
+        self._watches_losses = self._finds_forward_faults or self._reads_loss_finite
+        self._attach_add_ons()
+
+    @property
+    def _per_optimizer_states(self) -> defaultdict[int, dict[str, Any]]:
+        """torch's record per optimizer for this iteration (stage, found_inf per device)."""
+        return self._iteration.records
+
+    @_per_optimizer_states.setter
+    def _per_optimizer_states(self, value: defaultdict[int, dict[str, Any]]) -> None:
+        self._iteration.records = value
 
     def _place(self, device: torch.device) -> None:
         """Move the scale to the first scaled output's device, and tell the add-ons."""
@@ -149,10 +182,10 @@ class GradScaler:
         self._attach_add_ons()
 
     def _attach_add_ons(self) -> None:
-        """Tell the add-ons where the scale lives (again once it moved to the first scaled output's device)."""
-        host = Host(call="GradScaler", device=self._loss_scale.device, process_group=self.process_group)
+        """Tell the add-ons about this scaler (again once its scale moved to the first scaled output's device)."""
+        front_end = FrontEnd(call="GradScaler", loss_scale=self._loss_scale, process_group=self.process_group)
         for add_on in self._add_ons:
-            add_on.attach(host)
+            add_on.attach(front_end)
 
     @staticmethod
     def _before_scale(call: str) -> RuntimeError:
@@ -162,7 +195,7 @@ class GradScaler:
         )
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
-        """The scale on ``device``, copied once per device and value (its value may change)."""
+        """The scale on another device than its own, copied once per device and value (its value may change)."""
         scale = self._loss_scale.scale
         if self._replicas.get(scale.device) is not scale:
             self._replicas = {scale.device: scale}
@@ -179,13 +212,16 @@ class GradScaler:
         if isinstance(outputs, torch.Tensor):
             if not self._placed:
                 self._place(outputs.device)
-            if self._loss_scale.policy.observes_loss_finite:  # whether the losses themselves were finite
+            iteration = self._iteration
+            if self._add_ons:  # every add-on sees the loss (a GradScaler scales every loss)
+                iteration.losses += 1
+                for add_on in self._add_ons:
+                    add_on.on_loss(outputs, iteration.losses == 1)
+            if self._watches_losses:
                 finite = torch.isfinite(outputs.detach()).all().to(self._loss_scale.device)
-                self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-            scaled = stages.scale_loss(outputs, self._scale_on(outputs.device), call="GradScaler.scale(outputs)")
-            for add_on in self._add_ons:
-                add_on.on_scale_loss(outputs, scaled)
-            return scaled
+                iteration.loss_finite = finite if iteration.loss_finite is None else iteration.loss_finite & finite
+            scale = self._loss_scale.scale
+            return stages.scale_loss(outputs, scale if outputs.device == scale.device else self._scale_on(outputs.device))
         if isinstance(outputs, abc.Iterable) and not isinstance(outputs, (str, bytes)):
             mapped = map(self.scale, outputs)
             return type(outputs)(mapped) if isinstance(outputs, (list, tuple)) else mapped
@@ -203,7 +239,7 @@ class GradScaler:
         if not self._placed:
             raise self._before_scale("unscale_()")
         loss_scale = self._loss_scale
-        record = self._per_optimizer_states[id(optimizer)]
+        record = self._iteration.records[id(optimizer)]
         if record["stage"] is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() was already called for this optimizer since the last update(); "
@@ -221,14 +257,29 @@ class GradScaler:
         record["stage"] = OptState.UNSCALED
 
     def _agreed(self, found: dict[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
-        """found_inf per device, summed onto the scale's device and reduced over ranks when distributed."""
+        """found_inf per device, summed onto the scale's device and reduced over ranks when distributed, in one
+        reduction with the iteration's forward fault (where forward faults are found)."""
         if not found or not _dist.active(self.process_group):
             return found
         device = self._loss_scale.device
         total = torch.zeros((), dtype=torch.float32, device=device)
         for t in found.values():
             total += t.to(device, non_blocking=True)
-        return {device: stages.agree_(total, self.process_group)}
+        local_fault = self._local_fault() if self._finds_forward_faults else None
+        total, self._iteration.fault = stages.agree_(total, local_fault, self.process_group, is_flag=False)
+        return {device: total}
+
+    def _local_fault(self) -> torch.Tensor:
+        """This process's forward fault: 1 where a loss scaled this iteration was non-finite (0-d float32)."""
+        finite = self._iteration.loss_finite
+        device = self._loss_scale.device
+        return torch.zeros((), device=device) if finite is None else (~finite).float()
+
+    def _fault(self) -> torch.Tensor:
+        """The iteration's forward fault (where forward faults are found), agreed over ranks where they agree."""
+        if self._iteration.fault is None:
+            self._iteration.fault = self._local_fault()
+        return self._iteration.fault
 
     def _found_inf(self, records: Iterable[dict[str, Any]], call: str) -> torch.Tensor:
         """Every recorded found_inf as the core's one form: a 0-d float32 0/1 flag on the scale's device."""
@@ -243,8 +294,9 @@ class GradScaler:
         return values[0] if len(values) == 1 else torch.stack(values).amax()  # one device: the record's own flag
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
-        """Unscale (unless done), then apply ``optimizer.step(*args, **kwargs)`` only if nothing overflowed.
-        Host reads: none for a fused optimizer (``skip_mode="auto"``), else one (found_inf)."""
+        """Unscale (unless done), then apply ``optimizer.step(*args, **kwargs)`` only if nothing overflowed (and,
+        where forward faults are found, every loss was finite). Host reads: none for a fused optimizer
+        (``skip_mode="auto"``), else one (found_inf)."""
         if not self._enabled:
             return ScalerStep(found_inf=torch.zeros((), dtype=torch.bool), value=optimizer.step(*args, **kwargs))
         if "closure" in kwargs:
@@ -255,27 +307,29 @@ class GradScaler:
         validate_optimizer("GradScaler.step", optimizer)
         if not self._placed:
             raise self._before_scale("step()")
-        record = self._per_optimizer_states[id(optimizer)]
+        record = self._iteration.records[id(optimizer)]
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError(
                 "step() was already called for this optimizer since the last update(); call "
                 "update() after step() before stepping again."
             )
-        if stages.takes_fused_scaling(optimizer) and self.skip_mode == "auto":
+        if stages.fused_scaling(optimizer) is not None and self.skip_mode == "auto":
             return self._fused_step(optimizer, record, *args, **kwargs)
         if record["stage"] is OptState.READY:
             self.unscale_(optimizer)
         found_inf = self._found_inf([record], "GradScaler.step(optimizer)").bool()
-        applies = stages.applies_on_host(found_inf, "GradScaler.step(optimizer)")  # one host read
+        fault = self._fault() if self._finds_forward_faults else None
+        skip = found_inf if fault is None else found_inf | fault.bool()
+        applies = stages.applies_on_host(skip, "GradScaler.step(optimizer)")  # one host read
         value = optimizer.step(*args, **kwargs) if applies else None
         record["stage"] = OptState.STEPPED
-        return ScalerStep(found_inf=found_inf, value=value)
+        return ScalerStep(found_inf=found_inf, value=value, forward_fault=None if fault is None else fault.bool())
 
     def _fused_step(
         self, optimizer: torch.optim.Optimizer, record: dict[str, Any], *args: Any, **kwargs: Any
     ) -> ScalerStep:
         """The optimizer unscales and skips in its kernel: a check first unless unscale_() ran."""
-        if stages.takes_grad_scaler(optimizer):
+        if stages.fused_scaling(optimizer) == "scaler":
             stages.warn_grad_scaler_deprecated()
             value = optimizer.step(*args, **dict(kwargs, grad_scaler=self))  # it unscales and skips itself
             record["stage"] = OptState.STEPPED
@@ -293,50 +347,56 @@ class GradScaler:
         else:
             grad_scale = None  # unscale_() already divided the gradients
         found_inf = self._found_inf([record], "GradScaler.step(optimizer)")
-        value = stages.fused_step_(optimizer, grad_scale, found_inf, *args, **kwargs)
+        fault = self._fault() if self._finds_forward_faults else None
+        skip = found_inf if fault is None else torch.maximum(found_inf, fault)
+        value = stages.fused_step_(optimizer, grad_scale, skip, *args, **kwargs)
         record["stage"] = OptState.STEPPED
-        return ScalerStep(found_inf=found_inf.bool(), value=value)  # the kernel reads found_inf, never writes it
+        # the kernel reads found_inf, never writes it
+        return ScalerStep(found_inf=found_inf.bool(), value=value, forward_fault=None if fault is None else fault.bool())
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Advance the policy with this iteration's overflow, or set ``new_scale`` (checked; one host read for a
-        tensor on an accelerator). No host read otherwise, unless the policy raises at its floor."""
+        """Move the policy by this iteration's overflow (its state kept as it was on a forward fault), then show the
+        add-ons the step; or set ``new_scale`` (checked; one host read for a tensor on an accelerator). No host read
+        otherwise, unless the policy raises at its floor."""
         if not self._enabled:
             return
         if not self._placed:
             raise self._before_scale("update()")
-        loss_scale = self._loss_scale
+        loss_scale, iteration = self._loss_scale, self._iteration
         if new_scale is not None:
             loss_scale.set_scale(new_scale, f"GradScaler.update(new_scale={new_scale!r})", "new_scale")
-        else:
-            seen = [r for r in self._per_optimizer_states.values() if r["stage"] is not OptState.READY]
-            if not seen:
-                raise RuntimeError(
-                    "update() was called without unscale_() or step() since the last update(); call "
-                    "scaler.step(optimizer) (which unscales) before update()."
-                )
-            self._advance(loss_scale, seen)
-        self._loss_finite = None
-        self._reset_records()
-
-    def _advance(self, loss_scale: LossScale[Any], seen: list[dict[str, Any]]) -> None:
-        """The policy's update from the records unscaled or stepped this iteration (+ amax, loss finiteness);
-        then the add-ons see the outcome."""
+            self._iteration = _Iteration()
+            return
+        seen = [r for r in iteration.records.values() if r["stage"] is not OptState.READY]
+        if not seen:
+            raise RuntimeError(
+                "update() was called without unscale_() or step() since the last update(); call "
+                "scaler.step(optimizer) (which unscales) before update()."
+            )
         found_inf = self._found_inf(seen, "GradScaler.update()")
         amax = None
-        if loss_scale.policy.observes_amax:
-            maxima = [a.to(loss_scale.device) for a in self._amax_seen]
+        if self._reads_amax:
+            maxima = [a.to(loss_scale.device) for a in iteration.amax_seen]
             amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=loss_scale.device)
             stages.agree_amax_(amax, self.process_group)
-        scale = loss_scale.scale.clone() if self._add_ons else loss_scale.scale
-        loss_scale.update(found_inf, amax, self._loss_finite)
+        fault = self._fault() if self._finds_forward_faults else None
+        scale = loss_scale.update(found_inf, amax, iteration.loss_finite, skip=fault)
         self._updates += 1
+        self._iteration = _Iteration()
         if self._add_ons:
             flag = found_inf.bool()
             outcome = StepOutcome(
-                stepped=~flag, found_inf=flag, scale=scale, next_scale=loss_scale.scale, step=self._updates - 1
+                stepped=~flag if fault is None else ~(flag | fault.bool()),
+                found_inf=flag,
+                scale=scale,
+                next_scale=loss_scale.scale,
+                step=self._updates - 1,
+                forward_fault=None if fault is None else fault.bool(),
             )
+            fields: dict[str, Any] = {}
             for add_on in self._add_ons:
-                add_on.after_step(outcome)
+                fields.update(add_on.after_step(outcome) or {})
+            self.last_fields = fields
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a host read); 1.0 when disabled."""
@@ -512,42 +572,30 @@ class GradScaler:
             optimizer, "GradScaler.unscale_(optimizer)", allow_fp16=allow_fp16, required=False
         )
         found: dict[torch.device, torch.Tensor] = {}
-        for (device, dtype), group in groups.items():
+        for (device, _), group in groups.items():
             if device not in found:
                 found[device] = found_inf.to(device, copy=True)
-            if self._loss_scale.policy.observes_amax:
-                amax = stages.measure_(
-                    stages.Groups({(device, dtype): group}),
-                    found[device],
-                    self.overflow_mode,
-                    self._threshold,
-                    amax=True,
-                )
-                assert amax is not None
-                self._amax_seen.append(amax)
+            if self._reads_amax:
+                amax = check_with_amax_(group, found[device], self.overflow_mode, self._threshold)
+                self._iteration.amax_seen.append(amax)
             stages.unscale_(group, found[device], inv_scale, self.overflow_mode, self._threshold)
         return found
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """Check ``optimizer``'s gradients for a fused step, starting from the scale's guard; record found_inf
         per device. One pass; no host read."""
-        record = self._per_optimizer_states[id(optimizer)]
+        record = self._iteration.records[id(optimizer)]
         groups = stages.grouped_gradients(optimizer, "GradScaler.step(optimizer)", required=False)
         found: dict[torch.device, torch.Tensor] = {}
-        for (device, dtype), group in groups.items():
+        for (device, _), group in groups.items():
             if not found:  # the first flag starts from the scale's verdict
                 found[device] = stages.guarded_found(self._loss_scale.scale, device)
             elif device not in found:
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
-            amax = stages.measure_(
-                stages.Groups({(device, dtype): group}),
-                found[device],
-                self.overflow_mode,
-                self._threshold,
-                amax=self._loss_scale.policy.observes_amax,
-            )
-            if amax is not None:
-                self._amax_seen.append(amax)
+            if self._reads_amax:
+                self._iteration.amax_seen.append(check_with_amax_(group, found[device], self.overflow_mode, self._threshold))
+            else:
+                check_(group, found[device], self.overflow_mode, self._threshold)
         record["found_inf_per_device"] = self._agreed(found)
         return record["found_inf_per_device"]
 
@@ -564,13 +612,13 @@ class GradScaler:
         names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         record = self._per_optimizer_states.get(id(optimizer))
         unscaled = (
-            record is not None and record["stage"] is not OptState.READY and not stages.takes_fused_scaling(optimizer)
+            record is not None and record["stage"] is not OptState.READY and stages.fused_scaling(optimizer) is None
         )
         divided = self.get_scale() if (unscaled and self._enabled) else 1.0
         return stages.overflowing_names(optimizer, names, self.overflow_mode, self._threshold, divided)
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._enabled and self._per_optimizer_states:
+        if self._enabled and self._iteration.records:
             raise RuntimeError(
                 "GradScaler can be pickled only between iterations (before scale() or after "
                 "update()); an unscale_()/step() is in flight."

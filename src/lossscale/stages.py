@@ -4,22 +4,22 @@
 
     scale_loss          loss * scale (/ accumulation)                          no pass, no host read
     grouped_gradients   the tensors to check and unscale in place, by device   no pass
-                        (flat_groups: the flat buffers of ops.flat.FlatGrads, one per device and dtype)
     guarded_found       found_inf: 1 where the scale itself is corrupted       0-d ops
     measure_            overflow (+ amax) of the scaled gradients              1 read
     inverse             1/scale (1 where the guard refused the scale)          0-d ops
-    norm_squared        the global squared norm (the clip's input)             1 read
+    clip_norm           the global-norm clip: the unscaled norm (a non-finite  1 read
+                        one is an overflow) and torch's coefficient
     unscale_            multiply by 1/scale (x clip), checking in the pass     1 read + 1 write
-    agree_              found_inf (and amax) reduced over ranks                1 all-reduce each
     clip_value_         clamp each unscaled gradient to [-v, v]                1 read + 1 write
+    agree_              found_inf (and forward_fault) over ranks               1 all-reduce
     apply               fused_step_ (flags in the kernel, no host read), applies_on_host (one host read),
                         or ops.masked.MaskedSkip (no host read)
-    advance             LossScale.update: the policy's rule, then its floor rule   0-d ops
+    update              LossScale.update: the policy's rule, then its floor rule   0-d ops
     attribute           overflowing_names: which parameters overflowed         1 read + 1 host read, on demand
 
 found_inf is one form through every stage: a 0-d float32 tensor, 0 or 1, on the scale's device (``guarded_found``
-makes it, the checks only ever set it to 1, ``agree_`` keeps it 0/1 across ranks). The front ends turn it into a
-bool once, for their results.
+makes it, the checks only ever set it to 1, ``agree_`` keeps it 0/1 across ranks). So is forward_fault where a front
+end finds forward faults. The front ends turn them into bools once, for their results.
 
 ``GradScaler`` and ``LossScaleOptimizer`` call these and nothing of each other.
 """
@@ -30,37 +30,17 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from lossscale.ops import distributed as _dist
-from lossscale.ops.clip import global_norm_squared, grouped_norm_squared
-from lossscale.ops.overflow import OverflowMode, check_, check_with_amax_, one, overflowing, unscale_and_check_
-from lossscale.validation import SMALLEST_NORMAL_FLOAT32, capturing
+from lossscale.ops.clip import EPS, global_norm_squared, grouped_norm_squared
+from lossscale.ops.overflow import OverflowMode, check_, check_with_amax_, overflowing, unscale_and_check_
+from lossscale.validation import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32, capturing
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-
-__all__ = [
-    "NoGradientsError",
-    "scale_loss",
-    "grouped_gradients",
-    "flat_groups",
-    "measure_",
-    "norm_squared",
-    "unscale_",
-    "clip_value_",
-    "takes_fused_scaling",
-    "guarded_found",
-    "inverse",
-    "agree_",
-    "agree_amax_",
-    "fused_step_",
-    "applies_on_host",
-    "takes_grad_scaler",
-    "overflowing_names",
-]
 
 
 class Groups(dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]):
@@ -83,9 +63,8 @@ def validate_loss(call: str, loss: Any) -> None:
         )
 
 
-def scale_loss(loss: Any, scale: torch.Tensor, divisor: int = 1, call: str = "scale_loss(loss)") -> torch.Tensor:
-    """``loss * scale / divisor`` on the loss's device (:func:`validate_loss` first). No pass, no host read."""
-    validate_loss(call, loss)
+def scale_loss(loss: torch.Tensor, scale: torch.Tensor, divisor: int = 1) -> torch.Tensor:
+    """``loss * scale / divisor`` on the loss's device (the front end validated the loss). No pass, no host read."""
     factor = scale if divisor == 1 else scale / divisor
     return loss * factor.to(loss.device, non_blocking=True)
 
@@ -95,8 +74,6 @@ def _writable(param: torch.Tensor) -> torch.Tensor:
     values (float16 ones coalesced first, written back to ``param.grad``, as torch does)."""
     grad = param.grad
     assert grad is not None  # only parameters with a gradient are grouped
-    if type(grad) is torch.Tensor and grad.layout is torch.strided:  # dense, not a DTensor: itself
-        return grad
     if grad.is_sparse:
         if grad.dtype == torch.float16 and not grad.is_coalesced():
             param.grad = grad = grad.coalesce()
@@ -104,21 +81,26 @@ def _writable(param: torch.Tensor) -> torch.Tensor:
     return _dist.local_shard(grad)
 
 
-_GROUP_BY_DEVICE_AND_DTYPE = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)  # torch's C++ grouping
-
-
 def grouped_gradients(
     optimizer: torch.optim.Optimizer, call: str, *, allow_fp16: bool = True, required: bool = True
 ) -> Groups:
-    """The tensors to check and unscale in place, one per parameter with a gradient, grouped by (device,
-    dtype) in the optimizer's order. No pass.
+    """The tensors to check and unscale in place, one per parameter with a gradient (a DTensor's local shard, a
+    sparse gradient's values), grouped by (device, dtype) in the optimizer's order by torch's own grouping. No pass.
 
     Raises:
         NoGradientsError: no parameter of ``optimizer`` has a gradient (when ``required``).
         ValueError: a float16 gradient where ``allow_fp16`` is False (unscaling it would underflow).
     """
-    grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
-    groups = _group_plain(grads) if _all_plain(grads) else _group_any(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = [p.grad for p in params]
+    plain = all(type(g) is torch.Tensor and g.layout is torch.strided for g in grads)
+    tensors = grads if plain else [_writable(p) for p in params]
+    groups = Groups(
+        {key: lists[0] for key, (lists, _) in torch._C._group_tensors_by_device_and_dtype([tensors], False).items()}
+        if tensors
+        else {}
+    )
+    groups.plain = plain
     if not allow_fp16 and any(dtype == torch.float16 for _, dtype in groups):
         raise ValueError(
             f"{call}: the optimizer holds float16 gradients, whose unscaled values would "
@@ -130,42 +112,6 @@ def grouped_gradients(
             f"a gradient. Call backward on the scaled loss before stepping; a step with no "
             f"gradients would count as a clean step and grow the scale."
         )
-    return groups
-
-
-def flat_groups(buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor]) -> Groups:
-    """The flat gradient buffers (:class:`~lossscale.ops.flat.FlatGrads`) as the tensors to check and unscale
-    in place: one per (device, dtype). No pass."""
-    return Groups({key: [buffer] for key, buffer in buffers.items()})
-
-
-def _all_plain(grads: list[torch.Tensor]) -> bool:
-    """Every gradient a dense ``torch.Tensor`` (no DTensor, no sparse layout)."""
-    for grad in grads:
-        if type(grad) is not torch.Tensor or grad.layout is not torch.strided:
-            return False
-    return True
-
-
-def _group_plain(grads: list[torch.Tensor]) -> Groups:
-    """Plain dense gradients by (device, dtype), order kept."""
-    if _GROUP_BY_DEVICE_AND_DTYPE is None or not grads:
-        groups = Groups()
-        for grad in grads:
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        return groups
-    return Groups({key: lists[0] for key, (lists, _) in _GROUP_BY_DEVICE_AND_DTYPE([grads], False).items()})
-
-
-def _group_any(optimizer: torch.optim.Optimizer) -> Groups:
-    """Any gradients by (device, dtype), through :func:`_writable`; ``plain`` is False."""
-    groups = Groups()
-    groups.plain = False
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                grad = _writable(p)
-                groups.setdefault((grad.device, grad.dtype), []).append(grad)
     return groups
 
 
@@ -187,25 +133,33 @@ def measure_(
     return torch.stack(maxima).max() if maxima else torch.zeros((), device=found_inf.device)
 
 
-def norm_squared(
+def clip_norm(
     groups: Groups,
     grads: Callable[[], list[torch.Tensor]],
-    device: torch.device,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    max_norm: float,
     process_group: ProcessGroup | None = None,
     sharded: bool | None = None,
-) -> torch.Tensor:
-    """The squared global L2 norm of the gradients, 0-d float32 on ``device``: of ``groups`` as they are where
-    they are plain local gradients, else of the parameters' own gradients, listed by ``grads()`` only then (shards,
-    by their placement or ``sharded=True``, summed over the ranks that hold them). One read of every gradient; no
-    host read."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global-norm clip, decided on the scaled gradients before anything writes them (torch's
+    ``clip_grad_norm_`` on the unscaled ones)::
+
+        norm = sqrt(sum of |g|^2 over every gradient) * inv_scale     (a non-finite norm sets found_inf)
+        coefficient = min(1, max_norm / (norm + 1e-6))
+
+    The squares are summed over ``groups`` where they are plain local gradients, else over the parameters' own
+    gradients (listed by ``grads()`` only then: shards, by their placement or ``sharded=True``, summed over the ranks
+    that hold them). Returns (norm, coefficient), 0-d float32 on ``found_inf``'s device. One read of every gradient;
+    no host read."""
+    device = found_inf.device
     if sharded is not True and groups.plain:
-        return grouped_norm_squared(groups, device)
-    return global_norm_squared(grads(), process_group, sharded, device)
-
-
-def note_non_finite_(found_inf: torch.Tensor, value: torch.Tensor) -> None:
-    """Set ``found_inf`` to 1 where ``value`` (a squared norm, never negative) is inf or NaN. 0-d ops."""
-    found_inf.logical_or_(~(value < math.inf))
+        norm_squared = grouped_norm_squared(groups, device)
+    else:
+        norm_squared = global_norm_squared(grads(), process_group, sharded, device)
+    found_inf.logical_or_(~(norm_squared < math.inf))
+    norm = norm_squared.sqrt() * inv_scale
+    return norm, (max_norm / (norm + EPS)).clamp(max=1.0)
 
 
 def unscale_(
@@ -236,19 +190,24 @@ def clip_value_(groups: Groups, value: float) -> None:
         torch._foreach_clamp_max_(grads, value)
 
 
-def takes_fused_scaling(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step`` takes ``grad_scale``/``found_inf`` and skips in its kernel (torch's fused
-    Adam/AdamW/SGD: ``_step_supports_amp_scaling``)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-_FMAX = float(torch.finfo(torch.float32).max)
+def fused_scaling(optimizer: torch.optim.Optimizer) -> Literal["flags", "scaler"] | None:
+    """How ``optimizer.step`` takes the loss scale and skips in its kernel: ``"flags"`` (torch's fused
+    Adam/AdamW/SGD read ``grad_scale``/``found_inf``, ``_step_supports_amp_scaling``), ``"scaler"`` (an older one
+    whose step takes the whole scaler, ``grad_scaler=``), or None (it does not)."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return None
+    try:
+        takes_scaler = "grad_scaler" in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):
+        takes_scaler = False
+    return "scaler" if takes_scaler else "flags"
 
 
 def guarded_found(scale: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """A step's first found_inf: 0-d float32 on ``device`` (default the scale's), 1 where ``scale`` is not a
-    number in [2**-126, FMAX] (NaN, inf, 0, a negative: corrupted in memory), else 0. 2 0-d ops, no host read."""
-    found = scale.clamp(min=SMALLEST_NORMAL_FLOAT32, max=_FMAX).ne_(scale)
+    number in [2**-126, FLOAT32_MAX] (NaN, inf, 0, a negative: corrupted in memory), else 0. 2 0-d ops, no host
+    read."""
+    found = scale.clamp(min=SMALLEST_NORMAL_FLOAT32, max=FLOAT32_MAX).ne_(scale)
     if found.dtype != torch.float32 or (device is not None and found.device != torch.device(device)):
         found = found.to(device=found.device if device is None else device, dtype=torch.float32)
     return found
@@ -258,15 +217,33 @@ def inverse(scale: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
     """``1 / scale`` rounded once to float32, and 1 where :func:`guarded_found` refused the scale (``found``,
     its flag before any check sets it). 3 0-d ops, no host read."""
     inv = scale.reciprocal() if scale.dtype == torch.float32 else scale.double().reciprocal().float()
-    return torch.where(found.to(device=inv.device, dtype=torch.bool), one(inv.device), inv)
+    return inv.masked_fill(found.to(device=inv.device, dtype=torch.bool), 1.0)
 
 
 def agree_(
-    found_inf: torch.Tensor, process_group: ProcessGroup | None = None, *, is_flag: bool = False
-) -> torch.Tensor:
-    """found_inf as the group's 0/1 flag (:func:`lossscale.ops.distributed.reduce_found_inf`). One all-reduce
-    under torch.distributed, else a 0-d clamp (none with ``is_flag``); no host read."""
-    return _dist.reduce_found_inf(found_inf, process_group, is_flag=is_flag)
+    found_inf: torch.Tensor,
+    forward_fault: torch.Tensor | None = None,
+    process_group: ProcessGroup | None = None,
+    *,
+    is_flag: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """found_inf, and forward_fault where given, as the group's 0/1 flags, in one reduction::
+
+        found_inf = max over ranks of min(found_inf, 1)       (no min where ``is_flag``: already 0 or 1)
+        forward_fault = max over ranks of forward_fault
+
+    One all-reduce under torch.distributed (every rank of the group calls it), else nothing (a 0-d clamp for a
+    count); no host read."""
+    if not is_flag:
+        found_inf.clamp_(max=1.0)
+    if not _dist.active(process_group):
+        return found_inf, forward_fault
+    if forward_fault is None:
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=process_group)
+        return found_inf, None
+    both = torch.stack([found_inf, forward_fault.to(found_inf.device)])
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=process_group)
+    return both[0], both[1]
 
 
 def agree_amax_(amax: torch.Tensor, process_group: ProcessGroup | None = None) -> torch.Tensor:
@@ -295,28 +272,20 @@ def fused_step_(
         del fused.found_inf
 
 
-def applies_on_host(overflow: torch.Tensor, call: str = "step()") -> bool:
-    """Whether a step skipped on the host applies: ``not overflow`` (a flag or a count), the one host read.
+def applies_on_host(skip: torch.Tensor, call: str = "step()") -> bool:
+    """Whether a step skipped on the host applies: ``not skip`` (a flag or a count), the one host read.
 
     Raises:
         RuntimeError: naming ``call``, under CUDA graph capture (a graph cannot capture a host read).
     """
-    if capturing(overflow):
+    if capturing(skip):
         raise RuntimeError(
             f"{call} under CUDA graph capture: this step is skipped on the host, which reads found_inf there, and a "
             f"graph cannot capture a host read. Capture a fused optimizer built with capturable=True (e.g. "
             f"torch.optim.AdamW(params, fused=True, capturable=True): skipped in its kernel), or use "
             f"LossScaleOptimizer(skip_mode='masked') over an optimizer built with capturable=True."
         )
-    return not bool(overflow)
-
-
-def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step`` accepts ``grad_scaler=`` (torch hands such optimizers the whole scaler)."""
-    try:
-        return "grad_scaler" in inspect.signature(optimizer.step).parameters
-    except (TypeError, ValueError):
-        return False
+    return not bool(skip)
 
 
 def warn_grad_scaler_deprecated() -> None:

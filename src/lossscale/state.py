@@ -41,7 +41,8 @@ class LossScale(Generic[StateT]):
         >>> import torch
         >>> from lossscale import DynamicScale
         >>> loss_scale = LossScale(DynamicScale(init_scale=1024.0))
-        >>> loss_scale.update(torch.tensor(True))
+        >>> float(loss_scale.update(torch.tensor(True)))  # the scale the step ran at
+        1024.0
         >>> float(loss_scale.scale)
         512.0
     """
@@ -49,6 +50,7 @@ class LossScale(Generic[StateT]):
     def __init__(self, policy: Policy[StateT], device: torch.device | str | None = None) -> None:
         validate_policy("LossScale", policy)
         self._policy = policy
+        self._floor_reads_host = policy.floor_reads_host  # whether the floor rule runs after each update
         self._state = policy.init(device)
         # built at the first update on a CUDA device (policy.cuda_graph)
         self._replay: ReplayedUpdate[StateT] | None = None
@@ -93,6 +95,7 @@ class LossScale(Generic[StateT]):
             f"LossScale.set_policy({policy!r})", self.scale, policy.min_scale, policy.max_scale, "the current scale"
         )
         self._policy = policy
+        self._floor_reads_host = policy.floor_reads_host
         self._replay = None  # captured from the old rule
 
     def set_scale(
@@ -108,15 +111,23 @@ class LossScale(Generic[StateT]):
         self._state = dataclasses.replace(self._state, scale=scale.detach().reshape(()).to(self._state.scale))
 
     def update(
-        self, found_inf: torch.Tensor, amax: torch.Tensor | None = None, loss_finite: torch.Tensor | None = None
-    ) -> None:
-        """Advance the rule by one step, then the policy's floor rule (may raise FloorError).
+        self,
+        found_inf: torch.Tensor,
+        amax: torch.Tensor | None = None,
+        loss_finite: torch.Tensor | None = None,
+        *,
+        skip: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Move the rule by one step, then the policy's floor rule (may raise FloorError); where ``skip`` (0-d, a
+        forward fault) is nonzero, the whole state stays exactly as it was (the policy does not see the step).
+        Returns the scale the step ran at: the state's scale before the update, a tensor the update does not write.
         Host reads: none, unless the policy raises at its floor (``at_floor="raise"``: one).
 
         Under CUDA graph capture the new state is written into the current state's tensors (one multi-tensor
-        copy), so each replay of the graph reads and advances the same state; outside capture the state is
-        replaced and the tensors read before stay as they were. Outside capture, on a CUDA device, a policy with
-        ``cuda_graph`` True is advanced by :class:`ReplayedUpdate` (the same result, bit for bit)."""
+        copy), so each replay of the graph reads and advances the same state (the scale returned is then a copy);
+        outside capture the state is replaced and the tensors read before stay as they were. Outside capture, on a
+        CUDA device, a policy with ``cuda_graph`` True is advanced by :class:`ReplayedUpdate` (the same result, bit for
+        bit)."""
         old = self._state
         if not capturing(old.scale):
             if self._policy.cuda_graph and old.scale.is_cuda:
@@ -125,18 +136,21 @@ class LossScale(Generic[StateT]):
                 new = self._replay(old, found_inf, amax, loss_finite)
             else:
                 new = _policy_update(self._policy, old, found_inf, amax, loss_finite)
-            self._state = new
-            self._policy.enforce_floor(new)
-            return
-        if self._policy.floor_reads_host:
+            self._state = new if skip is None else _kept_where(skip, old, new)
+            if self._floor_reads_host:
+                self._policy.enforce_floor(self._state)
+            return old.scale
+        if self._floor_reads_host:
             raise RuntimeError(
                 f"LossScale.update under CUDA graph capture: the floor rule of {self._policy!r} "
                 f"reads the state on the host, which a graph cannot capture. Use a policy that "
                 f"keeps skipping at its floor (DynamicScale's at_floor='skip', the default) for a "
                 f"captured step."
             )
-        _write_into(old, _policy_update(self._policy, old, found_inf, amax, loss_finite))
-        self._policy.enforce_floor(old)
+        ran_at = old.scale.clone()
+        new = _policy_update(self._policy, old, found_inf, amax, loss_finite)
+        _write_into(old, new if skip is None else _kept_where(skip, old, new))
+        return ran_at
 
     def state_dict(self) -> dict[str, float | int | list[float] | list[int]]:
         """Every state field as plain numbers (host reads)."""
@@ -354,6 +368,14 @@ class _Layout:
                 ]
             out.update(zip((name for name, _ in members), parts))
         return out
+
+
+def _kept_where(skip: torch.Tensor, old: StateT, new: StateT) -> StateT:
+    """``new`` with every field taken from ``old`` where ``skip`` (0-d) is nonzero: the update masked. No host read."""
+    keep = skip.to(device=old.scale.device, dtype=torch.bool)
+    return dataclasses.replace(
+        new, **{f.name: torch.where(keep, getattr(old, f.name), getattr(new, f.name)) for f in dataclasses.fields(old)}
+    )
 
 
 def _write_into(target: StateRecord, source: StateRecord) -> None:

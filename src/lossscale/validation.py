@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any, TypeGuard
 
 import torch
@@ -256,3 +258,41 @@ def validate_scale_bounds(
 def capturing(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is on a CUDA device whose current stream is capturing a CUDA graph. No host read."""
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def in_backward() -> bool:
+    """Whether this thread is inside a backward pass (where a module's forward is a recomputation)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def outside_caller() -> int:
+    """The ``stacklevel`` that points a warning raised by the caller at the first frame outside lossscale and torch
+    (the user's line, however many of lossscale's calls and torch's wrappers are between)."""
+    level, frame = 2, sys._getframe(2)  # 1 is the caller itself
+    frame_or_none: FrameType | None = frame
+    while frame_or_none is not None and frame_or_none.f_globals.get("__name__", "").partition(".")[0] in (
+        "lossscale",
+        "torch",
+    ):
+        level, frame_or_none = level + 1, frame_or_none.f_back
+    return level
+
+
+def found_flag(found_inf: object, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A policy's ``found_inf`` argument (a bool flag, or a count of overflows of any dtype) on ``device``: as it is
+    where it already has ``dtype`` (the core's float32 0/1 flag, torch's float32 count: nonzero is an overflow either
+    way), else ``found_inf != 0`` in ``dtype``. No host read.
+
+    Raises:
+        TypeError: ``found_inf`` is not a tensor.
+    """
+    if not isinstance(found_inf, torch.Tensor):
+        raise TypeError(
+            f"update(state, found_inf): found_inf must be a tensor (bool or a count of overflows); "
+            f"got {type(found_inf).__name__}"
+        )
+    flag = found_inf.to(device=device, non_blocking=True)
+    if flag.dtype == dtype:
+        return flag
+    flag = flag != 0
+    return flag if dtype == torch.bool else flag.to(dtype)

@@ -11,8 +11,10 @@ import warnings
 import pytest
 import torch
 
-from lossscale import HostReadCounter, presets
-from lossscale.addons.base import Host, StepOutcome
+from lossscale import presets
+from lossscale.testing import HostReadCounter
+from lossscale.addons.base import FrontEnd, StepOutcome
+from lossscale.state import LossScale
 from lossscale.diagnosis import OverflowDiagnosis, OverflowWarning, find_overflow, keep_float32
 from test_diagnosis import Amplifier, hook_count, make_net, plant_gate_overflow
 
@@ -80,14 +82,14 @@ class CudaFrontEnd:
         self.params = list(model.parameters())
         self.state = policy.init("cuda")
         self.steps = 0
-        addon.attach(Host("CudaFrontEnd", tuple(self.params), torch.device("cuda")))
+        addon.attach(FrontEnd("CudaFrontEnd", LossScale(policy, "cuda"), tuple(self.params)))
 
     def step(self, x, counted: list | None = None):
         with torch.autocast("cuda", dtype=torch.float16):
             loss = self.model(x).float().pow(2).mean()
         scale = self.state.scale
         scaled = loss * scale
-        self._hook(counted, self.addon.on_scale_loss, loss, scaled)
+        self._hook(counted, self.addon.on_loss, loss, True)
         scaled.backward()
         grads = [p.grad for p in self.params]
         found = torch.zeros(1, device="cuda")

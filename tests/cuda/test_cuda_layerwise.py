@@ -75,7 +75,7 @@ def test_the_per_layer_unscale_launches_a_few_kernels_not_one_per_gradient():
     factors takes on CUDA, would launch 400 kernels). The host-op count of the same: tests/test_host_ops.py."""
     from torch.profiler import ProfilerActivity, profile
 
-    from lossscale.addons.layerwise import LayerScales
+    from lossscale.layerwise import LayerScales
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -7,11 +7,8 @@ from typing import Any
 
 import torch
 
-from lossscale.addons.base import AddOn, Host, StepOutcome
+from lossscale.addons.base import AddOn, FrontEnd, StepOutcome
 from lossscale.validation import ArgumentTypeError, unlike_tensor, validate_int_at_least
-
-__all__ = ["EMA"]
-
 
 class EMA(AddOn):
     """Shadow weights ``ema = momentum * ema + (1 - momentum) * param`` after every applied step.
@@ -35,13 +32,13 @@ class EMA(AddOn):
     key = "ema"
     label = "an EMA"
 
-    def attach(self, host: Host) -> None:
+    def attach(self, front_end: FrontEnd) -> None:
         """Bind to the front end's parameters (once: attaching again keeps the average)."""
-        if [id(p) for p in self.params] != [id(p) for p in host.params]:
-            self.bind(host.params)
+        if [id(p) for p in self.params] != [id(p) for p in front_end.params]:
+            self.bind(front_end.params)
 
     def after_step(self, outcome: StepOutcome) -> None:
-        """Advance the average where the step was applied."""
+        """Move the average where the step was applied."""
         self.update(outcome.stepped, outcome.step + 1)
 
     def bind(self, params: Iterable[torch.Tensor]) -> None:

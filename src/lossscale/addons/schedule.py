@@ -28,7 +28,7 @@ from typing import Any, Literal, cast
 
 import torch
 
-from lossscale.addons.base import AddOn, Host, StepOutcome
+from lossscale.addons.base import AddOn, FrontEnd, StepOutcome
 from lossscale.validation import ArgumentTypeError
 
 __all__ = ["PrecisionSchedule", "ScheduleConfig", "ScheduleState", "advance", "validate_attachable", "parse_mode"]
@@ -191,6 +191,8 @@ class PrecisionSchedule(AddOn):
         self._state = ScheduleState()
         self._told = False  # update() or load_state_dict() was called: the loop feeds the schedule
         self._unfed_steps = 0
+        self._window: str | None = None  # the precision of the window under way (fixed at its first loss)
+        self._reported: bool | None = None  # the switch back was reported (None: not attached yet)
 
     # --- what users read -----------------------------------------------------------------------
 
@@ -268,24 +270,36 @@ class PrecisionSchedule(AddOn):
     key = "schedule"
     label = "a precision schedule"
 
-    def attach(self, host: Host) -> None:
-        """Refuse parameters already in low precision (:func:`validate_attachable`)."""
-        validate_attachable(self, host.params, host.call)
+    def attach(self, front_end: FrontEnd) -> None:
+        """Refuse parameters already in low precision (:func:`validate_attachable`); the first time, a schedule
+        already back in its original precision has no switch left to report."""
+        validate_attachable(self, front_end.params, front_end.call)
+        if self._reported is None:
+            self._reported = self.switched
 
-    def scales_losses(self) -> bool:
-        """Losses are scaled while the schedule is in float16."""
+    def on_loss(self, loss: torch.Tensor | None, opens_window: bool) -> bool:
+        """At a window's first loss, note the precision it runs in; its losses are scaled while that is float16."""
+        if opens_window:
+            self._window = self.precision()
         return self.dtype == torch.float16
+
+    def after_step(self, outcome: StepOutcome) -> dict[str, Any]:
+        """``precision``: what the step's forward passes ran in; ``switched``: True on the first step run in the
+        original precision after the low-precision phase (once). Warns once if the schedule is never fed."""
+        self.note_optimizer_step()
+        precision = self._window if self._window is not None else self.precision()
+        self._window = None
+        switched = precision == "float32" and not self._reported
+        self._reported = self._reported or switched
+        return {"precision": precision, "switched": switched}
 
     def precision(self) -> str:
         """``"float16"`` or ``"bfloat16"`` before the switch, ``"float32"`` after it."""
         return "float32" if self.dtype is None else str(self.dtype).replace("torch.", "")
 
-    def after_step(self, outcome: StepOutcome) -> None:
-        self.note_optimizer_step()
-
     def note_optimizer_step(self) -> None:
-        """Called by the attached optimizer after each step: warns once when two ran and the schedule was never
-        fed (:meth:`update`, or a checkpoint loaded)."""
+        """Called after each optimizer step: warns once when two ran and the schedule was never fed (:meth:`update`,
+        or a checkpoint loaded)."""
         if self._told:
             return
         self._unfed_steps += 1
@@ -307,12 +321,22 @@ class PrecisionSchedule(AddOn):
     # --- checkpoints ------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``{'mode': ..., 'step': ..., 'switch_step': ...}``."""
-        return {"mode": self.config.mode, **dataclasses.asdict(self._state)}
+        """``{'mode': ..., 'step': ..., 'switch_step': ..., 'reported': ..., 'window': ...}``: the rule's state,
+        whether the switch back was reported, and the precision of the accumulation window under way (None
+        between windows)."""
+        return {
+            "mode": self.config.mode,
+            **dataclasses.asdict(self._state),
+            "reported": self.switched if self._reported is None else self._reported,
+            "window": self._window,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the mode must match (total_steps/target_loss may change on resume)."""
+        """Restore :meth:`state_dict`; the mode must match (total_steps/target_loss may change on resume). A state
+        saved before ``reported`` and ``window`` were kept takes the switch as reported once it happened."""
         self._state = self.validate_state_dict(state_dict)
+        self._reported = state_dict.get("reported", self.switched)
+        self._window = state_dict.get("window")
         self._told = True
 
     def validate_state_dict(self, state_dict: object) -> ScheduleState:
@@ -327,7 +351,16 @@ class PrecisionSchedule(AddOn):
                 f"{self!r}.load_state_dict(...): the checkpoint was saved by a schedule with mode "
                 f"{state_dict.get('mode')!r}; build the schedule with that mode to resume it."
             )
-        return _validated_state(f"{self!r}.load_state_dict", state_dict)
+        call = f"{self!r}.load_state_dict"
+        reported, window = state_dict.get("reported", False), state_dict.get("window")
+        if not isinstance(reported, bool):
+            raise TypeError(f"{call}(reported={reported!r}): reported must be a bool; got {type(reported).__name__}.")
+        if window not in (None, "float16", "bfloat16", "float32"):
+            raise ValueError(
+                f"{call}(window={window!r}): window must be None or the precision of the accumulation window "
+                f"under way ('float16', 'bfloat16' or 'float32'); got {window!r}."
+            )
+        return _validated_state(call, state_dict)
 
 
 def _validated_state(call: str, state_dict: Mapping[str, object]) -> ScheduleState:

@@ -55,15 +55,15 @@ from typing import Any
 import torch
 
 from lossscale import presets
-from lossscale.addons.base import AddOn, Host
 from lossscale.addons.ema import EMA
 from lossscale.compat._common import OptimizerHolder, validate_optional_number, validated_counters, validated_tensors
 from lossscale.ops.clip import clip_per_tensor_
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
 from lossscale.reporting import StepResult
+from lossscale.stages import fused_step_, fused_scaling
 from lossscale.validation import validate_choice, validate_int_at_least, validate_optimizer
 
-__all__ = ["LossScaleOptimizer", "BASE_KWARGS", "KerasArguments"]
+__all__ = ["LossScaleOptimizer", "BASE_KWARGS"]
 
 _CALL = "LossScaleOptimizer"
 
@@ -146,45 +146,66 @@ class _KerasEMA(EMA):
             )
 
 
-class KerasArguments(AddOn):
-    """Keras's base-optimizer arguments that torch's optimizers lack, as an add-on of the core optimizer.
-
-    Before each step, on the unscaled gradients (after the overflow check)::
+class _KerasStep(torch.optim.Optimizer):
+    """The inner optimizer's step with Keras's base-optimizer arguments that torch's optimizers lack, run when the core
+    applies the step (never on a skipped one), on the unscaled gradients::
 
         clipnorm:      g = g * clipnorm / max(||g||, clipnorm)   for each gradient (one read + one write pass)
-        weight_decay:  p = p * (1 - lr * weight_decay)            only where the step is applied (no host read)
+        weight_decay:  p = p * (1 - lr * weight_decay)            then the inner step
+
+    Its ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's, and so is its checkpoint. Where the
+    inner optimizer skips in its kernel (``grad_scale``/``found_inf``) and no ``clipnorm`` writes the gradients, so
+    does this step: the decay is masked by ``found_inf`` on the device (no host read).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, clipnorm: float | None, weight_decay: float | None) -> None:
-        self._inner = inner
+        self.inner = inner
         self.clipnorm = clipnorm
         self.weight_decay = weight_decay
-        self.writes_grads = clipnorm is not None
-        self._host: Host | None = None
+        self._step_supports_amp_scaling = clipnorm is None and fused_scaling(inner) == "flags"
 
-    def attach(self, host: Host) -> None:
-        self._host = host
+    @property  # type: ignore[override]  # the inner optimizer's groups, read through
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @property  # type: ignore[override]  # the inner optimizer's state, read through
+    def state(self) -> Any:
+        return self.inner.state
+
+    @property  # type: ignore[override]  # the inner optimizer's defaults, read through
+    def defaults(self) -> dict[str, Any]:
+        return self.inner.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def before_apply(self, stepped: torch.Tensor, grads: list[torch.Tensor] | None) -> None:
-        if self.clipnorm is not None and grads:
-            host = self._host
-            clip_per_tensor_(
-                grads,
-                self.clipnorm,
-                None if host is None else host.process_group,
-                None if host is None else host.sharded_grads,
-            )
-        if not self.weight_decay:
-            return
-        for group in self._inner.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                keep = torch.tensor(1.0 - group["lr"] * self.weight_decay, device=params[0].device)
-                torch._foreach_mul_(params, torch.where(stepped.to(params[0].device), keep, torch.ones_like(keep)))
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]  # the inner optimizer's return
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if self.clipnorm is not None:
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                clip_per_tensor_(grads, self.clipnorm)
+        if self.weight_decay:
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                if params:
+                    keep = torch.tensor(1.0 - group["lr"] * self.weight_decay, device=params[0].device)
+                    if found_inf is not None:  # the kernel skips where found_inf: so does the decay
+                        keep = torch.where(found_inf.to(keep.device, torch.bool), torch.ones_like(keep), keep)
+                    torch._foreach_mul_(params, keep)
+        if found_inf is None:
+            return self.inner.step(closure)
+        return fused_step_(self.inner, grad_scale, found_inf, closure)
 
     def __repr__(self) -> str:
-        return f"KerasArguments(clipnorm={self.clipnorm!r}, weight_decay={self.weight_decay!r})"
+        return f"_KerasStep({self.inner!r}, clipnorm={self.clipnorm!r}, weight_decay={self.weight_decay!r})"
 
 
 def _checked_grads(
@@ -300,16 +321,15 @@ class LossScaleOptimizer(OptimizerHolder):
             setattr(self, name, value)
         self.name = args["name"] if args["name"] is not None else "loss_scale_optimizer"
         self.ema = _KerasEMA(args["ema_momentum"]) if args["use_ema"] else None
-        extras = KerasArguments(inner_optimizer, args["clipnorm"], args["weight_decay"])
+        extras = args["clipnorm"] is not None or bool(args["weight_decay"])
         super().__init__(
             _CoreOptimizer(
-                inner_optimizer,
+                _KerasStep(inner_optimizer, args["clipnorm"], args["weight_decay"]) if extras else inner_optimizer,
                 policy=policy,
                 clip_grad_norm=args["global_clipnorm"],
                 clip_grad_value=args["clipvalue"],
                 accumulation_steps=args["gradient_accumulation_steps"] or 1,
                 ema=self.ema,
-                add_ons=[extras] if args["clipnorm"] is not None or args["weight_decay"] else [],
             )
         )
         device = self._opt.scale.device

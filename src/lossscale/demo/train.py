@@ -321,7 +321,7 @@ def train_run(
         "name": name,
         "heldout_loss": heldout[-1][1],
         "skipped_steps": last["skipped_steps"],
-        "final_scale": last["next_scale"] if last["precision"] in (None, "float16") else 1.0,
+        "final_scale": last["next_scale"] if last.get("precision") in (None, "float16") else 1.0,
         "underflow": sum(shares) / len(shares),
         "underflow_peak": max(shares),
         "seconds": seconds,

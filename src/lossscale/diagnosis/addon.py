@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from lossscale.addons.base import AddOn, Host, StepOutcome
+from lossscale.addons.base import AddOn, FrontEnd, StepOutcome
 from lossscale.diagnosis.report import OverflowReport, OverflowWarning
 from lossscale.diagnosis.trace import Tracer
 from lossscale.validation import ArgumentTypeError, validate_int_at_least
@@ -95,7 +95,8 @@ class OverflowDiagnosis(AddOn):
         >>> from lossscale.addons.base import StepOutcome
         >>> diagnosis = OverflowDiagnosis(torch.nn.Linear(2, 2), patience=2)
         >>> clean = StepOutcome(torch.tensor(True), torch.tensor(False), torch.tensor(8.0), torch.tensor(8.0), 0)
-        >>> diagnosis.after_step(clean)
+        >>> diagnosis.after_step(clean)  # the fields it adds to the step's result
+        {'overflow_kind': None, 'overflow_module': None}
         >>> diagnosis.tracing, diagnosis.log_fields
         (False, {'overflow_kind': None, 'overflow_module': None})
     """
@@ -117,7 +118,7 @@ class OverflowDiagnosis(AddOn):
         self.model = model
         self.patience = patience
         self.initial_limit = initial_limit
-        self.host: Host | None = None
+        self.front_end: FrontEnd | None = None
         #: The last traced step's report (None until one was traced).
         self.last_report: OverflowReport | None = None
         #: Each (kind, module) already warned about.
@@ -129,17 +130,22 @@ class OverflowDiagnosis(AddOn):
 
     # the add-on interface ---------------------------------------------------------------------------------------
 
-    def attach(self, host: Host) -> None:
-        self.host = host
+    def attach(self, front_end: FrontEnd) -> None:
+        self.front_end = front_end
 
-    def on_scale_loss(self, loss: torch.Tensor, scaled: torch.Tensor) -> None:
+    def on_loss(self, loss: torch.Tensor | None, opens_window: bool) -> bool:
+        """The end of a traced forward pass (its loss)."""
         if self._tracer is not None:
             self._tracer.end_forward(loss)
+        return True
 
-    def after_step(self, outcome: StepOutcome) -> None:
+    def after_step(self, outcome: StepOutcome) -> dict[str, Any]:
+        """The trigger; the trace it asked for; ``overflow_kind`` and ``overflow_module`` of the report the trace made
+        (None in every other step)."""
+        fields: dict[str, Any] = {"overflow_kind": None, "overflow_module": None}
         if self._tracer is not None:
-            self._finish_trace(outcome)
-            return
+            report = self._finish_trace(outcome)
+            return report.log_fields() if report is not None else fields
         if self._state is None:
             self._state = TriggerState.init(outcome.found_inf.device)
         self._state = advance_trigger(
@@ -147,6 +153,7 @@ class OverflowDiagnosis(AddOn):
         )
         if self._publish_and_poll():
             self._tracer = Tracer(self.model)
+        return fields
 
     # state for users and loggers --------------------------------------------------------------------------------
 
@@ -196,7 +203,7 @@ class OverflowDiagnosis(AddOn):
 
     # the traced step --------------------------------------------------------------------------------------------
 
-    def _finish_trace(self, outcome: StepOutcome) -> None:
+    def _finish_trace(self, outcome: StepOutcome) -> OverflowReport:
         tracer, self._tracer = self._tracer, None
         assert tracer is not None
         tracer.remove()
@@ -212,7 +219,7 @@ class OverflowDiagnosis(AddOn):
         self._slots = [(buffer, None) for buffer, _ in self._slots]  # their values predate the reset
         cause = (report.kind, report.module)
         if cause in self.reported:
-            return
+            return report
         self.reported.add(cause)
         where = f"rank {rank}: " if rank is not None else ""
         warnings.warn(
@@ -223,6 +230,7 @@ class OverflowDiagnosis(AddOn):
             ),
             stacklevel=3,
         )
+        return report
 
 
 def _safe_from_trace(tracer: Tracer, scale: float) -> float | None:
@@ -239,3 +247,42 @@ def _rank() -> int | None:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return None
+
+
+def validate_diagnose(call: str, diagnose: object, true_means: str | None = None) -> None:
+    """The one check of a ``diagnose=`` argument: None or False (no diagnosis), a ``torch.nn.Module`` (the model to
+    trace), an :class:`OverflowDiagnosis`, or True where ``true_means`` says which module True traces (a framework's
+    own model; None: True is refused, there is no model to offer).
+
+    Raises:
+        ArgumentTypeError: naming ``call``, the values allowed and the value received.
+    """
+    if diagnose is None or diagnose is False or isinstance(diagnose, (nn.Module, OverflowDiagnosis)):
+        return
+    if diagnose is True and true_means is not None:
+        return
+    allowed = (f"True ({true_means}), " if true_means else "") + (
+        "a torch.nn.Module (the model to trace when the loss scale collapses), a lossscale.OverflowDiagnosis, "
+        "or None/False (no diagnosis)"
+    )
+    hint = " Pass the model itself: diagnose=model." if diagnose is True else ""
+    raise ArgumentTypeError(
+        f"{call}(diagnose={diagnose!r:.60}): diagnose must be {allowed}; got {type(diagnose).__name__}.{hint}"
+    )
+
+
+def diagnosis_from(
+    call: str, diagnose: object, model: nn.Module | None = None, true_means: str = "the model being trained"
+) -> OverflowDiagnosis | None:
+    """The diagnosis ``diagnose=`` asks for (checked by :func:`validate_diagnose`): None for None and False, an
+    :class:`OverflowDiagnosis` as it is, ``OverflowDiagnosis(diagnose)`` for a module, and for True
+    ``OverflowDiagnosis(model)``, the framework's own model (``true_means`` says which, for the error where there is
+    none; a framework that meets it later builds it then)."""
+    validate_diagnose(call, diagnose, None if model is None else true_means)
+    if diagnose is None or diagnose is False:
+        return None
+    if isinstance(diagnose, OverflowDiagnosis):
+        return diagnose
+    target = model if diagnose is True else diagnose
+    assert isinstance(target, nn.Module)  # validated above
+    return OverflowDiagnosis(target)

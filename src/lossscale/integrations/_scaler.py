@@ -1,15 +1,62 @@
-"""What Lightning's and Fabric's ``MixedPrecision`` plugins share: the scaler, and a step's StepResult."""
+"""What Lightning's and Fabric's ``MixedPrecision`` plugins share: the scaler, its diagnosis, and a step's
+StepResult."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from lossscale.diagnosis.addon import OverflowDiagnosis, validate_diagnose
+from lossscale.keywords import add_ons_from
 from lossscale.reporting import ScalerStep, StepResult
 from lossscale.scaler import GradScaler
 
-__all__ = ["make_scaler", "scaler_result"]
+__all__ = ["carried", "diagnose_later", "diagnose_model", "make_scaler", "scaler_result"]
+
+
+def carried(add_ons: Iterable[object]) -> OverflowDiagnosis | None:
+    """The OverflowDiagnosis among a front end's add-ons, or None."""
+    return next((a for a in add_ons if isinstance(a, OverflowDiagnosis)), None)
+
+
+def diagnose_later(call: str, diagnose: object, true_means: str, front_end: GradScaler | Any, where: str) -> bool:
+    """A plugin's ``diagnose=``: checked; a module or an OverflowDiagnosis given to ``front_end`` (the scaler or
+    optimizer the plugin drives) at once, through the keyword table. Returns whether ``diagnose`` is True: the
+    plugin gives it the framework's model when it meets it (:func:`diagnose_model`).
+
+    Raises:
+        ValueError: ``front_end`` carries a diagnosis of its own too.
+    """
+    validate_diagnose(call, diagnose, true_means)
+    if diagnose is None or diagnose is False:
+        return False
+    if carried(front_end.add_ons) is not None:
+        raise ValueError(
+            f"{call}(diagnose=...) and a {where} built with diagnose= of its own: give the diagnosis "
+            f"once, in one of the two; got both."
+        )
+    if diagnose is True:
+        return True
+    front_end.attach_add_ons(add_ons_from(call, diagnose=diagnose))
+    return False
+
+
+def diagnose_model(call: str, front_end: GradScaler | Any, model: torch.nn.Module, where: str) -> None:
+    """``diagnose=True``: give ``front_end`` a diagnosis of ``model`` (the framework's), once.
+
+    Raises:
+        ValueError: it already traces another module.
+    """
+    bound = carried(front_end.add_ons)
+    if bound is None:
+        front_end.attach_add_ons(add_ons_from(call, diagnose=True, model=model))
+    elif bound.model is not model:
+        raise ValueError(
+            f"{call}(diagnose=True) traces the one module {where}, and another one ({type(model).__name__}) came after "
+            f"{type(bound.model).__name__}; pass the module to trace: {call}(..., diagnose=model)."
+        )
 
 
 def make_scaler(
@@ -68,4 +115,6 @@ def scaler_result(
         next_scale=after,
         grad_norm=grad_norm,
         step=step,
+        forward_fault=decision.forward_fault,
+        fields=dict(scaler.last_fields),
     )

@@ -27,8 +27,7 @@ require("accelerate", "accelerate", "accelerate")
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from lossscale.diagnosis.addon import OverflowDiagnosis
-from lossscale.integrations._diagnose import diagnosis_for, validate_diagnose
+from lossscale.diagnosis.addon import OverflowDiagnosis, validate_diagnose
 from lossscale.scaler import GradScaler
 
 __all__ = ["use_lossscale"]
@@ -111,8 +110,8 @@ def use_lossscale(
         ValueError: mixed_precision is not ``"fp16"``; a CPU device without ``fp16_on_cpu``, or
             ``fp16_on_cpu`` elsewhere; DeepSpeed or Megatron-LM; both ``scaler_kwargs`` and ``GradScalerKwargs``.
     """
-    validate_diagnose("use_lossscale", diagnose, None)
-    return install(accelerator, fp16_on_cpu, scaler_kwargs, diagnose=diagnosis_for(diagnose))
+    validate_diagnose("use_lossscale", diagnose)
+    return install(accelerator, fp16_on_cpu, scaler_kwargs, diagnose=diagnose)
 
 
 def install(
@@ -121,7 +120,7 @@ def install(
     scaler_kwargs: dict[str, Any],
     name: str = "accelerator",
     scaler_type: type[GradScaler] = GradScaler,
-    diagnose: OverflowDiagnosis | None = None,
+    diagnose: object = None,
 ) -> GradScaler:
     """:func:`use_lossscale`'s checks and installation, for the front ends built on it: ``name`` is the argument
     their errors echo, ``scaler_type`` the GradScaler (or subclass) they install, ``diagnose`` its diagnosis."""

@@ -11,12 +11,10 @@ from lossscale.integrations import require
 require("lightning.fabric", "lightning", "fabric")
 
 from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPrecision
-from lightning.fabric.plugins.precision import Precision as _FabricPrecision
 from lightning.fabric.utilities.types import Optimizable
 
 from lossscale.diagnosis.addon import OverflowDiagnosis
-from lossscale.integrations._diagnose import PluginDiagnosis, carried
-from lossscale.integrations._scaler import make_scaler, scaler_result
+from lossscale.integrations._scaler import carried, diagnose_later, diagnose_model, make_scaler, scaler_result
 from lossscale.reporting import StepResult
 from lossscale.scaler import GradScaler
 
@@ -58,9 +56,10 @@ class MixedPrecision(_FabricMixedPrecision):
         diagnose: bool | torch.nn.Module | OverflowDiagnosis | None = None,
         **scaler_kwargs: Any,
     ) -> None:
-        self._diagnose = PluginDiagnosis("MixedPrecision", diagnose, "the module given to fabric.setup")
         scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs)  # precision: "16-mixed"
-        self._diagnose.refuse_another(scaler.add_ons, "GradScaler")
+        self._diagnose_module = diagnose_later(
+            "MixedPrecision", diagnose, "the module given to fabric.setup", scaler, "GradScaler"
+        )
         super().__init__("16-mixed", device, scaler=scaler)  # type: ignore[arg-type]  # Fabric types the slot as torch's GradScaler; lossscale's has its surface
         self.last_result: StepResult | None = None
         self._steps = 0
@@ -69,25 +68,13 @@ class MixedPrecision(_FabricMixedPrecision):
     def diagnosis(self) -> OverflowDiagnosis | None:
         """The overflow diagnosis (``diagnose=``'s, or the scaler's own), or None; with ``diagnose=True`` it exists
         once a module was set up."""
-        return self._diagnose.diagnosis or carried(cast(GradScaler, self.scaler).add_ons)
+        return carried(cast(GradScaler, self.scaler).add_ons)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Fabric's conversion (none for mixed precision); with ``diagnose=True``, ``module`` becomes the one traced."""
-        bound = self._diagnose.diagnosis
-        if self._diagnose.follows_module and bound is not None and bound.model is not module:
-            raise ValueError(
-                f"MixedPrecision(diagnose=True) traces the one module given to fabric.setup, and a second one "
-                f"({type(module).__name__}) was set up after {type(bound.model).__name__}; pass the module to "
-                f"trace: MixedPrecision(..., diagnose=model)."
-            )
-        self._diagnose.bind(module)
+        if self._diagnose_module:
+            diagnose_model("MixedPrecision", cast(GradScaler, self.scaler), module, "given to fabric.setup")
         return super().convert_module(module)
-
-    def backward(self, tensor: torch.Tensor, model: torch.nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """``scaler.scale(tensor).backward()``, the scaled loss shown to the diagnosis first."""
-        scaled = cast(GradScaler, self.scaler).scale(tensor)
-        self._diagnose.on_scale_loss(tensor, scaled)
-        _FabricPrecision.backward(self, scaled, model, *args, **kwargs)  # Fabric's plain backward: already scaled
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """``scaler.step(optimizer)`` and ``update()``; returns what the optimizer returned."""
@@ -98,6 +85,5 @@ class MixedPrecision(_FabricMixedPrecision):
         decision = scaler.step(cast(torch.optim.Optimizer, optimizer), **kwargs)  # Fabric steps torch optimizers
         scaler.update()
         self.last_result = scaler_result(decision, scale, scaler, self._steps)
-        self._diagnose.after_step(self.last_result)
         self._steps += 1
         return decision.value

@@ -33,11 +33,12 @@ from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixe
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from lossscale.diagnosis.addon import OverflowDiagnosis
-from lossscale.integrations._diagnose import PluginDiagnosis, carried
-from lossscale.integrations._scaler import make_scaler, scaler_result
+from lossscale.addons.schedule import PrecisionSchedule
+from lossscale.diagnosis.addon import OverflowDiagnosis, validate_diagnose
+from lossscale.integrations._scaler import carried, diagnose_later, diagnose_model, make_scaler, scaler_result
+from lossscale.keywords import add_ons_from
 from lossscale.optimizer import LossScaleOptimizer
-from lossscale.reporting import DiagnosisLog, ScalerStep, StepResult, read_scalars
+from lossscale.reporting import EventFields, ScalerStep, StepResult, read_scalars
 from lossscale.scaler import GradScaler
 
 __all__ = ["LossScaleMonitor", "LossScalePrecision", "MixedPrecision"]
@@ -77,9 +78,8 @@ class MixedPrecision(_LightningMixedPrecision):
         diagnose: bool | torch.nn.Module | OverflowDiagnosis | None = None,
         **scaler_kwargs: Any,
     ) -> None:
-        self._diagnose = PluginDiagnosis("MixedPrecision", diagnose, _TRAINED)
         scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs)  # precision: "16-mixed"
-        self._diagnose.refuse_another(scaler.add_ons, "GradScaler")
+        self._diagnose_module = diagnose_later("MixedPrecision", diagnose, _TRAINED, scaler, "GradScaler")
         super().__init__("16-mixed", device, scaler=scaler)  # type: ignore[arg-type]  # Lightning types the slot as torch's GradScaler; lossscale's has its surface
         self.last_result: StepResult | None = None
         self._carried: torch.Tensor | None = None
@@ -94,21 +94,16 @@ class MixedPrecision(_LightningMixedPrecision):
     def diagnosis(self) -> OverflowDiagnosis | None:
         """The overflow diagnosis (``diagnose=``'s, or the scaler's own), or None; with ``diagnose=True`` it exists
         once the Trainer connected the plugin to the LightningModule."""
-        return self._diagnose.diagnosis or carried(self._grad_scaler.add_ons)
+        return carried(self._grad_scaler.add_ons)
 
     def connect(
         self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], list[Any]]:
         """Lightning's connect; with ``diagnose=True``, the LightningModule becomes the module traced."""
-        if self._diagnose.follows_module:
-            self._diagnose.bind(_lightning_module(model, "MixedPrecision.connect"))
+        if self._diagnose_module:
+            module = _lightning_module(model, "MixedPrecision.connect")
+            diagnose_model("MixedPrecision", self._grad_scaler, module, "being trained")
         return super().connect(model, optimizers, lr_schedulers)
-
-    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]  # Lightning's own signature, which narrows Fabric's
-        """Lightning's scaling of the loss, shown to the diagnosis."""
-        scaled = super().pre_backward(tensor, module)
-        self._diagnose.on_scale_loss(tensor, scaled)
-        return scaled
 
     def _after_closure(self, model: pl.LightningModule, optimizer: Steppable) -> None:
         """Lightning's hooks and clipping, then note the scale the gradients carry."""
@@ -130,7 +125,6 @@ class MixedPrecision(_LightningMixedPrecision):
         self.last_result = scaler_result(
             out, self._carried, self._grad_scaler, model.trainer.global_step, self._grad_norm
         )
-        self._diagnose.after_step(self.last_result)
         return out.value
 
 
@@ -220,17 +214,18 @@ class LossScalePrecision(Precision):
         self.dtype = dtype
         self.device = device
         self.precision = _PRECISIONS[dtype]
-        self._diagnose = PluginDiagnosis("LossScalePrecision", diagnose, _TRAINED)
+        validate_diagnose("LossScalePrecision", diagnose, _TRAINED)
+        self._diagnose = diagnose
         self.last_result: StepResult | None = None
         self._wrappers: list[LossScaleOptimizer] = []
         self._module: pl.LightningModule | None = None
+        self._bound: OverflowDiagnosis | None = None  # the diagnosis diagnose= gave the wrapper
 
     @property
     def diagnosis(self) -> OverflowDiagnosis | None:
         """The overflow diagnosis (``diagnose=``'s, or the first one a wrapper carries), or None; with
         ``diagnose=True`` it exists once the Trainer connected the plugin to the LightningModule."""
-        own = self._diagnose.diagnosis
-        return own or next((d for w in self._wrappers if (d := carried(w.add_ons)) is not None), None)
+        return next((d for w in self._wrappers if (d := carried(w.add_ons)) is not None), None)
 
     def connect(
         self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
@@ -245,15 +240,14 @@ class LossScalePrecision(Precision):
             )
         self._wrappers = [cast(LossScaleOptimizer, _unwrap(o)) for o in optimizers]  # each checked just above
         self._module = _lightning_module(model)
-        if self._diagnose.on:
+        if self._diagnose is not None and self._diagnose is not False:
             if len(self._wrappers) != 1:
                 raise ValueError(
                     f"LossScalePrecision(diagnose=...) follows one LossScaleOptimizer's steps; configure_optimizers "
                     f"returned {len(self._wrappers)}. Pass diagnose=self to the LossScaleOptimizer(s) in "
                     f"configure_optimizers instead."
                 )
-            self._diagnose.refuse_another(self._wrappers[0].add_ons, "LossScaleOptimizer")
-            self._diagnose.bind(self._module)
+            self._diagnose_wrapper(self._wrappers[0], self._module)
         trainer = self._module.trainer
         if self._module.automatic_optimization:
             self._validate_accumulation(trainer.accumulate_grad_batches)
@@ -262,6 +256,29 @@ class LossScalePrecision(Precision):
                     self._validate_clip(w, trainer.gradient_clip_val, trainer.gradient_clip_algorithm, mapping=True)
         self._check_schedules()
         return model, optimizers, lr_schedulers
+
+    def _diagnose_wrapper(self, wrapper: LossScaleOptimizer, module: pl.LightningModule) -> None:
+        """Give the wrapper the diagnosis ``diagnose=`` asks for, once (through the keyword table).
+
+        Raises:
+            ValueError: the wrapper carries a diagnosis of its own, or ``diagnose=True``'s traces another module.
+        """
+        own = carried(wrapper.add_ons)
+        if own is not None and own is self._bound:
+            if self._diagnose is True and own.model is not module:
+                raise ValueError(
+                    f"LossScalePrecision(diagnose=True) traces the one LightningModule being trained, and another one "
+                    f"({type(module).__name__}) came after {type(own.model).__name__}; pass the module to trace: "
+                    f"LossScalePrecision(..., diagnose=model)."
+                )
+            return
+        if own is not None:
+            raise ValueError(
+                "LossScalePrecision(diagnose=...) and a LossScaleOptimizer built with diagnose= of its own: give the "
+                "diagnosis once, in one of the two; got both."
+            )
+        wrapper.attach_add_ons(add_ons_from("LossScalePrecision", diagnose=self._diagnose, model=module))
+        self._bound = carried(wrapper.add_ons)
 
     def _validate_accumulation(self, accumulate_grad_batches: int) -> None:
         for w in self._wrappers:
@@ -294,8 +311,12 @@ class LossScalePrecision(Precision):
             f"Lightning's clipping off."
         )
 
+    def _schedules(self) -> list[PrecisionSchedule]:
+        """The wrappers' precision schedules (add-ons), one entry per wrapper that has one."""
+        return [a for w in self._wrappers for a in w.add_ons if isinstance(a, PrecisionSchedule)]
+
     def _check_schedules(self) -> None:
-        schedules = {id(w.schedule): w.schedule for w in self._wrappers if w.schedule is not None}
+        schedules = {id(s): s for s in self._schedules()}
         if len(schedules) > 1:
             raise ValueError(
                 f"LossScalePrecision: the optimizers carry {len(schedules)} different "
@@ -329,7 +350,7 @@ class LossScalePrecision(Precision):
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         """Autocast to ``dtype``; with a schedule, the schedule's autocast at ``trainer.global_step``."""
-        schedule = next((w.schedule for w in self._wrappers if w.schedule is not None), None)
+        schedule = next(iter(self._schedules()), None)
         if schedule is None:
             with torch.autocast(self.device, dtype=self.dtype):
                 yield
@@ -342,9 +363,7 @@ class LossScalePrecision(Precision):
     def backward(  # type: ignore[override]  # Lightning's own signature, which narrows Fabric's
         self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Steppable | None, *args: Any, **kwargs: Any
     ) -> None:
-        scaled = self._wrapper(optimizer, "backward").scale_loss(tensor)
-        self._diagnose.on_scale_loss(tensor, scaled)
-        model.backward(scaled, *args, **kwargs)
+        model.backward(self._wrapper(optimizer, "backward").scale_loss(tensor), *args, **kwargs)
 
     def clip_gradients(
         self,
@@ -371,7 +390,6 @@ class LossScalePrecision(Precision):
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: nothing to step
         self.last_result = wrapper.step()
-        self._diagnose.after_step(self.last_result)
         return self.last_result
 
 
@@ -413,7 +431,7 @@ class LossScaleMonitor(Callback):
         self.prefix = prefix
         self._skipped: torch.Tensor | int = 0
         self._seen: StepResult | None = None
-        self._reports: DiagnosisLog | None = None
+        self._events = EventFields()  # the fields the steps' add-ons added, kept until Lightning logs
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not trainer.loggers:
@@ -430,12 +448,6 @@ class LossScaleMonitor(Callback):
                 f"in Trainer(plugins=[...])."
             )
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Follow the plugin's diagnosis, if any (with ``diagnose=True`` the plugin built it at connect)."""
-        diagnosis = getattr(trainer.precision_plugin, "diagnosis", None)
-        if self._reports is None or self._reports.diagnosis is not diagnosis:
-            self._reports = None if diagnosis is None else DiagnosisLog(diagnosis)
-
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         """Count a new step's skip on the device; read and log only when Lightning logs."""
         result = cast(_ReportsSteps, trainer.precision_plugin).last_result  # setup() checked it has last_result
@@ -443,14 +455,15 @@ class LossScaleMonitor(Callback):
             return
         self._seen = result
         self._skipped = result.skipped.to(torch.int64) + self._skipped
+        self._events.add(result.fields)
         if not trainer._logger_connector.should_update_logs:  # Lightning's cadence, as in LearningRateMonitor
             return
         values: dict[str, torch.Tensor | int] = {"scale": result.scale, "skipped_steps": self._skipped}
         if result.underflow is not None:
             values["underflow"] = result.underflow
         metrics: dict[str, Any] = {f"{self.prefix}/{k}": v for k, v in read_scalars(values).items()}
-        found = self._reports.new_fields() if self._reports is not None else None
-        text: dict[str, Any] = {f"{self.prefix}/{k}": v for k, v in (found or {}).items() if v is not None}
+        found = self._events.take()
+        text: dict[str, Any] = {f"{self.prefix}/{k}": v for k, v in found.items() if isinstance(v, str)}
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):  # its log_metrics takes numbers only

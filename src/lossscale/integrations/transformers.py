@@ -29,11 +29,10 @@ require("accelerate", "transformers", "transformers")
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from lossscale.diagnosis.addon import OverflowDiagnosis
-from lossscale.integrations._diagnose import carried, diagnosis_for, validate_diagnose
+from lossscale.diagnosis.addon import OverflowDiagnosis, diagnosis_from
 from lossscale.integrations.accelerate import install, prepared
 from lossscale.policies.base import Policy
-from lossscale.reporting import DiagnosisLog, ScalerStep, read_scalars
+from lossscale.reporting import EventFields, ScalerStep, read_scalars
 from lossscale.scaler import GradScaler
 
 __all__ = ["LossScaleCallback", "use_lossscale"]
@@ -53,6 +52,14 @@ class _TrainerScaler(GradScaler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{"skip_mode": "host", **kwargs})
         self._skipped: torch.Tensor | int = 0
+        #: The fields the add-ons added at each update, kept until the Trainer logs (LossScaleCallback takes them).
+        self.unlogged = EventFields()
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """GradScaler.update, keeping the fields its add-ons added for the next log."""
+        super().update(new_scale)
+        if new_scale is None:
+            self.unlogged.add(self.last_fields)
 
     @property
     def skipped_steps(self) -> torch.Tensor | int:
@@ -111,12 +118,9 @@ class LossScaleCallback(TrainerCallback):
 
     def __init__(self) -> None:
         self._scaler: _TrainerScaler | None = None
-        self._reports: DiagnosisLog | None = None
 
     def _attach(self, scaler: _TrainerScaler) -> None:
         self._scaler = scaler
-        diagnosis = carried(scaler.add_ons)
-        self._reports = None if diagnosis is None else DiagnosisLog(diagnosis)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -144,8 +148,7 @@ class LossScaleCallback(TrainerCallback):
             return
         scale = self._scaler.loss_scale.scale if self._scaler.is_enabled() else 1.0
         values = read_scalars({"loss_scale": scale, "skipped_steps": self._scaler.skipped_steps})
-        found = self._reports.new_fields() if self._reports is not None else None
-        values.update({k: v for k, v in (found or {}).items() if v is not None})
+        values.update(self._scaler.unlogged.take())
         record = state.log_history[-1] if state.log_history else None
         if record is not None and record.keys() == logs.keys() | {"step"}:  # Trainer.log's copy of these logs
             record.update(values)
@@ -249,8 +252,7 @@ def use_lossscale(
             DeepSpeed (it keeps its own scaler); GradScaler's own refusals.
     """
     _check(trainer)
-    validate_diagnose("use_lossscale", diagnose, "the Trainer's own model, trainer.model")
-    diagnosis = diagnosis_for(diagnose, trainer.model)
+    diagnosis = diagnosis_from("use_lossscale", diagnose, trainer.model, "the Trainer's own model, trainer.model")
     kwargs = scaler_kwargs if policy is None else {"policy": policy, **scaler_kwargs}
     scaler = cast(
         _TrainerScaler,

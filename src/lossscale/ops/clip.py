@@ -1,47 +1,73 @@
-"""Gradient norms and clipping coefficients, computed on scaled gradients in one read pass.
+"""Gradient norms, computed on scaled gradients in one read pass, and the per-tensor clip.
 
 The unscaled global norm is ``norm(scaled) / scale``, so clipping folds into the unscale coefficient
-(``inv_scale * clip``). Sharded gradients (FSDP2's DTensor ``Shard(0)``): each rank reads its shard and the
-squared norms of shards are summed over the ranks (one all-reduce); replicated gradients count once.
+(``inv_scale * clip``; the coefficient itself is :func:`lossscale.stages.clip_norm`). Sharded gradients (FSDP2's
+DTensor ``Shard(0)``): each rank reads its shard and the squared norms of shards are summed over the ranks (one
+all-reduce); replicated gradients count once.
+
+Per-tensor norms come as one vector with no host op per tensor (:func:`norms`): ``torch._foreach_norm`` returns
+one 0-d tensor per gradient, each its own allocation, and ``torch.stack`` of n of them dispatches 2n ops on the host
+(an unsqueeze and an as_strided per tensor): for 2,000 gradients on a GPU, milliseconds of host time that the device
+waits for. :func:`norms` copies them instead with one multi-tensor copy (``torch._foreach_copy_``) into views of a
+kept buffer, then clones it: a constant number of host ops. On the CPU, where torch's multi-tensor copy is a loop of
+copies, ``torch.stack`` is faster and is kept.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from lossscale.ops import distributed as _dist
-from lossscale.ops.gather import gathered
-from lossscale.ops.overflow import group_by_device_and_dtype
+from lossscale.validation import capturing
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = [
-    "squared_norms",
-    "global_norm_squared",
-    "grouped_norm_squared",
-    "global_clip_coefficient",
-    "clip_per_tensor_",
-]
-
 # torch.nn.utils.clip_grad_norm_'s guard against division by zero.
 EPS = 1e-6
 
+#: Below this many values ``torch.stack`` is as cheap as the kept buffer.
+MIN_COUNT = 16
+#: Device types where ``torch.stack`` is kept (the CPU's multi-tensor copy is a loop of copies).
+STACK_ON = frozenset({"cpu"})
+#: Per thread, (device, dtype, count, CUDA stream) -> (buffer, its 0-d views). Kept for the process's life: a
+#: handful of sizes in practice (one per set of gradients a step reads), each a vector of floats and its views. One
+#: buffer per thread and stream, so that a copy into it is never reordered before another's read of it.
+_KEPT = threading.local()
+
+
+def norms(tensors: Sequence[torch.Tensor], ord: float = 2.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The per-tensor norms of ``tensors`` (one device, dense) as one 1-D tensor, in their dtype or ``dtype``
+    (``torch.stack(torch._foreach_norm(tensors, ord, dtype=dtype))``, equal value for value; NaN propagated). One
+    read of every tensor; no host read. Host ops: a constant number whatever ``len(tensors)`` (one multi-tensor copy into a kept
+    buffer and one clone), except on :data:`STACK_ON` devices (the CPU), below :data:`MIN_COUNT` tensors and under CUDA
+    graph capture (where host time is spent once, at capture), where ``torch.stack`` is used."""
+    values = torch._foreach_norm(list(tensors), ord, dtype=dtype)
+    n, first = len(values), values[0]
+    if n < MIN_COUNT or first.device.type in STACK_ON or capturing(first):
+        return torch.stack(values)
+    stream = torch.cuda.current_stream(first.device).cuda_stream if first.is_cuda else None
+    key = (first.device, first.dtype, n, stream)
+    buffers = _KEPT.__dict__.setdefault("buffers", {})
+    kept = buffers.get(key)
+    if kept is None:
+        buffer = torch.empty(n, dtype=first.dtype, device=first.device)
+        kept = buffers[key] = (buffer, list(buffer.unbind()))
+    buffer, views = kept
+    torch._foreach_copy_(views, list(values))
+    return buffer.clone()
+
 
 def squared_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor squared L2 norms of the local parts (a DTensor's shard) as a float32 vector.
-    One read of every gradient (``torch._foreach_norm``); no host read, no host op per tensor (:func:`gathered`)."""
-    return _local_squared_norms([_dist.local_shard(g) for g in grads])
-
-
-def _local_squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """:func:`squared_norms` of tensors that are already local and dense (one device)."""
-    if not tensors:
+    """Per-tensor squared L2 norms of the local parts (a DTensor's shard) of ``grads`` (one device and dtype) as a
+    float32 vector. One read of every gradient; no host read."""
+    if not grads:
         return torch.zeros(0)
-    return gathered(torch._foreach_norm(list(tensors))).float().square()
+    return norms([_dist.local_shard(g) for g in grads]).float().square()
 
 
 def grouped_norm_squared(
@@ -52,13 +78,15 @@ def grouped_norm_squared(
     total = torch.zeros((), dtype=torch.float32, device=device)
     for group in groups.values():
         if group:
-            total += _local_squared_norms(group).sum().to(device, non_blocking=True)
+            total += norms(group).float().square().sum().to(device, non_blocking=True)
     return total
 
 
 def _sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """Squared L2 norm of the local parts of ``grads`` (a sparse gradient's values), as 0-d float32."""
-    return grouped_norm_squared(group_by_device_and_dtype(_dist.local_shard(g) for g in grads), device)
+    local = [_local_values(g) for g in grads]
+    groups = torch._C._group_tensors_by_device_and_dtype([local], False) if local else {}
+    return grouped_norm_squared({key: lists[0] for key, (lists, _) in groups.items()}, device)
 
 
 def _split(grads: Sequence[torch.Tensor], sharded: bool | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -92,11 +120,6 @@ def global_norm_squared(
     if shards or sharded:
         total += _dist.all_reduce_sum_(_sum_of_squares(shards, device), process_group)
     return total
-
-
-def global_clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``min(1, max_norm / (norm + 1e-6))``, torch's ``clip_grad_norm_`` rule, as a 0-d tensor."""
-    return (max_norm / (norm + EPS)).clamp(max=1.0)
 
 
 def clip_per_tensor_(

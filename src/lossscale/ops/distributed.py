@@ -1,16 +1,13 @@
-"""One decision for every rank: found_inf reduced over torch.distributed without a host read.
-
-Also here: the shard a rank holds of a DTensor gradient (FSDP2), a gradient all-reduce for facades whose API
-takes a communicator, and the two lines a script needs to run under ``torchrun``.
+"""torch.distributed for the step: whether ranks must agree, sums over ranks, and the shard a rank holds of a
+DTensor gradient (FSDP2). The agreement of found_inf itself is a stage (:func:`lossscale.stages.agree_`); the lines a
+script needs to run under ``torchrun`` are in :mod:`lossscale.testing`.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import defaultdict
 from collections.abc import Iterable
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,19 +17,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.tensor import DTensor
 
-__all__ = [
-    "active",
-    "reduce_found_inf",
-    "all_reduce_sum_",
-    "all_reduce_grads_",
-    "local_shard",
-    "is_shard",
-    "init_from_env",
-    "is_main_process",
-    "shutdown",
-]
-
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def active(process_group: ProcessGroup | None = None) -> bool:
@@ -40,22 +24,6 @@ def active(process_group: ProcessGroup | None = None) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return False
     return dist.get_world_size(process_group) > 1
-
-
-def reduce_found_inf(
-    found_inf: torch.Tensor, process_group: ProcessGroup | None = None, *, is_flag: bool = False
-) -> torch.Tensor:
-    """Turn ``found_inf`` (0-d float32, a count of overflows) into the group's 0/1 flag, in place; no host read.
-
-    Rule: ``found_inf = max over ranks of min(found_inf, 1)`` (no clamp with ``is_flag``: already 0 or 1).
-    Cost: one all-reduce of one float under torch.distributed (every rank of the group must call it); outside
-    it, one 0-d clamp.
-    """
-    if not is_flag:
-        found_inf.clamp_(max=1.0)
-    if active(process_group):
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
-    return found_inf
 
 
 def all_reduce_sum_(tensor: torch.Tensor, process_group: ProcessGroup | None = None) -> torch.Tensor:
@@ -125,41 +93,3 @@ def all_reduce_grads_(
             views = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in bucket]), bucket)]
             torch._foreach_copy_(bucket, views)
     return present
-
-
-def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> tuple[int, int]:
-    """Join the process group that ``torchrun`` describes in the environment; return ``(rank, world_size)``.
-
-    Rule: already initialized -> that group's (rank, world_size); ``RANK`` and ``WORLD_SIZE`` set ->
-    ``init_process_group(backend, init_method="env://")``; otherwise -> ``(0, 1)``, nothing initialized.
-    ``backend``: ``"gloo"`` (CPU) by default, ``"nccl"`` on GPUs. Call :func:`shutdown` at exit.
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        return 0, 1
-    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"init_from_env(backend={backend!r}): torchrun sets {', '.join(_TORCHRUN_VARS)}; "
-            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing. Launch with "
-            f"`torchrun --nproc_per_node=N script.py`, or unset RANK and WORLD_SIZE to run alone."
-        )
-    if not dist.is_available():
-        raise RuntimeError(
-            f"init_from_env(backend={backend!r}): RANK is set but this torch build has no "
-            f"torch.distributed; install a build with it, or unset RANK and WORLD_SIZE."
-        )
-    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
-    return dist.get_rank(), dist.get_world_size()
-
-
-def is_main_process() -> bool:
-    """True on rank 0, and in a single process: the rank that prints, plots and saves checkpoints."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def shutdown() -> None:
-    """Destroy the default process group if one is initialized (the pair of :func:`init_from_env`)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

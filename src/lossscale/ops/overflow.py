@@ -14,27 +14,14 @@ import functools
 import importlib.util
 import math
 import os
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Literal
 
 import torch
 
-from lossscale.ops.gather import largest
+from lossscale.ops.clip import norms
 from lossscale.validation import ArgumentTypeError, validate_choice
-
-__all__ = [
-    "OverflowMode",
-    "OVERFLOW_MODES",
-    "saturation_threshold",
-    "group_by_device_and_dtype",
-    "check_",
-    "check_with_amax_",
-    "largest_magnitude",
-    "unscale_and_check_",
-    "overflowing",
-]
 
 OverflowMode = Literal["inf_nan", "saturation"]
 OVERFLOW_MODES: tuple[str, ...] = ("inf_nan", "saturation")
@@ -60,18 +47,6 @@ def saturation_threshold(dtype: torch.dtype = torch.float16, call: str = "satura
     return float(torch.finfo(dtype).max)
 
 
-def group_by_device_and_dtype(
-    tensors: Iterable[torch.Tensor],
-) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """Dense tensors grouped for the foreach kernels (sparse gradients contribute their values)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        if t.is_sparse:
-            t = t.coalesce()._values()
-        groups[(t.device, t.dtype)].append(t)
-    return groups
-
-
 def largest_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """``max |g|`` over ``grads`` (one device and dtype) as a 0-d float32; inf or NaN when a value is not finite; 0 when
     every tensor is empty.
@@ -90,7 +65,7 @@ def largest_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     if result is not None:
         return result
     if present[0].device.type != "cpu":
-        return largest(torch._foreach_norm(present, ord=math.inf)).float()
+        return norms(present, math.inf).max().float()
     lows, highs = zip(*(torch.aminmax(g) for g in present))
     return torch.maximum(torch.stack(highs).max(), -torch.stack(lows).min()).float()
 

@@ -2,8 +2,11 @@
 
 Keys: ``inner`` (the inner optimizer's state_dict), ``policy_state`` (every field of the scale's state),
 ``micro_step`` and ``boundaries`` (the accumulation position), and where they apply ``accumulated_grads``
-and ``window`` (saved mid-window), ``loss_finite`` (mid-window, for a policy that observes the losses), ``ema``,
-``layerwise``, ``schedule`` and ``seen_switch``.
+and ``window`` (saved mid-window: ``(scaled, None)``), ``loss_finite`` (mid-window, where the losses are watched),
+and one entry per add-on with a ``key`` (``ema``, ``schedule``, ``diagnosis``) and ``layerwise``.
+
+Checkpoints saved before the add-ons held their own state still load (:func:`migrated`): a top-level ``seen_switch``
+becomes the schedule's ``reported``, and a window's precision the schedule's ``window``.
 """
 
 from __future__ import annotations
@@ -11,8 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 from lossscale.validation import unlike_tensor, validate_int_in_range, validated_state_dict
-
-__all__ = ["PART_LABELS", "validated_position", "validated_window", "validated_loss_finite", "validated_seen_switch"]
 
 _REQUIRED = ("inner", "policy_state", "micro_step", "boundaries")
 
@@ -36,9 +37,10 @@ _PRECISIONS = (None, "float16", "bfloat16", "float32")  # what a window records
 
 def validated_window(
     call: str, state_dict: dict[str, Any], params: list[Any], micro: int
-) -> tuple[list[Any], tuple[bool, str | None] | None]:
+) -> tuple[list[Any], bool | None]:
     """The gradients accumulated so far (one entry per parameter: None, or a tensor of its shape and dtype)
-    and the window's decision ``(scaled, precision)``, both required mid-window and refused otherwise."""
+    and whether the window scales its losses (saved as ``(scaled, precision)``; a precision of an older checkpoint
+    is the schedule's, :func:`migrated`), both required mid-window and refused otherwise."""
     grads, window = state_dict.get("accumulated_grads"), state_dict.get("window")
     if not micro:
         if grads is not None or window is not None:
@@ -70,7 +72,7 @@ def validated_window(
             f"{call}: micro_step={micro} (mid-window) needs window = (scaled: bool, precision: one of "
             f"{list(_PRECISIONS)}); got {window!r}."
         )
-    return list(grads), tuple(window)
+    return list(grads), window[0]
 
 
 def validated_loss_finite(call: str, state_dict: dict[str, Any], micro: int) -> bool | None:
@@ -88,12 +90,28 @@ def validated_loss_finite(call: str, state_dict: dict[str, Any], micro: int) -> 
     return finite
 
 
-def validated_seen_switch(call: str, state_dict: dict[str, Any]) -> bool | None:
-    """The saved ``seen_switch`` (whether the run reported its switch back to the original precision), or None."""
-    seen = state_dict.get("seen_switch")
-    if seen is not None and not isinstance(seen, bool):
+def migrated(call: str, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` as this version saves it (a new dict where anything moved; the caller's is never changed):
+    a top-level ``seen_switch`` (whether the run reported its switch back to the original precision) becomes the
+    ``schedule`` entry's ``reported``, and a mid-window ``window``'s precision that entry's ``window``.
+
+    Raises:
+        ValueError: ``seen_switch`` is not a bool.
+    """
+    if not isinstance(state_dict, dict) or "seen_switch" not in state_dict:
+        return state_dict
+    seen = state_dict["seen_switch"]
+    if not isinstance(seen, bool):
         raise ValueError(
             f"{call}: seen_switch must be a bool (whether the run reported its switch back to the "
             f"original precision); got {seen!r}."
         )
-    return seen
+    out = {k: v for k, v in state_dict.items() if k != "seen_switch"}
+    schedule = out.get("schedule")
+    if isinstance(schedule, dict):
+        schedule = {**schedule, "reported": seen}
+        window = out.get("window")
+        if isinstance(window, (list, tuple)) and len(window) == 2 and window[1] is not None:
+            schedule["window"] = window[1]
+        out["schedule"] = schedule
+    return out

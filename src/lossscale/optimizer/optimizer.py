@@ -3,46 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 import warnings
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import FrameType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from lossscale import stages
-from lossscale.addons.arguments import add_ons_from, validate_add_ons
-from lossscale.addons.base import AddOn, Host, StepOutcome
-from lossscale.ops.clip import global_clip_coefficient, global_norm_squared
+from lossscale.addons.base import AddOn, FrontEnd
+from lossscale.keywords import add_ons_from, validate_add_ons
 from lossscale.ops.flat import FlatGrads
 from lossscale.ops.masked import MaskedSkip
-from lossscale.ops.overflow import OverflowMode
 from lossscale.ops.underflow import underflow_share
 from lossscale.optimizer import checkpoint
-from lossscale.optimizer.options import Plans, StepOptions, StepPlan, resolve
+from lossscale.optimizer.options import ResolvedSkipMode, StepOptions
 from lossscale.policies.base import FloorError, Policy, validate_policy
 from lossscale.reporting import StepResult
 from lossscale.state import LossScale
-from lossscale.validation import ArgumentTypeError, capturing
+from lossscale.validation import ArgumentTypeError, outside_caller
 
 __all__ = ["LossScaleOptimizer"]
 
-
-def _outside_caller() -> int:
-    """The ``stacklevel`` that points a warning raised by the caller at the first frame outside lossscale and
-    torch (the user's line, however many of our calls and torch's wrappers are between)."""
-    level, frame = 2, sys._getframe(2)  # 1 is the caller itself
-    frame_or_none: FrameType | None = frame
-    while frame_or_none is not None and frame_or_none.f_globals.get("__name__", "").partition(".")[0] in (
-        "lossscale",
-        "torch",
-    ):
-        level, frame_or_none = level + 1, frame_or_none.f_back
-    return level
+_STEP = "LossScaleOptimizer.step()"
 
 
 def _refuse_float16_parameters(inner: torch.optim.Optimizer) -> None:
@@ -58,52 +42,16 @@ def _refuse_float16_parameters(inner: torch.optim.Optimizer) -> None:
                 )
 
 
-class ScaledReads(NamedTuple):
-    """What a step read of the scaled gradients before unscaling them (each None where the plan reads none)."""
-
-    underflow: torch.Tensor | None  # the underflow meter's share
-    amax: torch.Tensor | None  # the largest magnitude, for a policy that reads it
-    norm_squared: torch.Tensor | None  # the squared global norm, the clip's input
-
-
-class Window(NamedTuple):
-    """What an accumulation window decided at its first loss."""
-
-    scaled: bool  # the window's losses are scaled
-    precision: str | None  # the precision its forward passes ran in, where an add-on decides it
-
-
 @dataclass
 class _Run:
     """Where a run is: what changes from step to step (with the LossScale, the optimizer's mutable state)."""
 
     micro: int = 0  # micro-batches of the window under way
     boundaries: int = 0  # optimizer steps so far, skipped ones included
-    window: Window | None = None  # fixed at a window's first loss
-    loss_finite: torch.Tensor | None = None  # every loss of the window finite (policies that observe it)
+    window: bool | None = None  # whether the window under way scales its losses (fixed at its first loss)
+    loss_finite: torch.Tensor | None = None  # every loss of the window finite (where the losses are watched)
     unscaled_by: torch.Tensor | None = None  # the scale our pass divided the last step's gradients by
     last_result: StepResult | None = None
-    seen_switch: bool = False  # the switch back to the original precision was reported
-
-
-class _WindowScaled:
-    """Whether the losses of the optimizer's accumulation window under way are scaled (as fixed at the window's
-    first loss; before it, whether scaling is active now): :attr:`Host.is_scaled` for its add-ons. Holds the
-    optimizer weakly, so that a deep copy of an add-on (or of a model whose hooks lead to one) does not copy the
-    optimizer."""
-
-    def __init__(self, optimizer: LossScaleOptimizer) -> None:
-        self._optimizer = weakref.ref(optimizer)
-
-    def __call__(self) -> bool:
-        optimizer = self._optimizer()
-        if optimizer is None:  # the optimizer is gone: scale, as without one
-            return True
-        window = optimizer._run.window
-        return optimizer.scaling_active if window is None else window.scaled
-
-
-_LOW_PRECISIONS = ("float16", "bfloat16")
 
 
 class LossScaleOptimizer(torch.optim.Optimizer):
@@ -120,15 +68,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     Its ``param_groups``, ``state`` and ``defaults`` are the inner one's; LR schedulers and hooks work on it.
 
-    A boundary step (``_boundary_step``; where each check and unscale happens is resolved once, in
-    :mod:`lossscale.optimizer.options`)::
+    One optimizer step, at the end of each accumulation window::
 
-        found_inf = guard(scale); inv = 1/scale
-        measure the scaled gradients (amax / saturation / a check for a fused kernel), or an add-on unscales them
-        the global norm (the clip's input; a non-finite norm is an overflow)
-        unscale by inv x clip in one pass (checking where nothing checked yet), or leave it to a fused kernel
-        agree found_inf over ranks; add-ons see the unscaled gradients; skip or apply (fused / host / masked)
-        advance the add-ons and the policy with found_inf (and amax, loss finiteness); add-ons see the outcome
+        found_inf = 1 where the scale itself is corrupted (guard)
+        read the scaled gradients where something needs them first: the largest magnitude (a policy that reads
+            it), the saturation check, the check a fused kernel needs, the underflow meter
+        unscale and clip: the clip decided on the scaled gradients (a non-finite global norm is an overflow),
+            then the divisor a fused kernel takes, or one pass of ours (multiply by 1/scale x clip, checking)
+        agree found_inf (and forward_fault, where forward faults are found) over ranks
+        apply or skip (fused kernel / host / masked): skipped where found_inf or forward_fault
+        the policy's update with found_inf (its state kept as it was on a forward fault); the add-ons see the step
 
     Skip modes (how an overflowing step is skipped):
         ``"fused"``: the inner optimizer takes ``grad_scale``/``found_inf`` (fused Adam/AdamW/SGD) and skips
@@ -138,9 +87,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         On a GPU the optimizer state must live there too (torch's optimizers: ``capturable=True`` or
         ``fused=True``); a state tensor in host memory (a ``step`` counter) raises a ValueError at the first
         masked step.
-        ``"auto"``: ``"fused"`` where the optimizer takes it and no stage writes unscaled gradients, else ``"host"``.
+        ``"auto"``: ``"fused"`` where the optimizer takes it and no value clip writes the unscaled gradients,
+        else ``"host"``.
 
-    Passes over the gradients per boundary: fused without clipping, one read+write (the check); fused with
+    Passes over the gradients per step: fused without clipping, one read+write (the check); fused with
     global-norm clipping, one read (the norm is the check); host/masked, one read+write to unscale and check
     (plus one read for the norm when clipping). Saturation mode, and a policy that observes amax, add one read.
 
@@ -148,37 +98,42 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         inner: The optimizer to wrap (float32 parameters; float16 ones are refused).
         policy: A :class:`~lossscale.Policy` (default ``DynamicScale()``, torch's rule), or a
             :class:`~lossscale.LossScale` to share the scale with another object (a facade).
-        overflow_mode: ``"inf_nan"`` or ``"saturation"``.
-        clip_grad_norm: Clip the unscaled gradients to this global L2 norm (torch's ``clip_grad_norm_``).
-        clip_grad_value: Clamp each unscaled gradient value to [-v, v] (torch's ``clip_grad_value_``, Lightning's
-            ``gradient_clip_algorithm="value"``); at most one of the two clips.
-        accumulation_steps: Micro-batches per optimizer step; the loss is divided by it.
-        ema: An :class:`~lossscale.EMA`, advanced only on applied steps.
-        skip_mode: ``"auto"``, ``"fused"``, ``"host"`` or ``"masked"``.
-        saturation_dtype: Format whose max defines saturation (default float16).
-        process_group: found_inf is reduced over it under torch.distributed (default: world).
-        sharded_grads: Which gradients are shards whose squared norms are summed over ranks when clipping.
-            None: detected per gradient (DTensor ``Shard``, as FSDP2). True: every one. False: none.
         module: Gives parameter names to overflow attribution.
+        ema: An :class:`~lossscale.EMA`, moved only on applied steps.
         schedule: A :class:`~lossscale.PrecisionSchedule`; scaling runs only while it is in float16.
-        check_when_unscaled: Keep catching inf/NaN (and skipping those steps) while scaling is off, in a precision
-            schedule's bfloat16 or float32 phase, where a non-finite step would otherwise reach the weights.
-        layerwise: A model, a list of modules or a :class:`~lossscale.addons.layerwise.LayerScales`: one extra
-            power-of-two scale per module on top of the global one (the optimizer's other parameters follow it).
+        layerwise: A model, a list of modules or a :class:`~lossscale.layerwise.LayerScales`: one extra
+            power-of-two scale per module on top of the global one (the optimizer is then a
+            :class:`~lossscale.optimizer.layerwise.LayerwiseOptimizer`).
         diagnose: The model to trace when the loss scale collapses (:mod:`lossscale.diagnosis`): the next step's
             forward and backward name the first non-finite value in a :class:`~lossscale.OverflowWarning`.
-        add_ons: Further :class:`~lossscale.addons.base.AddOn` objects (a facade's extras, your own), whose hooks
-            run in order after those of ``ema``, ``schedule``, ``layerwise`` and ``diagnose``.
-        underflow_stride: n: the underflow meter (``StepResult.underflow``) samples every n-th scaled value.
-        flat_grads: Keep every gradient as a view of one buffer per (device, dtype)
-            (:class:`~lossscale.ops.flat.FlatGrads`), so that the step's passes (check, norm, amax, unscale) are
-            one kernel per buffer whatever the number of parameters. Every parameter then always has a gradient
-            (zeros where a backward gave none) and ``zero_grad()`` zeroes the buffer in place, whatever
-            ``set_to_none`` says, as DDP's ``gradient_as_bucket_view=True``. Gradients set to None elsewhere
-            (``model.zero_grad()``) become zeroed views again at the next ``scale_loss``/``backward``; other tensors
-            in ``.grad`` are copied in (at ``scale_loss`` or at the step), with a warning the first time.
-            Dense ``torch.Tensor`` parameters only (not FSDP2's DTensors).
+        add_ons: Further :class:`~lossscale.addons.AddOn` objects (your own), whose hooks run in order after those
+            of ``ema``, ``schedule`` and ``diagnose``.
+        **options: The step's options (:class:`~lossscale.optimizer.options.StepOptions`), checked once:
+            ``overflow_mode`` (``"inf_nan"`` or ``"saturation"``); ``clip_grad_norm`` (clip the unscaled gradients
+            to this global L2 norm, torch's ``clip_grad_norm_``); ``clip_grad_value`` (clamp each unscaled
+            gradient value to [-v, v], torch's ``clip_grad_value_``; at most one of the two clips);
+            ``accumulation_steps`` (micro-batches per optimizer step; the loss is divided by it); ``skip_mode``
+            (``"auto"``, ``"fused"``, ``"host"`` or ``"masked"``); ``saturation_dtype`` (the format whose max
+            defines saturation, default float16); ``process_group`` (found_inf is agreed over it under
+            torch.distributed, default the world); ``sharded_grads`` (which gradients are shards whose squared
+            norms are summed over ranks when clipping: None, detected per gradient as FSDP2's DTensor ``Shard``;
+            True, every one; False, none); ``check_when_unscaled`` (keep catching inf/NaN, and skipping those
+            steps, while a precision schedule does not scale); ``underflow_stride`` (n: the underflow meter,
+            ``StepResult.underflow``, samples every n-th scaled value); ``flat_grads`` (keep every gradient as a
+            view of one buffer per device and dtype, :class:`~lossscale.ops.flat.FlatGrads`, so that each pass is
+            one kernel per buffer; every parameter then always has a gradient, zeros where a backward gave none,
+            and ``zero_grad()`` zeroes the buffer in place whatever ``set_to_none`` says; gradients set to None
+            elsewhere become zeroed views again at the next ``scale_loss``/``backward``, other tensors in
+            ``.grad`` are copied in with a warning the first time; dense ``torch.Tensor`` parameters only).
     """
+
+    def __new__(cls, *args: Any, layerwise: Any = None, **kwargs: Any) -> LossScaleOptimizer:
+        """``layerwise=`` makes the optimizer a :class:`~lossscale.optimizer.layerwise.LayerwiseOptimizer`."""
+        if layerwise is not None and cls is LossScaleOptimizer:
+            from lossscale.optimizer.layerwise import LayerwiseOptimizer
+
+            cls = LayerwiseOptimizer
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -198,6 +153,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if isinstance(inner, LossScaleOptimizer):
             raise TypeError(
                 "LossScaleOptimizer(inner=LossScaleOptimizer): wrap the inner optimizer once, not a wrapper."
+            )
+        if layerwise is not None and not isinstance(self, _layerwise_type()):
+            raise TypeError(
+                f"{type(self).__name__}(layerwise=...): per-layer scales are a LossScaleOptimizer of their own "
+                f"(lossscale.optimizer.layerwise.LayerwiseOptimizer); a subclass of LossScaleOptimizer cannot take "
+                f"them; got {type(self).__name__}."
             )
         if module is not None and not isinstance(module, torch.nn.Module):
             raise ArgumentTypeError(
@@ -221,18 +182,20 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         params = self._params()
         self._device = params[0].device if params else torch.device("cpu")
         self._loss_scale = LossScale.shared_or_new(policy, self._device)
+        self._one = torch.ones((), dtype=torch.float32, device=self._device)  # the scale of an unscaled window
         self._masked = MaskedSkip()
         self._run = _Run()
         self._flat: FlatGrads | None = None  # the gradient buffer (flat_grads=True)
         self._flat_warned = False
-        self._add_ons = add_ons_from("LossScaleOptimizer", params, self._device, ema=ema, schedule=schedule)
-        _refuse_float16_parameters(inner)  # after the schedule's refusal, before anything hooks the model
-        self._add_ons += add_ons_from(
-            "LossScaleOptimizer", params, self._device, layerwise=layerwise, diagnose=diagnose, add_ons=add_ons
-        )
-        validate_add_ons("LossScaleOptimizer", self._add_ons)
+        self._add_ons: list[AddOn] = []
         self._configure(self._options)
-        self._run.seen_switch = self._precision() not in (None, *_LOW_PRECISIONS)
+        self.attach_add_ons(add_ons_from("LossScaleOptimizer", ema=ema, schedule=schedule))
+        _refuse_float16_parameters(inner)  # after the schedule's own refusal, before anything hooks the model
+        self._attach_layerwise(layerwise)
+        self.attach_add_ons(add_ons_from("LossScaleOptimizer", diagnose=diagnose, add_ons=add_ons))
+
+    def _attach_layerwise(self, layerwise: Any) -> None:
+        """Where per-layer scales hook the model (:class:`~lossscale.optimizer.layerwise.LayerwiseOptimizer`)."""
 
     # --- the inner optimizer's groups, state and defaults ---------------------------------------
 
@@ -284,11 +247,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return self._options
 
     @property
-    def plan(self) -> Plans:
-        """How a boundary step runs (:mod:`lossscale.optimizer.options`), resolved from the options."""
-        return self._plans
-
-    @property
     def add_ons(self) -> tuple[AddOn, ...]:
         """The add-ons, in the order their hooks run."""
         return tuple(self._add_ons)
@@ -297,20 +255,44 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """Change step options (checked as at construction), e.g. ``opt.configure(clip_grad_norm=1.0)``."""
         self._configure(dataclasses.replace(self._options, **changes))
 
+    def attach_add_ons(self, add_ons: Sequence[AddOn]) -> None:
+        """Take more add-ons (built by :func:`lossscale.keywords.add_ons_from`, as an integration does when it meets
+        the model), checked with the ones already here; they attach at once."""
+        validate_add_ons("LossScaleOptimizer", [*self._add_ons, *add_ons])
+        before = self._add_ons
+        self._add_ons = [*before, *add_ons]
+        try:
+            self._configure(self._options)
+        except Exception:
+            self._add_ons = before
+            raise
+
     def _configure(self, options: StepOptions) -> None:
-        """Install ``options``: resolve the plan, tell the add-ons, keep or drop the gradient buffer."""
-        plans = resolve(options, self.inner, self._add_ons, self.policy.observes_amax)
-        self._options, self._plans = options, plans
-        host = Host(
+        """Install ``options``: decide once what the step reads and who unscales, tell the add-ons, keep or drop the
+        gradient buffer."""
+        skip_mode = options.resolved_skip_mode(self.inner)
+        reads_amax = self._loss_scale.policy.observes_amax
+        kernel_unscales = skip_mode == "fused" and options.clip_grad_value is None
+        self._options, self._skip_mode, self._kernel_unscales = options, skip_mode, kernel_unscales
+        self._inverts = options.clip_grad_norm is not None or not kernel_unscales  # the step needs 1/scale
+        # a read of the scaled gradients before anything writes them: the largest magnitude, the saturation check,
+        # the check a fused kernel needs (where no norm is computed, which would be the check), the underflow meter
+        self._reads_scaled = bool(
+            reads_amax
+            or options.overflow_mode == "saturation"
+            or (kernel_unscales and options.clip_grad_norm is None)
+            or options.underflow_stride
+        )
+        self._finds_forward_faults = any(a.finds_forward_faults for a in self._add_ons)
+        self._watches_losses = self._finds_forward_faults or self._loss_scale.policy.observes_loss_finite
+        front_end = FrontEnd(
             call="LossScaleOptimizer",
+            loss_scale=self._loss_scale,
             params=tuple(self._params()),
-            device=self._device,
             process_group=options.process_group,
-            sharded_grads=options.sharded_grads,
-            is_scaled=_WindowScaled(self),
         )
         for add_on in self._add_ons:
-            add_on.attach(host)
+            add_on.attach(front_end)
         if not options.flat_grads:
             self._flat = None
         elif self._flat is None:
@@ -326,9 +308,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return FlatGrads(self._params(), "LossScaleOptimizer", names)
 
     @property
-    def skip_mode(self) -> str:
+    def skip_mode(self) -> ResolvedSkipMode:
         """The skip mode in use (``"auto"`` resolved for the inner optimizer)."""
-        return self._plans.scaled.skip_mode
+        return self._skip_mode
 
     @property
     def policy(self) -> Policy[Any]:
@@ -350,19 +332,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """The policy's whole state record."""
         return self._loss_scale.state
 
-    def _add_on(self, key: str) -> Any:
-        return next((a for a in self._add_ons if a.key == key), None)
-
-    @property
-    def schedule(self) -> Any:
-        """The attached :class:`~lossscale.PrecisionSchedule`, or None."""
-        return self._add_on("schedule")
-
-    @property
-    def ema(self) -> Any:
-        """The :class:`~lossscale.EMA`, or None."""
-        return self._add_on("ema")
-
     @property
     def last_result(self) -> StepResult | None:
         """What the last ``step()`` returned."""
@@ -372,41 +341,29 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """Set the loss scale (checked; one host read for a tensor on an accelerator); the counters carry on."""
         self._loss_scale.set_scale(new_scale, f"LossScaleOptimizer.set_scale(new_scale={new_scale!r})", "new_scale")
 
-    @property
-    def scaling_active(self) -> bool:
-        """Whether losses are scaled now: unless an add-on (a precision schedule outside float16) says not."""
-        return all(add_on.scales_losses() for add_on in self._add_ons)
-
-    def _precision(self) -> str | None:
-        """The precision the forward passes run in now, where an add-on decides it."""
-        return next((p for a in self._add_ons if (p := a.precision()) is not None), None)
-
     def __repr__(self) -> str:
         return f"LossScaleOptimizer({self.inner!r}, policy={self.policy!r}, skip_mode={self.skip_mode!r})"
 
     # --- the training-loop calls ---------------------------------------------------------------
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * scale / accumulation_steps`` (the scale only while scaling is active, as fixed at the first
-        loss of the accumulation window). No host read."""
-        call = "LossScaleOptimizer.scale_loss(loss)"
+        """``loss * scale / accumulation_steps`` (the scale only where the accumulation window scales its losses,
+        as the add-ons said at its first loss). No host read."""
+        stages.validate_loss("LossScaleOptimizer.scale_loss(loss)", loss)
         run = self._run
-        if run.window is None:
-            run.window = Window(self.scaling_active, self._precision())
+        opens = run.window is None
+        scaled = all([add_on.on_loss(loss, opens) for add_on in self._add_ons])  # every add-on sees the loss
+        if opens:
+            run.window = scaled
         if self._flat is not None and not self._flat.attached(params := self._params()):
             self._attach_flat(params)  # before the backward, so that it writes into the buffer
-        if not run.window.scaled and self._options.accumulation_steps == 1:
-            stages.validate_loss(call, loss)
-            scaled = loss
-        else:
-            factor = self._loss_scale.scale if run.window.scaled else torch.ones_like(self._loss_scale.scale)
-            scaled = stages.scale_loss(loss, factor, self._options.accumulation_steps, call)
-            if self._loss_scale.policy.observes_loss_finite:
-                finite = torch.isfinite(loss.detach()).all()
-                run.loss_finite = finite if run.loss_finite is None else run.loss_finite & finite
-        for add_on in self._add_ons:
-            add_on.on_scale_loss(loss, scaled)
-        return scaled
+        if self._watches_losses:
+            finite = torch.isfinite(loss.detach()).all()
+            run.loss_finite = finite if run.loss_finite is None else run.loss_finite & finite
+        if not run.window and self._options.accumulation_steps == 1:
+            return loss
+        factor = self._loss_scale.scale if run.window else self._one
+        return stages.scale_loss(loss, factor, self._options.accumulation_steps)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale_loss(loss).backward(**kwargs)``."""
@@ -424,226 +381,156 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> StepResult:  # type: ignore[override]  # torch's returns the closure's loss
-        """Count a micro-batch; at an accumulation boundary run the boundary step and return its decision.
-        ``closure`` runs first, with grad enabled (it calls ``opt.backward(loss)``); it returns ``StepResult.loss``."""
+        """Count a micro-batch; at the end of an accumulation window run the optimizer step and return its
+        decision. ``closure`` runs first, with grad enabled (it calls ``opt.backward(loss)``); it returns
+        ``StepResult.loss``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         run = self._run
-        if run.window is None:  # a window whose gradients came without scale_loss (written to .grad by hand)
-            run.window = Window(self.scaling_active, self._precision())
+        if run.window is None:  # a window whose gradients came without a loss (written to .grad by hand)
+            run.window = all([add_on.on_loss(None, True) for add_on in self._add_ons])
         run.micro += 1
         if run.micro < self._options.accumulation_steps:
             false = torch.zeros((), dtype=torch.bool, device=self._device)
             scale = self._loss_scale.scale
-            result = StepResult(
-                stepped=false,
-                found_inf=false,
-                scale=scale,
-                next_scale=scale,
-                accumulating=True,
-                step=run.boundaries,
-                loss=loss,
-                precision=run.window.precision,
-            )
+            result = StepResult(false, false, scale, scale, run.boundaries, accumulating=True, loss=loss)
         else:
             run.micro = 0
             result = self._boundary_step(loss)
         run.last_result = result
         return result
 
-    # --- the boundary step ---------------------------------------------------------------------
+    # --- the optimizer step ---------------------------------------------------------------------
 
-    def _boundary_step(self, loss: Any) -> StepResult:
-        """One optimizer step, in the order of the class docstring; ``plan`` says where each part happens."""
-        run = self._run
-        window, run.window = run.window, None
-        assert window is not None  # step() opens it
-        plan = self._plans.scaled if window.scaled else self._plans.unscaled
-        groups = self._grouped_gradients()
-        scale = self._loss_scale.scale
-        found, inv = self._guard(plan, scale)
-        reads = self._read_scaled(plan, groups, scale, found)
-        grad_norm, fused_divisor = self._unscale(plan, groups, scale, found, inv, reads.norm_squared)
-        found = stages.agree_(found, self._options.process_group, is_flag=True)  # 0/1, only ever set to 1
-        found_inf = found.bool()
-        stepped = ~found_inf
-        self._apply(plan, groups, found, found_inf, stepped, fused_divisor)
+    def _boundary_step(self, loss: object) -> StepResult:
+        """One optimizer step, in the order of the class docstring."""
+        run, options = self._run, self._options
+        scaled, run.window = bool(run.window), None
+        groups = stages.grouped_gradients(self.inner, _STEP) if self._flat is None else self._flat_groups()
+        scale = self._loss_scale.scale if scaled else self._one
+        found = stages.guarded_found(scale, self._device)
+        inv = stages.inverse(scale, found) if self._inverts else None  # from the guard's verdict alone
+        amax = underflow = None
+        if self._reads_scaled:
+            amax, underflow = self._read_scaled(groups, found, scaled)
+        grad_norm, divisor = self._unscale(groups, scale, inv, found, scaled)
+        if not (scaled or options.check_when_unscaled):
+            found.zero_()
+        fault = (~run.loss_finite).float() if self._finds_forward_faults and run.loss_finite is not None else None
+        found, fault = stages.agree_(found, fault, options.process_group)
+        skip = found if fault is None else torch.maximum(found, fault)
+        self._apply(groups, skip, divisor)
         run.boundaries += 1
-        fields: dict[str, Any] = {}
-        if plan.scaled:
-            if capturing(scale):  # the update writes the next scale into this tensor: the result keeps this one
-                scale = scale.clone()
-            fields = self._advance(found, reads.amax, scale)
-        result_scale = scale if plan.scaled else torch.ones_like(scale)
-        outcome = StepOutcome(
-            stepped=stepped,
-            found_inf=found_inf,
-            scale=result_scale,
+        if scaled:
+            scale = self._advance(found, amax, fault)
+        result = StepResult(
+            stepped=~skip.bool(),
+            found_inf=found.bool(),
+            scale=scale,
             next_scale=self._loss_scale.scale,
             step=run.boundaries - 1,
-            scaled=plan.scaled,
-        )
-        for add_on in self._add_ons:
-            add_on.after_step(outcome)
-        run.loss_finite = None
-        return StepResult(
-            stepped=stepped,
-            found_inf=found_inf,
-            scale=result_scale,
-            next_scale=outcome.next_scale,
+            forward_fault=None if fault is None else fault.bool(),
+            loss_scaled=scaled,
             grad_norm=grad_norm,
-            step=outcome.step,
-            precision=window.precision,
-            switched=self._report_switch(window.precision),
-            underflow=reads.underflow,
+            underflow=underflow,
             loss=loss,
-            **fields,
         )
-
-    def _guard(self, plan: StepPlan, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """found_inf's start (1 where the scale itself is corrupted, in scaled windows) and what unscales:
-        ``1/scale`` from that verdict alone, 1 where nothing is scaled or an add-on unscales, None where only a
-        fused kernel divides (by the scale itself)."""
-        if not plan.scaled:
-            return torch.zeros((), dtype=torch.float32, device=self._device), torch.ones_like(scale)
-        found = stages.guarded_found(scale, self._device)
-        if plan.add_on_unscales:
-            return found, torch.ones_like(scale)
-        return found, stages.inverse(scale, found) if plan.inverse_needed else None
+        run.loss_finite = None
+        for add_on in self._add_ons:
+            result.fields.update(add_on.after_step(result) or {})
+        return result
 
     def _read_scaled(
-        self, plan: StepPlan, groups: stages.Groups, scale: torch.Tensor, found: torch.Tensor
-    ) -> ScaledReads:
-        """The reads before our unscale, each where the plan has it: the underflow meter's sample, the measure
-        pass (amax agreed over ranks where the policy reads it), an add-on's own unscale and check, and the squared
-        global norm (non-finite: an overflow, where the plan checks). Overflow goes into ``found``."""
-        options = self._options
+        self, groups: stages.Groups, found: torch.Tensor, scaled: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The reads of the scaled gradients before anything writes them; overflow goes into ``found``. Returns
+        (the largest magnitude, agreed over ranks, for a policy that reads it; the underflow meter's share)."""
+        options, policy = self._options, self._loss_scale.policy
         underflow = None
-        if plan.scaled and options.underflow_stride:
+        if scaled and options.underflow_stride:
             underflow = underflow_share([g for grads in groups.values() for g in grads], options.underflow_stride)
         amax = None
-        if plan.measure is not None:
-            amax = stages.measure_(groups, found, plan.measure_mode, options.threshold, amax=plan.measure == "amax")
+        if scaled and (policy.observes_amax or options.overflow_mode == "saturation"):
+            amax = stages.measure_(groups, found, options.overflow_mode, options.threshold, amax=policy.observes_amax)
             if amax is not None:
                 stages.agree_amax_(amax, options.process_group)
-        unscaled = (
-            next((u for a in self._add_ons if (u := a.unscale(scale, found)) is not None), None)
-            if plan.add_on_unscales
-            else None
-        )
-        if unscaled is not None:
-            found.logical_or_(unscaled.found_inf.to(found.device))
-            amax = unscaled.amax
-        norm_sq = None
-        if plan.clip_norm:
-            if plan.add_on_unscales:  # the add-on unscaled each parameter's own gradient: their norm
-                norm_sq = global_norm_squared(self._grads(), options.process_group, options.sharded_grads, self._device)
-            else:
-                norm_sq = stages.norm_squared(
-                    groups, self._grads, self._device, options.process_group, options.sharded_grads
-                )
-            if plan.checks:
-                stages.note_non_finite_(found, norm_sq)
-        return ScaledReads(underflow, amax, norm_sq)
+        elif self._kernel_unscales and options.clip_grad_norm is None:
+            stages.measure_(groups, found, "inf_nan", options.threshold, amax=False)  # the kernel's found_inf
+        return amax, underflow
 
     def _unscale(
         self,
-        plan: StepPlan,
         groups: stages.Groups,
         scale: torch.Tensor,
-        found: torch.Tensor,
         inv: torch.Tensor | None,
-        norm_sq: torch.Tensor | None,
+        found: torch.Tensor,
+        scaled: bool,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Unscale (x the clip coefficient): our pass as the plan has it (unscale and check, only check, only
-        multiply), or the divisor a fused kernel takes. Returns (the unscaled global norm, the fused divisor)."""
+        """Unscale and clip, in this one place: the global-norm clip decided on the scaled gradients (the norm is the
+        overflow check), then either the divisor a fused kernel takes (``scale / clip``) or one pass of ours
+        (multiply by ``1/scale x clip``, checking where nothing checked yet), then the value clip. Returns (the
+        unscaled global norm, or None without a norm clip; the fused kernel's divisor, or None)."""
+        options = self._options
         grad_norm = clip = None
-        if norm_sq is not None:
-            assert inv is not None and self._options.clip_grad_norm is not None  # the plan has both with a clip
-            grad_norm = norm_sq.sqrt() * inv
-            clip = global_clip_coefficient(grad_norm, self._options.clip_grad_norm)
-        self._run.unscaled_by = scale if plan.scaled and plan.unscaler == "ours" else None
-        if plan.unscaler == "kernel":
-            if not (plan.scaled or clip is not None):
+        if options.clip_grad_norm is not None:
+            assert inv is not None  # made where a norm clip is asked for
+            grad_norm, clip = stages.clip_norm(
+                groups, self._grads, inv, found, options.clip_grad_norm, options.process_group, options.sharded_grads
+            )
+        self._run.unscaled_by = scale if scaled and not self._kernel_unscales else None
+        if self._kernel_unscales:
+            if not (scaled or clip is not None):
                 return grad_norm, None
-            divisor = scale.clone() if clip is None else (scale if plan.scaled else torch.ones_like(scale)) / clip
-            return grad_norm, divisor
-        if plan.our_pass is not None:
-            assert inv is not None  # the plan computes 1/scale wherever our pass runs
-            factor = None if plan.our_pass == "check" else (inv if clip is None else inv * clip)
-            check: OverflowMode | None = None if plan.our_pass == "multiply" else "inf_nan"
-            for grads in groups.values():
-                stages.unscale_(grads, found, factor, check)
+            return grad_norm, (scale.clone() if clip is None else scale / clip)
+        assert inv is not None  # made above wherever our pass runs
+        checked = clip is not None or (scaled and options.overflow_mode == "saturation") or (
+            scaled and self._loss_scale.policy.observes_amax
+        )
+        check = None if checked else "inf_nan"
+        factor = None if not scaled and clip is None else (inv if clip is None else inv * clip)
+        for grads in groups.values():
+            stages.unscale_(grads, found, factor, check)
+        if options.clip_grad_value is not None:
+            stages.clip_value_(groups, options.clip_grad_value)
         return grad_norm, None
 
-    def _apply(
-        self,
-        plan: StepPlan,
-        groups: stages.Groups,
-        found: torch.Tensor,
-        found_inf: torch.Tensor,
-        stepped: torch.Tensor,
-        fused_divisor: torch.Tensor | None,
-    ) -> None:
-        """The value clip and the add-ons on the unscaled gradients, then the inner step, skipped where found_inf:
-        in the fused kernel, on the host (one host read), or masked (on the host while the optimizer state does not
-        exist yet)."""
-        unscaled = plan.unscaler != "kernel"
-        if plan.clip_value is not None and unscaled:
-            stages.clip_value_(groups, plan.clip_value)
-        grads = self._grads() if unscaled else None
-        for add_on in self._add_ons:
-            add_on.before_apply(stepped, grads)
-        mode = plan.skip_mode
+    def _apply(self, groups: stages.Groups, skip: torch.Tensor, divisor: torch.Tensor | None) -> None:
+        """The inner step, skipped where ``skip``: in the fused kernel, on the host (one host read), or masked (on
+        the host while the optimizer state does not exist yet)."""
+        mode = self._skip_mode
         if mode == "masked" and not self._masked.ready(self.inner):
             mode = "host"
         if mode == "host":
             call = (
                 "LossScaleOptimizer.step() with skip_mode='host'"
-                if plan.skip_mode == "host"
+                if self._skip_mode == "host"
                 else "LossScaleOptimizer.step() before the optimizer state exists (skip_mode='masked' decides that "
                 "step on the host; step once before capturing)"
             )
-            if stages.applies_on_host(found_inf, call):
+            if stages.applies_on_host(skip, call):
                 self.inner.step()
         elif mode == "masked":
-            self._masked.step(self.inner, found_inf)
+            self._masked.step(self.inner, skip)
         else:
-            stages.fused_step_(self.inner, fused_divisor, found)
+            stages.fused_step_(self.inner, divisor, skip)
 
-    def _advance(self, found: torch.Tensor, amax: torch.Tensor | None, scale: torch.Tensor) -> dict[str, Any]:
-        """The add-ons' fields for the result (read before they advance), the add-ons' update (per-layer
-        exponents), then the policy's; a FloorError names the step."""
-        fields: dict[str, Any] = {}
-        for add_on in self._add_ons:
-            fields.update(add_on.step_fields(scale))
+    def _advance(self, found: torch.Tensor, amax: torch.Tensor | None, fault: torch.Tensor | None) -> torch.Tensor:
+        """The policy's update (its state kept as it was on a forward fault); a FloorError names the step (counted
+        from 1). Returns the scale the step ran at."""
         try:
-            for add_on in self._add_ons:
-                found = add_on.advance(found, scale)
-            self._loss_scale.update(found, amax, self._run.loss_finite)
+            return self._loss_scale.update(found, amax, self._run.loss_finite, skip=fault)
         except FloorError as err:
             raise FloorError(f"LossScaleOptimizer step {self._run.boundaries}: {err}") from None
-        return fields
 
-    def _report_switch(self, precision: str | None) -> bool:
-        """True once: on the first boundary whose step ran in the original precision after a low-precision one."""
-        run = self._run
-        if precision is None or run.seen_switch or precision in _LOW_PRECISIONS:
-            return False
-        run.seen_switch = True
-        return True
-
-    def _grouped_gradients(self) -> stages.Groups:
-        """The gradients to pass over: each flat buffer (its views attached again first where a gradient was set
-        to None or replaced, with a warning the first time), else every gradient."""
-        if self._flat is None:
-            return stages.grouped_gradients(self.inner, "LossScaleOptimizer.step()")
+    def _flat_groups(self) -> stages.Groups:
+        """Each flat buffer, as the gradients to pass over (its views attached again first where a gradient was set
+        to None or replaced, with a warning the first time)."""
         params = self._params()
         if not self._flat.attached(params):
             self._attach_flat(params)
-        return stages.flat_groups(self._flat.buffers)
+        return stages.Groups({key: [buffer] for key, buffer in self._flat.buffers.items()})
 
     def _attach_flat(self, params: list[torch.Tensor]) -> None:
         """Put the buffer's views back in ``.grad``: a new buffer where the parameter groups changed; gradients
@@ -660,36 +547,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 "each. Zero gradients with opt.zero_grad(), and backpropagate with opt.backward(loss), to "
                 "keep them in place.",
                 UserWarning,
-                stacklevel=_outside_caller(),
+                stacklevel=outside_caller(),
             )
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._params() if p.grad is not None]
-
-    # --- add-ons ------------------------------------------------------------------------------------
-
-    def attach_schedule(self, schedule: AddOn) -> None:
-        """Scale only while ``schedule`` (a :class:`~lossscale.PrecisionSchedule`) is in float16; refuse parameters
-        already in low precision."""
-        self._take(add_ons_from("LossScaleOptimizer", self._params(), self._device, schedule=schedule))
-        self._run.seen_switch = self._precision() not in (None, *_LOW_PRECISIONS)
-
-    def attach_layerwise(self, layerwise: Any) -> None:
-        """Keep one scale per module of ``layerwise`` (a model, a list of modules, or a
-        :class:`~lossscale.addons.layerwise.LayerScales`) on top of the global one; parameters outside its units
-        follow the global scale, and at least one of the inner optimizer's parameters must belong to a unit."""
-        self._take(add_ons_from("LossScaleOptimizer", self._params(), self._device, layerwise=layerwise))
-
-    def _take(self, add_ons: list[AddOn]) -> None:
-        """Add ``add_ons`` (checked with the ones already there) and resolve the plan again."""
-        validate_add_ons("LossScaleOptimizer", [*self._add_ons, *add_ons])
-        before = self._add_ons
-        self._add_ons = [*before, *add_ons]
-        try:
-            self._configure(self._options)
-        except Exception:
-            self._add_ons = before
-            raise
 
     # --- attribution, checkpoints ------------------------------------------------------------------
 
@@ -718,13 +580,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             state_dict["accumulated_grads"] = [
                 None if p.grad is None else p.grad.detach().clone() for p in self._params()
             ]
-            state_dict["window"] = tuple(run.window) if run.window is not None else None
-            if run.loss_finite is not None:  # a policy that observes the losses: whether the window's were finite
+            state_dict["window"] = (bool(run.window), None)
+            if run.loss_finite is not None:  # the losses are watched: whether the window's were finite
                 state_dict["loss_finite"] = bool(run.loss_finite)
         for key, part in self._parts():
             state_dict[key] = part.state_dict()
-        if self._precision() is not None:
-            state_dict["seen_switch"] = run.seen_switch
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             changed = post_hook(self, state_dict)
             if changed is not None:
@@ -741,13 +601,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         call = "LossScaleOptimizer.load_state_dict"
         run = self._run
         params = self._params()
+        state_dict = checkpoint.migrated(call, state_dict)
         micro, boundaries = checkpoint.validated_position(call, state_dict, self._options.accumulation_steps)
         grads, window = checkpoint.validated_window(call, state_dict, params, micro)
         loss_finite = checkpoint.validated_loss_finite(call, state_dict, micro)
         parts = [(key, part) for key, part in self._parts() if key in state_dict]
         for key, part in parts:
             part.validate_state_dict(state_dict[key])
-        seen_switch = checkpoint.validated_seen_switch(call, state_dict)
         before = self._loss_scale.state_dict()
         self._loss_scale.load_state_dict(state_dict["policy_state"], f"{call} (key 'policy_state')")
         try:
@@ -761,7 +621,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         except Exception:
             self._loss_scale.load_state_dict(before)
             raise
-        run.micro, run.boundaries, run.window = micro, boundaries, None if window is None else Window(*window)
+        run.micro, run.boundaries, run.window = micro, boundaries, window
         run.loss_finite = None if loss_finite is None else torch.tensor(loss_finite, device=self._device)
         for p, grad in zip(params, grads):
             p.grad = None if grad is None else grad.to(p.device).clone()
@@ -769,9 +629,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._flat.attach()
         for key, part in parts:
             part.load_state_dict(state_dict[key])
-        precision = self._precision()
-        if precision is not None and any(key in state_dict for key, _ in parts):
-            run.seen_switch = precision not in _LOW_PRECISIONS if seen_switch is None else seen_switch
         self._warn_unmatched_parts(call, state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -798,9 +655,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     stacklevel=3,
                 )
 
-    def _parts(self) -> list[tuple[str, AddOn]]:
-        """(checkpoint key, add-on) of each add-on saved in a checkpoint."""
+    def _parts(self) -> list[tuple[str, Any]]:
+        """(checkpoint key, part) of each part saved in a checkpoint: the add-ons with a key."""
         return [(add_on.key, add_on) for add_on in self._add_ons if add_on.key is not None]
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("LossScaleOptimizer is not pickled directly; save opt.state_dict() with torch.save.")
+
+
+def _layerwise_type() -> type[LossScaleOptimizer]:
+    from lossscale.optimizer.layerwise import LayerwiseOptimizer
+
+    return LayerwiseOptimizer

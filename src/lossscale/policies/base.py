@@ -13,22 +13,14 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
-from lossscale.validation import FLOAT32_MAX, INT32_MAX, SMALLEST_NORMAL_FLOAT32, StateDictError, validated_scale
-
-__all__ = [
-    "FixedScale",
-    "FloorError",
-    "Policy",
-    "ScaleState",
-    "StateRecord",
-    "StateT",
-    "as_flag",
-    "validate_found_inf",
-    "validate_policy",
-    "move_state",
-    "state_from_dict",
-    "state_to_dict",
-]
+from lossscale.validation import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    SMALLEST_NORMAL_FLOAT32,
+    StateDictError,
+    found_flag,
+    validated_scale,
+)
 
 #: Counters stop here instead of wrapping.
 SATURATE = 2**30
@@ -87,9 +79,10 @@ class Policy(Generic[StateT]):
     - ``observes_amax`` (False): True asks for ``amax``, the largest scaled-gradient magnitude of the step.
     - ``observes_loss_finite`` (False): True asks for ``update(..., loss_finite=...)`` (keyword-only), whether every
       loss of the step was finite (0-d bool).
-    - ``enforce_floor(state)``: the floor rule, run after every update; may raise :class:`FloorError`.
-    - ``floor_reads_host`` (False): True where ``enforce_floor`` reads the state on the host (it cannot run inside a
-      CUDA graph).
+    - ``enforce_floor(state)``: a floor rule that raises (:class:`FloorError`), run after every update where
+      ``floor_reads_host`` is True (a floor the state keeps itself belongs in ``update``).
+    - ``floor_reads_host`` (False): True where the policy has such a rule: it reads the state on the host (so it
+      cannot run inside a CUDA graph).
     - ``cuda_graph`` (False): True asks :class:`~lossscale.LossScale` to replay ``update`` from a CUDA graph when the
       state is on a CUDA device (worth it for a rule of many small kernels; ``update`` must then make no host read).
     - ``min_scale`` / ``max_scale`` (2**-126 / float32 max): the bounds every scale set from outside is
@@ -139,22 +132,6 @@ def validate_policy(call: str, policy: object) -> None:
         )
 
 
-def validate_found_inf(found_inf: object) -> None:
-    """A TypeError unless found_inf is a tensor (bool, or a float/int count as torch's scaler keeps it)."""
-    if not isinstance(found_inf, torch.Tensor):
-        raise TypeError(
-            f"update(state, found_inf): found_inf must be a tensor (bool or a count of overflows); "
-            f"got {type(found_inf).__name__}"
-        )
-
-
-def as_flag(found_inf: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """found_inf (bool, or a float/int count) as a 0-d bool on ``device``."""
-    validate_found_inf(found_inf)
-    flag = found_inf.to(device=device, non_blocking=True)
-    return flag if flag.dtype == torch.bool else flag != 0
-
-
 @dataclass(frozen=True)
 class FixedScale(Policy[ScaleState]):
     """A constant loss scale: overflowing steps are still detected and skipped, the scale never moves.
@@ -183,7 +160,7 @@ class FixedScale(Policy[ScaleState]):
 
     def update(self, state: ScaleState, found_inf: torch.Tensor, amax: torch.Tensor | None = None) -> ScaleState:
         """The same state: a fixed scale ignores overflow (found_inf's type is still checked)."""
-        validate_found_inf(found_inf)
+        found_flag(found_inf, state.scale.device)
         return state
 
 

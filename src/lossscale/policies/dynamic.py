@@ -10,10 +10,11 @@ from typing import Any, Literal, cast
 
 import torch
 
-from lossscale.policies.base import SATURATE, FloorError, Policy, ScaleState, as_flag, validate_found_inf
+from lossscale.policies.base import SATURATE, FloorError, Policy, ScaleState
 from lossscale.validation import (
     FLOAT32_MAX,
     SMALLEST_NORMAL_FLOAT32,
+    found_flag,
     to_float32,
     validate_choice,
     validate_factor_above_one,
@@ -21,9 +22,6 @@ from lossscale.validation import (
     validate_int_in_range,
     validate_scale_bounds,
 )
-
-__all__ = ["DynamicScale", "validate_dynamic_args"]
-
 
 @dataclass(frozen=True)
 class DynamicScale(Policy[ScaleState]):
@@ -129,12 +127,8 @@ class DynamicScale(Policy[ScaleState]):
             amax: Not read by this rule.
         """
         if self._torch_rule:
-            validate_found_inf(found_inf)
-            if _is_kernel_flag(found_inf, state):
-                return self._update_torch_rule(state, found_inf.bool(), found_inf)  # the flag as it came: 1 op
-            bad = as_flag(found_inf, state.scale.device)
-            return self._update_torch_rule(state, bad, bad.float())
-        bad = as_flag(found_inf, state.scale.device)
+            return self._update_torch_rule(state, found_flag(found_inf, state.scale.device))
+        bad = found_flag(found_inf, state.scale.device, torch.bool)
         clean = ~bad
         scale, tracker, left = state.scale, state.growth_tracker, state.hysteresis_left
         full = torch.full_like(left, self.hysteresis)
@@ -190,11 +184,12 @@ class DynamicScale(Policy[ScaleState]):
             and self.growth_interval < 2**31 - 1
         )
 
-    def _update_torch_rule(self, state: ScaleState, bad: torch.Tensor, found: torch.Tensor) -> ScaleState:
-        """The same rule through torch's ``_amp_update_scale_`` (on copies; ``found``: its flag), then the floor."""
+    def _update_torch_rule(self, state: ScaleState, found: torch.Tensor) -> ScaleState:
+        """The same rule through torch's ``_amp_update_scale_`` (on copies; ``found``: its float32 flag, nonzero on an
+        overflow), then the floor."""
         scale, tracker = state.scale.clone(), state.growth_tracker.clone()
         torch._amp_update_scale_(scale, tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval)
-        floor_hits = (state.floor_hits + (state.scale <= self.min_scale)).mul_(bad).clamp_max_(SATURATE)
+        floor_hits = (state.floor_hits + (state.scale <= self.min_scale)).mul_(found.bool()).clamp_max_(SATURATE)
         return ScaleState(scale.clamp_min_(self.min_scale), tracker, state.hysteresis_left, floor_hits)
 
     def _times(self, scale: torch.Tensor, factor: float) -> torch.Tensor:
@@ -221,11 +216,6 @@ class DynamicScale(Policy[ScaleState]):
                 f"the model (check the inputs and the loss before backward), not float16's range. "
                 f"Pass at_floor='skip' to keep skipping instead."
             )
-
-
-def _is_kernel_flag(found_inf: torch.Tensor, state: ScaleState) -> bool:
-    """Whether ``found_inf`` is the flag torch's update kernel takes: 0-d float32 on the scale's device."""
-    return found_inf.dtype == torch.float32 and found_inf.dim() == 0 and found_inf.device == state.scale.device
 
 
 def validate_dynamic_args(call: str, args: Mapping[str, object], names: Mapping[str, str] | None = None) -> None:

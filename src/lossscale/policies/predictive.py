@@ -8,10 +8,11 @@ from typing import ClassVar
 
 import torch
 
-from lossscale.policies.base import Policy, as_flag, move_state
+from lossscale.policies.base import Policy, move_state
 from lossscale.validation import (
     FLOAT32_MAX,
     SMALLEST_NORMAL_FLOAT32,
+    found_flag,
     validate_choice,
     validate_int_at_least,
     validate_scale_bounds,
@@ -199,7 +200,7 @@ class PredictiveScale(Policy[PredictiveState]):
             loss_finite: Whether every loss of the step was finite (0-d bool; None: unknown).
         """
         device = state.scale.device
-        bad = as_flag(found_inf, device)
+        bad = found_flag(found_inf, device, torch.bool)
         amax = torch.zeros((), device=device) if amax is None else amax.to(device, torch.float32)
         fault = bad & self._is_fault(state, amax, loss_finite)
         evidence = bad & ~fault
@@ -231,7 +232,7 @@ class PredictiveScale(Policy[PredictiveState]):
         far_below = (amax < self.limit * 2.0**-self.fault_gap) & (state.clean_run > 0)  # inf and NaN fail "<"
         if loss_finite is None:
             return far_below
-        return far_below | ~as_flag(loss_finite, state.scale.device)
+        return far_below | ~loss_finite.to(device=state.scale.device, dtype=torch.bool, non_blocking=True)
 
     def _observe(self, state: PredictiveState, valid: torch.Tensor, amax: torch.Tensor) -> PredictiveState:
         """Level, threshold, excess and count after one (possibly absent) observation of log2 amax."""

@@ -68,9 +68,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import torch
 
 from lossscale import stages
-from lossscale.addons.base import AddOn, Host, Unscaled
-from lossscale.addons.layerwise.hooks import Recorder, times, unit_of
-from lossscale.addons.layerwise.rule import (
+from lossscale.layerwise.hooks import Recorder, times, unit_of
+from lossscale.layerwise.rule import (
     FIELDS,
     Factors,
     FirstBackward,
@@ -83,9 +82,9 @@ from lossscale.addons.layerwise.rule import (
     updated,
     validated_layer_state,
 )
-from lossscale.addons.layerwise.wiring import Units, Wiring, chain_wiring, find_units, read_wiring
+from lossscale.layerwise.wiring import Units, Wiring, chain_wiring, find_units, read_wiring
 from lossscale.ops import distributed as _dist
-from lossscale.ops.gather import gathered
+from lossscale.ops.clip import norms
 from lossscale.validation import validate_process_group
 
 if TYPE_CHECKING:
@@ -116,7 +115,7 @@ class _GradientIndex(NamedTuple):
     by_factor: list[tuple[int, list[int]]]
 
 
-class LayerScales(AddOn):
+class LayerScales:
     """One power-of-two factor per module on top of the global loss scale, applied by hooks at the units' edges.
 
     Exact for any wiring (residual streams, branches); units that share a parameter (tied input and output
@@ -124,11 +123,12 @@ class LayerScales(AddOn):
     every unit follow the global scale (pass them to :meth:`unscale_` as ``params``). The first backward pass sets
     every factor. The rule, the wiring it reads and its costs: see the module docstring.
 
-    By hand: ``backward_from(loss * S).backward()``, then ``update(*unscale_(S), S)``. As an add-on of a front end
-    (:mod:`lossscale.addons.base`): :meth:`attach` takes the front end's parameters, process group and
-    ``is_scaled``; :meth:`on_scale_loss` notes each scaled loss; :meth:`unscale` unscales and checks every gradient
-    of the front end's parameters; :meth:`step_fields` gives ``layer_scales``; :meth:`advance` moves the exponents
-    and returns the found_inf the global policy sees.
+    By hand: ``backward_from(loss * S).backward()``, then ``update(*unscale_(S), S)``. In a front end of its own
+    (:class:`~lossscale.optimizer.layerwise.LayerwiseOptimizer`, what ``LossScaleOptimizer(..., layerwise=...)``
+    builds): :meth:`bind` takes the front end's parameters, process group and ``is_scaled``; the front end passes
+    each scaled loss to :meth:`backward_from`; :meth:`unscale` unscales and checks every gradient of the front end's
+    parameters; :meth:`layer_scales` gives the result's ``layer_scales``; :meth:`update_observed` moves the
+    exponents and returns the found_inf the global policy sees.
 
     Args:
         modules: A model (every module that owns parameters directly becomes a unit) or a list of modules, none
@@ -149,9 +149,9 @@ class LayerScales(AddOn):
     Attributes:
         is_scaled: Called with no argument at the start of each backward pass: whether that pass's loss carries
             the loss scale. False: the hooks pass every gradient through unchanged (and :meth:`unscale_` must not
-            run on it). Default: always True, for a caller that scales every loss; :meth:`attach` sets it to the
+            run on it). Default: always True, for a caller that scales every loss; :meth:`bind` sets it to the
             front end's.
-        process_group: As the argument; :meth:`attach` sets it to the front end's.
+        process_group: As the argument; :meth:`bind` sets it to the front end's.
 
     Example:
         >>> import torch
@@ -197,8 +197,8 @@ class LayerScales(AddOn):
         # once a run
         self._calibrated = False  # the first scaled backward pass (which sets the exponents) has run
         self._warned_no_loss = False
-        # per attach, and per step through the add-on hooks
-        self._host_params: tuple[torch.Tensor, ...] = ()
+        # per bind, and per step through the front end
+        self._front_end_params: tuple[torch.Tensor, ...] = ()
         self._observation: tuple[torch.Tensor, torch.Tensor] | None = None  # unscale's per-unit (found, amax)
         self._gradient_index: tuple[tuple[tuple[bool, ...], int], _GradientIndex] | None = None  # unscale_'s cache
         model = modules if isinstance(modules, torch.nn.Module) else None
@@ -259,45 +259,39 @@ class LayerScales(AddOn):
         totals = torch.exp2(self.exponent) * global_scale.to(self._device).float()
         return dict(zip((name for name, _ in self.units), totals.unbind()))  # one op, not one per unit
 
-    # -- the add-on hooks ----------------------------------------------------------------------------
-    def attach(self, host: Host) -> None:
+    # -- what its front end calls (lossscale.optimizer.layerwise.LayerwiseOptimizer) ------------------------------
+    def bind(
+        self, call: str, params: Sequence[torch.Tensor], process_group: ProcessGroup | None, is_scaled: Callable[[], bool]
+    ) -> None:
         """Take the front end's parameters (:meth:`unscale` measures them all), process group and ``is_scaled``;
         again whenever its options change.
 
         Raises:
-            ValueError: none of ``host.params`` belongs to a unit.
+            ValueError: none of ``params`` belongs to a unit.
         """
-        if not any(id(p) in self._units.owners for p in host.params):
+        if not any(id(p) in self._units.owners for p in params):
             raise ValueError(
-                f"{host.call}(layerwise={self._units.given}): none of the inner optimizer's "
-                f"{len(host.params)} parameters belongs to a unit of the per-layer scales; pass the "
+                f"{call}(layerwise={self._units.given}): none of the inner optimizer's "
+                f"{len(params)} parameters belongs to a unit of the per-layer scales; pass the "
                 f"model whose parameters the optimizer updates, or modules of it."
             )
-        self._host_params = tuple(host.params)
-        self.process_group = host.process_group
-        self.is_scaled = host.is_scaled
+        self._front_end_params = tuple(params)
+        self.process_group = process_group
+        self.is_scaled = is_scaled
 
-    def on_scale_loss(self, loss: torch.Tensor, scaled: torch.Tensor) -> None:
-        """The scaled loss is where the next backward pass starts (:meth:`backward_from`)."""
-        self.backward_from(scaled)
-
-    def unscale(self, scale: torch.Tensor, found_inf: torch.Tensor) -> Unscaled:
+    def unscale(self, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`unscale_` over the front end's parameters (those outside the units at ``scale``), per unit
-        [found_inf, amax] agreed over the process group (one MAX all-reduce) and kept for :meth:`advance`; their
-        ``any`` and ``max`` on ``scale``'s device. ``found_inf`` (the step's own) is not read. No host read."""
-        found_u, amax_u = self.unscale_(scale, params=self._host_params)  # [units + 1]: the rest at the scale
+        [found_inf, amax] agreed over the process group (one MAX all-reduce) and kept for :meth:`update_observed`;
+        returns their ``any`` (0-d bool) and ``max`` on ``scale``'s device. No host read."""
+        found_u, amax_u = self.unscale_(scale, params=self._front_end_params)  # [units + 1]: the rest at the scale
         agreed = stages.agree_amax_(torch.stack([found_u.float(), amax_u.float()]), self.process_group)
         found_u, amax_u = agreed[0] > 0, agreed[1]
         self._observation = (found_u, amax_u)
-        return Unscaled(found_inf=found_u.any().to(scale.device), amax=amax_u.max().to(scale.device))
+        return found_u.any().to(scale.device), amax_u.max().to(scale.device)
 
-    def step_fields(self, scale: torch.Tensor) -> dict[str, Any]:
-        """``layer_scales``: :meth:`layer_scales` at ``scale``, before :meth:`advance` moves the exponents."""
-        return {"layer_scales": self.layer_scales(scale)}
-
-    def advance(self, found_inf: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """:meth:`update` from what :meth:`unscale` kept; the found_inf it returns replaces ``found_inf`` (which is
-        returned as it is where :meth:`unscale` did not run since the last advance)."""
+    def update_observed(self, found_inf: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """:meth:`update` from what :meth:`unscale` kept; returns the found_inf the global policy sees (``found_inf``
+        as it is where :meth:`unscale` did not run since the last call)."""
         if self._observation is None:
             return found_inf
         observation, self._observation = self._observation, None
@@ -313,7 +307,7 @@ class LayerScales(AddOn):
         scale, so it pins the unit's group at factor 1 and the parameter's gradient stays exact. Without the loss
         the walk starts from the units' inputs and, for a model given whole, from its outputs: in list mode such a
         read goes unseen and the parameter's gradient would mix two scales, so the first backward pass without it
-        warns. A front end calls this through :meth:`on_scale_loss` on every loss it scales. No host read.
+        warns. Its front end calls this on every loss it scales. No host read.
 
         Raises:
             TypeError: ``loss`` is not a tensor.
@@ -334,7 +328,7 @@ class LayerScales(AddOn):
         MAX over the ranks before :meth:`update`). ``params`` (the optimizer's parameters): those no unit owns are
         divided by ``global_scale`` and measured as one more, last, entry ([units + 1]). One read pass and one
         write pass; no host read. Host ops: none per gradient where the gradients share the state's device (the
-        per-tensor maxima gathered, :mod:`lossscale.ops.gather`), and one multi-tensor multiply per unit (its
+        per-tensor maxima gathered, :func:`lossscale.ops.clip.norms`), and one multi-tensor multiply per unit (its
         gradients by its factor, a 0-d tensor: torch's multi-tensor fast path, where a list of per-gradient factors
         takes one kernel per gradient on CUDA).
         """
@@ -353,11 +347,10 @@ class LayerScales(AddOn):
             return torch.zeros(size, dtype=torch.bool, device=dev), torch.zeros(size, device=dev)
         owner, which, by_factor = self._index_gradients(present, len(outside))
         grads += outside
-        norms = torch._foreach_norm(grads, math.inf, dtype=torch.float32)
-        if all(t.device == dev for t in norms):
-            maxima = gathered(norms)
+        if all(g.device == dev for g in grads):
+            maxima = norms(grads, math.inf, torch.float32)
         else:
-            maxima = torch.stack([t.to(dev) for t in norms])
+            maxima = torch.stack([t.to(dev) for t in torch._foreach_norm(grads, math.inf, dtype=torch.float32)])
         amax = torch.zeros(size, device=dev).scatter_reduce(0, owner, maxima[which], "amax")
         padded = torch.cat([self.exponent, self.exponent.new_zeros(1)])  # index n: the global scale
         factors = (torch.exp2(-padded) / global_scale.to(dev).float()).unbind()

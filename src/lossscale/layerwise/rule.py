@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from lossscale.addons.layerwise.wiring import SlotIndex, Units, Wiring
+from lossscale.layerwise.wiring import SlotIndex, Units, Wiring
 from lossscale.validation import validate_int_at_least
 
 __all__ = [
@@ -37,7 +37,7 @@ _LOWEST = {"margin": 0, "search_step": 1, "max_exponent": 1, "history": 1, "forg
 
 @dataclass(frozen=True)
 class Rule:
-    """The rule's settings, validated once (see :class:`~lossscale.addons.layerwise.LayerScales` for each)."""
+    """The rule's settings, validated once (see :class:`~lossscale.layerwise.LayerScales` for each)."""
 
     margin: int = 1
     search_step: int = 8

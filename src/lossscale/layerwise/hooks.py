@@ -14,7 +14,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
 
-from lossscale.addons.layerwise.wiring import Edge, Forward, Slot, Units, Wiring
+from lossscale.layerwise.wiring import Edge, Forward, Slot, Units, Wiring
 
 __all__ = ["Convert", "Recorder", "UnitInput", "times", "unit_of"]
 
