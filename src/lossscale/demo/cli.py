@@ -27,8 +27,8 @@ try:
     from lossscale.demo.plot import plot_runs, power_text
 except ImportError as err:
     raise SystemExit(
-        f"lossscale demo: error: {err.name} is not installed; the demo needs matplotlib and tqdm: "
-        f"pip install 'lossscale[demo]'"
+        f"lossscale demo: error: {err.name} is not installed; the demo needs matplotlib and tqdm, the demo extra: "
+        f"pip install '.[demo]' in a clone of the lossscale repository"
     ) from None
 
 from lossscale.demo.train import (
