@@ -9,6 +9,7 @@ anything over the network: torch's and the frameworks' names render as code, wit
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 import re
 import sys
@@ -82,10 +83,12 @@ nitpick_ignore_regex = [
     ),
 ]
 
-# furo: a clean theme, light and dark.
+# furo: a clean theme, light and dark; _static/lossscale.css fits it to a laptop's 1280-px-wide window (code and
+# output wrap, dotted names break at dots, "On this page" stays on the page).
 html_theme = "furo"
 html_title = f"lossscale {release}".strip()
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["lossscale.css"]
 html_show_sourcelink = False
 
 
@@ -306,7 +309,64 @@ def _no_foreign_docstrings(app, what, name, obj, options, lines):
             return
 
 
+# The page of the package's public names (api/lossscale.md) opens with the names most programs use, in the sections
+# written on it (the two front ends, what a step returns, the rule for the scale, the diagnosis); where the page has
+# the marker, the other names of ``lossscale.__all__`` follow in its order, so that a name added there gets its
+# entry without an edit.
+_OTHER_NAMES = "<!-- the other names of lossscale.__all__: added here by docs/conf.py -->"
+_AUTODOC_NAME = re.compile(r"^\.\. auto\w+:: lossscale\.(\w+)\s*$", re.M)
+
+
+def _other_public_names(app, docname, source):
+    if docname != "api/lossscale" or _OTHER_NAMES not in source[0]:
+        return
+    shown = set(_AUTODOC_NAME.findall(source[0]))
+    lines = ["```{eval-rst}"]
+    for name in lossscale.__all__:
+        obj = getattr(lossscale, name)
+        if name in shown or inspect.ismodule(obj):  # a module (presets) has its own page
+            continue
+        if inspect.isclass(obj):
+            kind = "exception" if issubclass(obj, BaseException) else "class"
+        else:
+            kind = "function" if callable(obj) else "data"
+        lines.append(f".. auto{kind}:: lossscale.{name}")
+    source[0] = source[0].replace(_OTHER_NAMES, "\n".join(lines + ["```"]))
+
+
+# A picture wider than the text column is shown at the column's width (furo's img max-width), and Sphinx links a
+# picture given a width to its full-size file: the reader clicks a plot to read its small labels. A narrower
+# picture keeps its own size and no link.
+_COLUMN_PX = 736  # furo's text column, 46em of 16 px
+
+
+def _link_wide_pictures(app, doctree):
+    from docutils import nodes
+    from sphinx.util.images import get_image_size
+
+    for image in doctree.findall(nodes.image):
+        path = image.get("candidates", {}).get("*")
+        size = get_image_size(str(Path(app.srcdir) / path)) if path else None
+        if size and size[0] > _COLUMN_PX and not {"width", "height", "scale"} & set(image.attributes):
+            image["width"] = "100%"
+            image["classes"].append("wide-picture")  # the CSS's zoom-in cursor
+
+
+# furo's navigation and "On this page" break a long dotted name anywhere ("acce / lerate"): a <wbr> after each dot
+# of a code name there lets it break after the dot instead (the CSS turns the break-anywhere off).
+_CODE_NAME = re.compile(r'(<span class="pre">)([\w.]+\.[\w.()]+)(</span>)')
+
+
+def _breakable_dotted_names(app, pagename, templatename, context, doctree):
+    for key in ("furo_navigation_tree", "toc"):
+        if isinstance(context.get(key), str):
+            context[key] = _CODE_NAME.sub(lambda m: m[1] + m[2].replace(".", ".<wbr>") + m[3], context[key])
+
+
 def setup(app):
+    app.connect("source-read", _other_public_names)
+    app.connect("doctree-read", _link_wide_pictures, priority=600)  # after Sphinx's image collector (500)
+    app.connect("html-page-context", _breakable_dotted_names, priority=600)  # after furo's, which makes the tree
     app.connect("autodoc-process-docstring", _no_foreign_docstrings, priority=50)
     app.connect("autodoc-process-docstring", _sentences_not_types, priority=100)  # before napoleon's (500)
     app.connect("missing-reference", _resolve_short_name)

@@ -7,7 +7,9 @@ makes products past float16's 65504 while ``wo`` maps them back down, so the for
 loss scaler only lowers its scale step after step ("overflow detected, setting loss scale to ...") until its floor.
 Here a tiny T5 is built from a ``T5Config`` (nothing is downloaded) and one encoder block's feed-forward gets such
 weights: ``wi_0`` and ``wi_1`` multiplied by ``c``, ``wo`` divided by ``c**2``. ``find_overflow`` names that module,
-and ``keep_float32`` on it makes the same batch finite. Needs ``pip install transformers``; seconds on a CPU.
+and ``keep_float32`` on it makes the same batch finite. Needs transformers (in a clone of this repository:
+``pip install '.[transformers]'``; with ``--plot``, ``pip install '.[transformers,demo]'`` for matplotlib); seconds
+on a CPU.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
     python examples/transformers_trainer.py [OUTPUT_DIR]
 
-Runs in seconds on CPU (float16 autocast there needs ``fp16_on_cpu=True``) or on a GPU. Needs
-``pip install 'lossscale[transformers]'``. The model is built from a config: nothing is downloaded.
+Runs in seconds on CPU (float16 autocast there needs ``fp16_on_cpu=True``) or on a GPU. Needs the transformers
+extra: ``pip install '.[transformers]'`` in a clone of this repository. The model is built from a config: nothing is
+downloaded.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ import importlib.metadata
 import json
 import re
 import runpy
+import shlex
 import struct
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from _png_text import png_text
 from lossscale.demo import cli
+from lossscale.demo.plot import draw_runs, power_text
 from lossscale.demo.train import DEFAULT, QUICK, QUICK_RUNS, load_corpus, train_run
 
 SIZES = {"steps": 4, "accumulation": 2, "sequences": 4, "context": 16, "d_model": 8, "files": 3}
@@ -33,7 +37,8 @@ def one_thread():
 
 def test_quick_demo_writes_table_results_plot_and_csvs_and_its_worker_trains_as_one_process_does(tmp_path, capsys):
     # One worker process (each costs an interpreter with torch); the pool's code is the same for more.
-    assert cli.main(["--quick", *TINY_ARGS, "--jobs", "1", "--out", str(tmp_path / "workers")]) == 0
+    args = ["--quick", *TINY_ARGS, "--jobs", "1", "--out", str(tmp_path / "workers")]
+    assert cli.main(args) == 0
     out = capsys.readouterr().out
     results = json.loads((tmp_path / "workers" / "results.json").read_text())
     runs = {r["name"]: r for r in results["runs"]}
@@ -47,9 +52,42 @@ def test_quick_demo_writes_table_results_plot_and_csvs_and_its_worker_trains_as_
     assert "fp16-noscale " in out.splitlines()[-1] and "demo.png" in out.splitlines()[-1]
     png = (tmp_path / "workers" / "demo.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (1000, 1000)
+    recorded = png_text(png)  # the picture says what made it (docs/images/make_images.py relies on it)
+    assert recorded["Command"] == shlex.join(["lossscale", "demo", *args])
+    assert json.loads(recorded["Settings"]) == results["config"]
 
     here = train_run("fp16-dynamic", replace(QUICK, **SIZES))  # in this process, one thread
     assert json.loads(json.dumps(here["curves"])) == runs["fp16-dynamic"]["curves"]
+
+
+def test_a_run_written_to_a_log_file_holds_no_cursor_escape_and_no_carriage_return(tmp_path):
+    # `make demo > log 2>&1`: neither stream is a terminal, so no progress bar (tqdm's would write ESC [A cursor moves
+    # and carriage returns for each of its bars); each run says in one line that it finished
+    log = tmp_path / "log"
+    runs = ["fp32", "fp16-dynamic"]
+    with open(log, "wb") as out:
+        subprocess.run(
+            [sys.executable, "-m", "lossscale", "demo", "--quick", *TINY_ARGS, "--runs", ",".join(runs)]
+            + ["--jobs", "1", "--out", str(tmp_path / "out")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            check=True,
+            timeout=600,
+        )
+    written = log.read_bytes()
+    assert b"\x1b" not in written and b"\r" not in written, written.decode(errors="replace")
+    for name in runs:
+        assert re.search(rf"^ *{name}: {SIZES['steps']} updates, loss \d", written.decode(), re.M), name
+
+
+def test_the_scale_panel_ends_a_line_at_the_final_scale_its_legend_names():
+    cfg = replace(TINY, init_scale=2.0**10, growth_interval=1)  # no overflow; it grows after each step, the last too
+    run = train_run("fp16-dynamic", cfg)
+    assert run["final_scale"] == 2 * run["curves"]["scale"][-1]
+    scale_panel = draw_runs([run], "title").axes[1]
+    (line,) = [line for line in scale_panel.get_lines() if line.get_label().startswith("fp16-dynamic")]
+    assert line.get_ydata()[-1] == run["final_scale"]
+    assert f"final {power_text(run['final_scale'])} (after the last step)" in line.get_label()
 
 
 def test_fp16_without_scaling_flushes_gradients_that_dynamic_scaling_keeps():
@@ -111,7 +149,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
 def test_missing_matplotlib_or_tqdm_is_one_error_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # an import of tqdm now fails
     monkeypatch.delitem(sys.modules, "lossscale.demo.cli")
-    with pytest.raises(SystemExit, match=r"tqdm is not installed.*pip install 'lossscale\[demo\]'"):
+    with pytest.raises(SystemExit, match=r"tqdm is not installed.*pip install '\.\[demo\]' in a clone"):
         importlib.import_module("lossscale.demo.cli")
 
 

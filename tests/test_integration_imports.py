@@ -44,6 +44,6 @@ def test_a_missing_framework_names_the_extra(
     with pytest.raises(
         ImportError,
         match=rf"lossscale.integrations.{module} needs the '{framework}[.\w]*' "
-        rf"package.*pip install 'lossscale\[{extra}\]'",
+        rf"package.*pip install '\.\[{extra}\]'",
     ):
         importlib.import_module(f"lossscale.integrations.{module}")

@@ -12,12 +12,13 @@ import multiprocessing
 import os
 import platform
 import queue
+import shlex
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -27,8 +28,8 @@ try:
     from lossscale.demo.plot import plot_runs, power_text
 except ImportError as err:
     raise SystemExit(
-        f"lossscale demo: error: {err.name} is not installed; the demo needs matplotlib and tqdm: "
-        f"pip install 'lossscale[demo]'"
+        f"lossscale demo: error: {err.name} is not installed; the demo needs matplotlib and tqdm, the demo extra: "
+        f"pip install '.[demo]' in a clone of the lossscale repository"
     ) from None
 
 from lossscale.demo.train import (
@@ -106,15 +107,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
-    """Run the demo; returns the exit status (bad input exits with 2 and one line, as argparse does)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def settings(args: argparse.Namespace) -> tuple[Config, list[str]]:
+    """The configuration and the runs that parsed options ask for: the preset's, with the options given applied."""
     options = ("steps", "seed", "accumulation", "sequences", "context", "d_model", "files")
     cfg = replace(
         QUICK if args.quick else DEFAULT, **{k: getattr(args, k) for k in options if getattr(args, k) is not None}
     )
-    names = args.runs or (QUICK_RUNS if args.quick else list(RUNS))
+    return cfg, args.runs or (QUICK_RUNS if args.quick else list(RUNS))
+
+
+def config_record(cfg: Config, names: list[str]) -> dict[str, Any]:
+    """results.json's ``config``, also written into demo.png: every field of ``cfg``, its loss factor, the runs."""
+    return asdict(cfg) | {"loss_factor": cfg.loss_factor, "runs": names}
+
+
+def main(argv: list[str]) -> int:
+    """Run the demo; returns the exit status (bad input exits with 2 and one line, as argparse does)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg, names = settings(args)
     if cfg.d_model % cfg.heads:
         parser.error(f"argument --d-model: must be a multiple of the {cfg.heads} heads; got {cfg.d_model}")
     try:
@@ -149,7 +160,7 @@ def main(argv: list[str]) -> int:
     with atomic_write(results) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump(
             {
-                "config": asdict(cfg) | {"loss_factor": cfg.loss_factor, "runs": names},
+                "config": config_record(cfg, names),
                 "machine": {
                     "processor": platform.processor(),
                     "machine": platform.machine(),
@@ -179,14 +190,21 @@ def main(argv: list[str]) -> int:
         f"lossscale demo (seed {cfg.seed}): {cfg.steps} updates of {cfg.accumulation} x "
         f"{cfg.sequences} x {cfg.context} characters, loss / {cfg.loss_normalizer:,} "
         f"characters, float16 loss scale from {power_text(cfg.init_scale)}",
+        {"Command": shlex.join(["lossscale", "demo", *argv]), "Settings": json.dumps(config_record(cfg, names))},
     )
     print(f"\n{format_table(runs)}\n\n{verdict(runs)}plot {figure}, numbers {results}; {wall:.0f} s")
     return 0
 
 
 def train_all(names: list[str], cfg: Config, device: str, out: str, jobs: int) -> list[RunResult]:
-    """Every run's results in the order of ``names``, trained ``jobs`` at a time in spawned worker processes."""
-    bars = {n: tqdm(total=cfg.steps, desc=f"{n:>15}", unit="update", position=i) for i, n in enumerate(names)}
+    """Every run's results in the order of ``names``, trained ``jobs`` at a time in spawned worker processes.
+
+    A progress bar per run where stderr is a terminal; elsewhere (a log file) one line per run as it finishes, with
+    no cursor movement or carriage return.
+    """
+    bars = {
+        n: tqdm(total=cfg.steps, desc=f"{n:>15}", unit="update", position=i, disable=None) for i, n in enumerate(names)
+    }
     context = multiprocessing.get_context("spawn")
     progress = context.Queue()
     pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=start_worker, initargs=(progress,))
@@ -205,6 +223,11 @@ def train_all(names: list[str], cfg: Config, device: str, out: str, jobs: int) -
                 continue
             bars[name].set_postfix(loss=f"{loss:.3f}", scale=power_text(scale), skips=skips, refresh=False)
             bars[name].update(applied - bars[name].n)
+            if bars[name].disable and applied == cfg.steps:
+                print(
+                    f"{name:>15}: {applied} updates, loss {loss:.3f}, scale {power_text(scale)}, {skips} skipped",
+                    flush=True,
+                )
         return [futures[n].result() for n in names]
     finally:
         pool.shutdown(cancel_futures=True)

@@ -23,41 +23,48 @@ COLORS = {
 }
 
 
-def plot_runs(path: str, runs: list[RunResult], title: str) -> None:
-    """Write the three panels of ``runs`` (entries of results.json) to ``path`` as a PNG (Agg canvas)."""
+#: How fp32, the reference, is drawn: a wide light band below the grid and the other curves (``zorder``), so that the
+#: runs which match it run through it and it still shows on both sides of them.
+REFERENCE_BAND = {"lw": 10.0, "ms": 12.0, "alpha": 0.22, "zorder": 1.0, "solid_capstyle": "round"}
+
+
+def plot_runs(path: str, runs: list[RunResult], title: str, metadata: dict[str, str] | None = None) -> None:
+    """Write :func:`draw_runs` of ``runs`` to ``path`` as a PNG; ``metadata`` goes into the PNG's text chunks (the
+    demo writes its command line and configuration there)."""
+    fig = draw_runs(runs, title)
+    with atomic_write(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png", metadata=metadata)
+
+
+def draw_runs(runs: list[RunResult], title: str) -> Figure:
+    """The three panels of ``runs`` (entries of results.json) on an Agg canvas: loss, loss scale, underflow."""
     fig = Figure(figsize=(10, 10), layout="constrained")
     FigureCanvasAgg(fig)
     loss_ax, scale_ax, under_ax = fig.subplots(3, 1, sharex=True)
     for run in runs:
         name, curves, color = run["name"], run["curves"], COLORS.get(run["name"], "gray")
-        reference = name == "fp32"  # a wide band under the others: the runs that match it run through it
+        style = REFERENCE_BAND if name == "fp32" else {"lw": 1.5, "ms": 3.0}
         loss_ax.plot(curves["train_loss"], color=color, lw=0.8, alpha=0.4)
         held_steps, held = zip(*curves["heldout_loss"])
-        loss_ax.plot(
-            held_steps,
-            held,
-            "o-",
-            color=color,
-            ms=6 if reference else 3,
-            lw=4 if reference else 1.5,
-            alpha=0.35 if reference else 1.0,
-            label=f"{name}: held-out {run['heldout_loss']:.3f}",
-        )
+        loss_ax.plot(held_steps, held, "o-", color=color, label=f"{name}: held-out {run['heldout_loss']:.3f}", **style)
         scales = curves["scale"][: run["switch_step"]]  # a schedule's float16 steps only: float32 needs no scale
         if any(s != 1.0 for s in scales):  # a schedule repeats fp16-dynamic's steps until it switches: dashed
+            if run["switch_step"] is None:  # the line ends at the scale after the last step: the table's final scale
+                ends, label = [run["final_scale"]], f"final {power_text(run['final_scale'])} (after the last step)"
+            else:
+                ends, label = [], f"float32 from step {run['switch_step']}"
             scale_ax.step(
-                range(len(scales)),
-                scales,
+                range(len(scales) + len(ends)),
+                scales + ends,
                 where="post",
                 color=color,
                 ls="--" if run["schedule"] else "-",
-                label=f"{name}: {run['skipped_steps']} skipped, final {power_text(run['final_scale'])}"
-                + (f" (float32 from step {run['switch_step']})" if run["switch_step"] else ""),
+                label=f"{name}: {run['skipped_steps']} skipped, {label}",
             )
             skipped = [s for s in curves["skipped"] if s < len(scales)]
             scale_ax.plot(skipped, [scales[s] for s in skipped], "x", color=color, ms=8, mew=1.8)
         steps, shares = zip(*curves["underflow"])
-        under_ax.plot(steps, [100 * s for s in shares], "o-", color=color, ms=3, label=name)
+        under_ax.plot(steps, [100 * s for s in shares], "o-", color=color, label=name, **style)
         if name.startswith("fp16"):  # the library's own meter, StepResult.underflow
             under_ax.plot([100 * (u or 0.0) for u in curves["underflow_meter"]], "--", color=color, lw=0.8, alpha=0.7)
         if run["switch_step"] is not None:
@@ -82,8 +89,7 @@ def plot_runs(path: str, runs: list[RunResult], title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    with atomic_write(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
+    return fig
 
 
 def power_text(x: float) -> str:

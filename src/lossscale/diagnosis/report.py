@@ -179,14 +179,14 @@ class OverflowReport:
 
     def plot(self, path: str | os.PathLike[str]) -> None:
         """Draw each module call's largest forward and backward magnitudes against float16's range into ``path``
-        (any format matplotlib writes, from the file's extension). Needs matplotlib (``pip install
-        lossscale[demo]``)."""
+        (any format matplotlib writes, from the file's extension). Needs matplotlib (``pip install matplotlib``, or
+        the demo extra in a clone of the lossscale repository: ``pip install '.[demo]'``)."""
         try:
             from matplotlib.figure import Figure
         except ImportError as error:
             raise ImportError(
-                f"OverflowReport.plot({os.fspath(path)!r}) needs matplotlib: pip install "
-                f"'lossscale[demo]' (the demo extra) or pip install matplotlib."
+                f"OverflowReport.plot({os.fspath(path)!r}) needs matplotlib: pip install matplotlib, or the demo "
+                f"extra in a clone of the lossscale repository: pip install '.[demo]'."
             ) from error
         fig = Figure(figsize=(min(30.0, max(6.0, 0.18 * len(self.records) + 2)), 4.5), layout="constrained")
         ax = fig.subplots()
