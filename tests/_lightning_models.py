@@ -81,7 +81,7 @@ class Tiny(pl.LightningModule):
 
 
 class Recorder(pl.Callback):
-    """The scale after every micro-batch and each new ``last_result``."""
+    """The scale after every micro-batch (where there is one) and each new ``last_result``."""
 
     def __init__(self) -> None:
         self.scales: list[float] = []
@@ -89,8 +89,10 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         plugin = trainer.precision_plugin
-        scale = plugin.scaler.get_scale() if hasattr(plugin, "scaler") else float(trainer.optimizers[0].scale)
-        self.scales.append(scale)
+        if not isinstance(plugin, LightningMixedPrecision):  # LossScalePrecision: the wrapper's scale
+            self.scales.append(float(trainer.optimizers[0].scale))
+        elif plugin.scaler is not None:  # none under "bf16-mixed"
+            self.scales.append(plugin.scaler.get_scale())
         result = getattr(plugin, "last_result", None)
         if result is not None and (not self.results or result is not self.results[-1]):
             self.results.append(result)

@@ -3,6 +3,7 @@ MixedPrecision plugin driving torch.amp.GradScaler."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections import OrderedDict
 from typing import Any
@@ -99,12 +100,41 @@ def test_the_plugin_itself_is_checkpointable(tmp_path: Any) -> None:
 
 
 def test_constructor_refuses_what_it_cannot_honour() -> None:
-    with pytest.raises(ValueError, match=r"precision must be '16-mixed'"):
-        MixedPrecision("bf16-mixed", "cpu")
+    with pytest.raises(
+        ValueError, match=re.escape("Passed `MixedPrecision(precision='bf16')`. Precision must be '16-mixed' or")
+    ):
+        MixedPrecision("bf16", "cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`precision='bf16-mixed'` does not use a scaler, found <lossscale"):
+        MixedPrecision("bf16-mixed", "cpu", scaler=lossscale.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"\(precision='bf16-mixed', diagnose=True\): diagnose must be None or False"):
+        MixedPrecision("bf16-mixed", "cpu", diagnose=True)
     with pytest.raises(TypeError, match=r"scaler must be a lossscale.GradScaler"):
         MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     plugin = MixedPrecision("16-mixed", "cpu", scaler=lossscale.GradScaler("cpu", init_scale=4.0))
     assert isinstance(plugin, FabricMixedPrecision) and plugin.scaler.get_scale() == 4.0
+
+
+def test_bf16_mixed_trains_as_fabrics_own_plugin_bit_for_bit() -> None:
+    dtypes: list[torch.dtype] = []
+    runs = []
+    for plugin in (FabricMixedPrecision("bf16-mixed", "cpu"), MixedPrecision("bf16-mixed", "cpu")):
+        fabric, model, opt = setup(plugin)
+        model.module[0].register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
+        returns = []
+        for x, y in batches():  # no inf injected: with no loss scale, both runs would turn NaN
+            fabric.backward(F.mse_loss(model(x).float(), y))
+            fabric.clip_gradients(model, opt, max_norm=1.0)
+            returns.append(opt.step())
+            opt.zero_grad()
+        runs.append((model, returns, fabric.strategy.precision))
+    (ref, ref_returns, _), (trained, returns, plugin) = runs
+    assert set(dtypes) == {torch.bfloat16}  # both forwards ran under bfloat16 autocast
+    for p, q in zip(trained.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert any(not torch.equal(p, q) for p, q in zip(trained.parameters(), setup(ours())[1].parameters()))  # it trained
+    assert returns == ref_returns
+    assert plugin.scaler is None and plugin.last_result is None and plugin.diagnosis is None
+    assert plugin.state_dict() == {}
 
 
 class Amplify(nn.Module):

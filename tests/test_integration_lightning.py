@@ -3,6 +3,7 @@ Lightning's own MixedPrecision plugin driving torch.amp.GradScaler."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -58,8 +59,12 @@ def test_checkpoint_resumes_across_torch_and_lossscale_plugins(tmp_path: Any, fi
 
 
 def test_constructor_refuses_what_it_cannot_honour() -> None:
-    with pytest.raises(ValueError, match=r"MixedPrecision\(precision='bf16-mixed'\): precision must be '16-mixed'"):
-        MixedPrecision("bf16-mixed", "cpu")
+    with pytest.raises(
+        ValueError,  # Lightning's own text, then what each value means
+        match=re.escape("Passed `MixedPrecision(precision='16')`. Precision must be '16-mixed' or 'bf16-mixed' (")
+        + r"float16 autocast with lossscale's GradScaler, or bfloat16 autocast without a scaler\)\.",
+    ):
+        MixedPrecision("16", "cpu")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"scaler must be a lossscale.GradScaler; got torch.amp.grad_scaler"):
         MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match=r"MixedPrecision\(scaler=..., init_scale=...\): pass either"):
@@ -105,3 +110,46 @@ def test_diagnose_refuses_what_it_cannot_trace() -> None:
         MixedPrecision("16-mixed", "cpu", scaler=own, diagnose=True)
     assert MixedPrecision("16-mixed", "cpu", scaler=own).diagnosis is own.add_ons[0]  # the scaler's, for loggers
     assert MixedPrecision("16-mixed", "cpu", diagnose=False).diagnosis is None
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_bf16_mixed_trains_as_lightnings_own_plugin_bit_for_bit(manual: bool) -> None:
+    dtypes: list[torch.dtype] = []
+    runs = []
+    for plugin in (LightningMixedPrecision("bf16-mixed", "cpu"), MixedPrecision("bf16-mixed", "cpu")):
+        module = Tiny(inf_at=set(), manual=manual)  # no loss scale: an inf loss would make both runs NaN
+        module.net.register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
+        runs.append(fit(plugin, module, manual=manual))
+    (ref, _, ref_trainer), (ours, rec, trainer) = runs
+    assert set(dtypes) == {torch.bfloat16}  # both forwards ran under bfloat16 autocast
+    assert_same_weights(ours, ref)
+    assert any(not torch.equal(p, q) for p, q in zip(ours.parameters(), Tiny().parameters()))  # it trained
+    assert ours.step_returns == ref.step_returns  # manual: what opt.step() returned
+    assert trainer.global_step == ref_trainer.global_step == (16 if manual else 8)  # every step taken
+    plugin = trainer.precision_plugin
+    assert plugin.scaler is None and plugin.last_result is None and plugin.diagnosis is None and not rec.scales
+    assert plugin.state_dict() == ref_trainer.precision_plugin.state_dict() == {}
+
+
+def test_bf16_mixed_refuses_what_needs_a_loss_scale() -> None:
+    with pytest.raises(
+        ValueError,  # Lightning's own text after the call (Lightning raises it for torch's scaler)
+        match=r"MixedPrecision\(precision='bf16-mixed', scaler=...\): `precision='bf16-mixed'` does not use a "
+        r"scaler, found <lossscale.scaler.GradScaler.*leave scaler out, or use precision='16-mixed'",
+    ):
+        MixedPrecision("bf16-mixed", "cpu", scaler=lossscale.GradScaler("cpu"))
+    with pytest.raises(
+        ValueError, match=r"MixedPrecision\(precision='bf16-mixed', init_scale=...\): GradScaler's arguments need"
+    ):
+        MixedPrecision("bf16-mixed", "cpu", init_scale=8.0)
+    for diagnose, got in [(True, "True"), (Tiny(), "Tiny(...)"), (OverflowDiagnosis(Tiny()), "OverflowDiagnosis(...)")]:
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"MixedPrecision(precision='bf16-mixed', diagnose={got}): diagnose must be None or False with "
+                f"'bf16-mixed' (bfloat16 has float32's range: there is no loss scale to collapse, and the diagnosis "
+                f"is triggered by the scale's collapse); got {got}. Leave diagnose out, or use precision='16-mixed'."
+            ),
+        ):
+            MixedPrecision("bf16-mixed", "cpu", diagnose=diagnose)
+    assert MixedPrecision("bf16-mixed", "cpu", diagnose=False).scaler is None

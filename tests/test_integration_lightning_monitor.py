@@ -96,6 +96,24 @@ def test_refuses_a_trainer_it_cannot_serve() -> None:
         LossScaleMonitor(prefix="")
 
 
+class LoggedTiny(Tiny):
+    """Tiny logging its loss with ``self.log``: the logger gets a row at every log."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss)
+        return loss
+
+
+def test_logs_nothing_of_its_own_under_bf16_mixed() -> None:
+    logger, monitor = MemoryLogger(), LossScaleMonitor()
+    plugin = MixedPrecision("bf16-mixed", "cpu")  # a config switched from "16-mixed" keeps its monitor
+    fit(plugin, LoggedTiny(inf_at=set()), logger=logger, log_every_n_steps=1, callbacks=[monitor])
+    assert [step for step, m in logger.rows if "loss" in m] == list(range(8))  # a log at each of the 8 steps
+    assert not [k for _, m in logger.rows for k in m if k.startswith("lossscale/")]  # no scale, nothing skipped
+    assert monitor.state_dict() == {"skipped_steps": 0}
+
+
 class Board:
     """What a TensorBoardLogger's writer is asked to write."""
 

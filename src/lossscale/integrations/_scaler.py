@@ -60,20 +60,25 @@ def diagnose_model(call: str, front_end: GradScaler | Any, model: torch.nn.Modul
 
 
 def make_scaler(
-    call: str, precision: object, device: object, scaler: object, scaler_kwargs: dict[str, Any]
-) -> GradScaler:
-    """``scaler``, or ``GradScaler(device=device, **scaler_kwargs)`` when it is None.
+    call: str, precision: object, device: object, scaler: object, scaler_kwargs: dict[str, Any], diagnose: object = None
+) -> GradScaler | None:
+    """``scaler``, or ``GradScaler(device=device, **scaler_kwargs)`` when it is None; under ``"bf16-mixed"``, None
+    (bfloat16 autocast without a scaler, as the framework's own plugin runs it). ``diagnose`` is the plugin's
+    ``diagnose=``, already checked for its type.
 
     Raises:
-        ValueError: a precision other than ``"16-mixed"``, or both ``scaler`` and ``scaler_kwargs``.
-        TypeError: ``device`` is not a string, or ``scaler`` not a :class:`~lossscale.GradScaler`.
+        ValueError: a precision other than ``"16-mixed"`` or ``"bf16-mixed"``; both ``scaler`` and ``scaler_kwargs``;
+            under ``"bf16-mixed"``, a ``scaler``, ``scaler_kwargs`` or a ``diagnose`` that asks for a diagnosis.
+        TypeError: under ``"16-mixed"``, ``device`` is not a string or ``scaler`` not a :class:`~lossscale.GradScaler`.
     """
-    if precision != "16-mixed":
-        raise ValueError(
-            f"{call}(precision={precision!r}): precision must be '16-mixed' (float16 autocast with "
-            f"loss scaling); got {precision!r}. For 'bf16-mixed' use the framework's own MixedPrecision "
-            f"plugin: bfloat16 needs no loss scaling."
+    if precision not in ("16-mixed", "bf16-mixed"):
+        raise ValueError(  # Lightning's own text first, as its tests and users' code expect it
+            f"Passed `{call}(precision={precision!r})`. Precision must be '16-mixed' or 'bf16-mixed' (float16 "
+            f"autocast with lossscale's GradScaler, or bfloat16 autocast without a scaler)."
         )
+    if precision == "bf16-mixed":
+        _validate_bf16(call, scaler, scaler_kwargs, diagnose)
+        return None
     if not isinstance(device, str):
         raise TypeError(
             f"{call}(device={device!r}): device must be a device type string such as 'cuda' or 'cpu'; "
@@ -118,3 +123,27 @@ def scaler_result(
         forward_fault=decision.forward_fault,
         fields=dict(scaler.last_fields),
     )
+
+
+def _validate_bf16(call: str, scaler: object, scaler_kwargs: dict[str, Any], diagnose: object) -> None:
+    """Raise where ``precision="bf16-mixed"`` comes with something that needs a loss scale."""
+    if scaler is not None:
+        raise ValueError(  # Lightning's own text after the call, as its tests expect it
+            f"{call}(precision='bf16-mixed', scaler=...): `precision='bf16-mixed'` does not use a scaler, found "
+            f"{scaler!r:.80}. bfloat16 has float32's range, so no loss is scaled: leave scaler out, or use "
+            f"precision='16-mixed'."
+        )
+    if scaler_kwargs:
+        names = ", ".join(f"{k}=..." for k in scaler_kwargs)
+        raise ValueError(
+            f"{call}(precision='bf16-mixed', {names}): GradScaler's arguments need precision='16-mixed'; "
+            f"'bf16-mixed' uses no scaler (bfloat16 has float32's range); got {', '.join(scaler_kwargs)}. Leave "
+            f"them out, or use precision='16-mixed'."
+        )
+    if diagnose is not None and diagnose is not False:
+        got = repr(diagnose) if isinstance(diagnose, bool) else f"{type(diagnose).__name__}(...)"
+        raise ValueError(
+            f"{call}(precision='bf16-mixed', diagnose={got}): diagnose must be None or False with 'bf16-mixed' "
+            f"(bfloat16 has float32's range: there is no loss scale to collapse, and the diagnosis is triggered by "
+            f"the scale's collapse); got {got}. Leave diagnose out, or use precision='16-mixed'."
+        )

@@ -3,13 +3,14 @@
 ==============================  ===================================================================
 name                            what it is
 ==============================  ===================================================================
-``MixedPrecision``              Lightning's own float16 AMP plugin with :class:`lossscale.GradScaler`
+``MixedPrecision``              Lightning's own AMP plugin with :class:`lossscale.GradScaler` (float16)
 ``LossScalePrecision``          a precision plugin for :class:`lossscale.LossScaleOptimizer`
 ``LossScaleMonitor``            a callback logging the scale, skipped steps, underflow and diagnosis
 ==============================  ===================================================================
 
 Both plugins take ``diagnose=True``: when the loss scale collapses, trace the next step of the LightningModule
 being trained and warn with a :class:`lossscale.OverflowWarning` naming the module (:mod:`lossscale.diagnosis`).
+``MixedPrecision("bf16-mixed", ...)`` runs as Lightning's own: bfloat16 autocast, no scaler.
 """
 
 from __future__ import annotations
@@ -47,14 +48,15 @@ _TRAINED = "the LightningModule being trained"
 
 
 class MixedPrecision(_LightningMixedPrecision):
-    """Lightning's float16 AMP plugin driving a :class:`lossscale.GradScaler`: ``Trainer(plugins=[MixedPrecision()])``.
+    """Lightning's AMP plugin driving a :class:`lossscale.GradScaler`: ``Trainer(plugins=[MixedPrecision()])``.
 
     Adds ``last_result``, the :class:`~lossscale.StepResult` of the last optimizer step, with the gradient
     norm when Lightning clipped by norm (no host read). Its state is saved under Lightning's key
     (``"MixedPrecision"``) in torch's format plus ``policy_state``, so checkpoints resume either way.
+    ``"bf16-mixed"`` is Lightning's own path: bfloat16 autocast, ``scaler`` None, ``last_result`` None.
 
     Args:
-        precision: ``"16-mixed"``.
+        precision: ``"16-mixed"`` (float16 autocast, loss scaling) or ``"bf16-mixed"`` (bfloat16 autocast).
         device: The autocast device type (``"cuda"``, ``"cpu"``, ...).
         scaler: An existing :class:`~lossscale.GradScaler`; or leave it out and pass ``scaler_kwargs``.
         diagnose: True: when the loss scale collapses, trace the LightningModule's next step and warn with a
@@ -63,38 +65,44 @@ class MixedPrecision(_LightningMixedPrecision):
         **scaler_kwargs: Arguments of ``GradScaler`` (``init_scale``, ``growth_interval``, ``policy``, ...).
 
     Raises:
-        ValueError: a precision other than ``"16-mixed"``, or both ``scaler`` and ``scaler_kwargs``; ``diagnose``
-            and a ``scaler`` built with ``diagnose=`` of its own.
-        TypeError: ``device`` is not a string, ``scaler`` not a :class:`~lossscale.GradScaler`, or ``diagnose``
-            none of the values above.
+        ValueError: another precision (Lightning's message), or both ``scaler`` and ``scaler_kwargs``; ``diagnose``
+            and a ``scaler`` built with ``diagnose=`` of its own; with ``"bf16-mixed"``, a ``scaler``,
+            ``scaler_kwargs`` or a ``diagnose`` that asks for a diagnosis (there is no scale to collapse).
+        TypeError: with ``"16-mixed"``, ``device`` is not a string or ``scaler`` not a
+            :class:`~lossscale.GradScaler`; ``diagnose`` none of the values above.
     """
 
     def __init__(
         self,
-        precision: str = "16-mixed",
+        precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
         device: str = "cuda",
         scaler: GradScaler | None = None,
         *,
         diagnose: bool | torch.nn.Module | OverflowDiagnosis | None = None,
         **scaler_kwargs: Any,
     ) -> None:
-        scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs)  # precision: "16-mixed"
-        self._diagnose_module = diagnose_later("MixedPrecision", diagnose, _TRAINED, scaler, "GradScaler")
-        super().__init__("16-mixed", device, scaler=scaler)  # type: ignore[arg-type]  # Lightning types the slot as torch's GradScaler; lossscale's has its surface
+        validate_diagnose("MixedPrecision", diagnose, _TRAINED)
+        scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs, diagnose)  # None: bf16
+        self._diagnose_module = scaler is not None and diagnose_later(
+            "MixedPrecision", diagnose, _TRAINED, scaler, "GradScaler"
+        )
+        super().__init__(precision, device, scaler=scaler)  # type: ignore[arg-type]  # Lightning types the slot as torch's GradScaler; lossscale's has its surface
         self.last_result: StepResult | None = None
         self._carried: torch.Tensor | None = None
         self._grad_norm: torch.Tensor | None = None
 
     @property
-    def _grad_scaler(self) -> GradScaler:
-        """``scaler``, the lossscale GradScaler the plugin was built with (Lightning types it as torch's)."""
-        return cast(GradScaler, self.scaler)
+    def _grad_scaler(self) -> GradScaler | None:
+        """``scaler``, the lossscale GradScaler the plugin was built with (Lightning types it as torch's); None under
+        ``"bf16-mixed"``."""
+        return cast("GradScaler | None", self.scaler)
 
     @property
     def diagnosis(self) -> OverflowDiagnosis | None:
         """The overflow diagnosis (``diagnose=``'s, or the scaler's own), or None; with ``diagnose=True`` it exists
         once the Trainer connected the plugin to the LightningModule."""
-        return carried(self._grad_scaler.add_ons)
+        scaler = self._grad_scaler
+        return None if scaler is None else carried(scaler.add_ons)
 
     def connect(
         self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
@@ -102,14 +110,15 @@ class MixedPrecision(_LightningMixedPrecision):
         """Lightning's connect; with ``diagnose=True``, the LightningModule becomes the module traced."""
         if self._diagnose_module:
             module = _lightning_module(model, "MixedPrecision.connect")
-            diagnose_model("MixedPrecision", self._grad_scaler, module, "being trained")
+            diagnose_model("MixedPrecision", cast(GradScaler, self._grad_scaler), module, "being trained")
         return super().connect(model, optimizers, lr_schedulers)
 
     def _after_closure(self, model: pl.LightningModule, optimizer: Steppable) -> None:
         """Lightning's hooks and clipping, then note the scale the gradients carry."""
         self._grad_norm = None
         super()._after_closure(model, optimizer)
-        self._carried = self._grad_scaler.get_scale_tensor()
+        scaler = self._grad_scaler
+        self._carried = None if scaler is None else scaler.get_scale_tensor()
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         """Lightning's clip, keeping the norm for ``last_result``."""
@@ -120,11 +129,10 @@ class MixedPrecision(_LightningMixedPrecision):
     ) -> Any:
         """Lightning's step; returns what ``optimizer.step()`` returned."""
         out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        if not isinstance(out, ScalerStep):  # the closure skipped backward
+        scaler = self._grad_scaler
+        if scaler is None or not isinstance(out, ScalerStep):  # "bf16-mixed", or the closure skipped backward
             return out
-        self.last_result = scaler_result(
-            out, self._carried, self._grad_scaler, model.trainer.global_step, self._grad_norm
-        )
+        self.last_result = scaler_result(out, self._carried, scaler, model.trainer.global_step, self._grad_norm)
         return out.value
 
 
@@ -414,7 +422,8 @@ class LossScaleMonitor(Callback):
     The diagnosis's values are strings, which Lightning's ``self.log`` refuses: they go to each logger's
     ``log_metrics`` (CSVLogger, WandbLogger and others take them; MLFlowLogger drops strings with a warning),
     except a TensorBoardLogger, which gets them through ``add_text``. ``skipped_steps`` is saved in the
-    callback's checkpoint state.
+    callback's checkpoint state. Under ``MixedPrecision("bf16-mixed", ...)`` there is no scale: the plugin reports no
+    step and the callback logs nothing.
 
     Args:
         prefix: The metric-name prefix (default ``"lossscale"``).
