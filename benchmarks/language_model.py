@@ -43,8 +43,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device_argument, checked_device, emit, machine, paired_ratio, synchronizer, table
 from lossscale import DynamicScale, LossScaleOptimizer, PredictiveScale
-from lossscale.layerwise import LayerScales
 from lossscale.demo.train import VOCAB, Config, batch, load_corpus
+from lossscale.layerwise import LayerScales
 from lossscale.ops.overflow import amax_kernel_module
 
 RUNS = [

@@ -17,8 +17,8 @@ self host time per call differs most (what ``PredictiveScale``'s read and update
 
 Then the overflow pass alone over gradients of the model's shapes, host time of the call: torch's fused check
 (DynamicScale's pass), the multi-tensor inf-norm PredictiveScale reads its amax from without triton, with its
-per-tensor results gathered by ``ops.clip.norms`` and reduced (what the step runs then) and by ``torch.stack``, and on CUDA
-with triton ``ops.amax_kernel`` (one kernel with one small output: what the step runs there).
+per-tensor results gathered by ``ops.clip.norms`` and reduced (what the step runs then) and by ``torch.stack``, and on
+CUDA with triton ``ops.amax_kernel`` (one kernel with one small output: what the step runs there).
 
 No RESULTS.md section: the ratios live in ``end_to_end.py`` and ``language_model.py``; this says why they are what
 they are. ``benchmarks/gpu_check.sh`` runs it on a GPU.

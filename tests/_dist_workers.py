@@ -267,8 +267,8 @@ def helpers(rank: int, world_size: int) -> dict:
 def scaler_plain(rank: int, world_size: int, opt_name: str, unscale_first: bool) -> dict:
     """Plain data parallel without DDP: gradients averaged by all_reduce_grads_, then GradScaler."""
     from lossscale import DynamicScale, GradScaler
-    from lossscale.testing import HostReadCounter
     from lossscale.ops.distributed import all_reduce_grads_
+    from lossscale.testing import HostReadCounter
 
     model = make_model()
     opt = OPTIMIZERS[opt_name](model.parameters())
@@ -312,8 +312,8 @@ def lso_ddp(
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lossscale import DynamicScale, LossScaleOptimizer
-    from lossscale.testing import HostReadCounter
     from lossscale.compat.keras import _KerasStep
+    from lossscale.testing import HostReadCounter
 
     model = DDP(make_model())
     inner = OPTIMIZERS[opt_name](model.parameters())
@@ -419,9 +419,9 @@ def fsdp2(rank: int, world_size: int, kind: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
-    from lossscale.testing import HostReadCounter
     from lossscale.compat.keras import _KerasStep
     from lossscale.ops.clip import squared_norms
+    from lossscale.testing import HostReadCounter
 
     model = make_model()
     reference = copy.deepcopy(model)

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from lossscale.testing import HostReadCounter
 from lossscale.compat import ascend
 from lossscale.compat.ascend import ExponentialUpdateLossScaleManager, FixedLossScaleManager, NPULossScaleOptimizer
+from lossscale.testing import HostReadCounter
 from oracles import f32
 
 

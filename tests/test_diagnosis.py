@@ -22,7 +22,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lossscale import DynamicScale, presets
-from lossscale.testing import HostReadCounter
 from lossscale.addons.base import StepOutcome
 from lossscale.diagnosis import (
     OverflowDiagnosis,
@@ -33,6 +32,7 @@ from lossscale.diagnosis import (
     find_overflow,
     keep_float32,
 )
+from lossscale.testing import HostReadCounter
 
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
 import golden_data

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from lossscale.testing import HostReadCounter
 from lossscale.compat import ascend, keras, mindspore, nnabla
+from lossscale.testing import HostReadCounter
 
 PATTERN = [
     False,

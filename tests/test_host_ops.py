@@ -114,8 +114,8 @@ def test_loss_scale_optimizer_adds_fewer_ops_per_tensor_than_torchs_pipeline(opt
 
 @pytest.mark.parametrize("opt_name", ["fused AdamW", "foreach Adam"])
 def test_with_the_gpus_gather_the_clip_adds_no_op_per_tensor(monkeypatch, opt_name):
-    """On a GPU the per-tensor norms are gathered by one multi-tensor copy (ops.clip.norms), not stacked: the CPU made to
-    take that path."""
+    """On a GPU the per-tensor norms are gathered by one multi-tensor copy (ops.clip.norms), not stacked: the CPU made
+    to take that path."""
     monkeypatch.setattr(lossscale.ops.clip, "STACK_ON", frozenset())
     sizes = (2 * lossscale.ops.clip.MIN_COUNT, LARGE)  # both gathered (fewer values are stacked)
     assert _extra_growth("LossScaleOptimizer", opt_name, clip=True, sizes=sizes) == {}

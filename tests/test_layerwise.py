@@ -19,8 +19,8 @@ import torch
 
 from _torch_versions import TORCH_VERSION
 from lossscale import DynamicScale, LossScaleOptimizer, PrecisionSchedule
-from lossscale.testing import HostReadCounter
 from lossscale.layerwise import LayerScales
+from lossscale.testing import HostReadCounter
 
 BLOCKS, WIDTH = 12, 32
 
@@ -1214,7 +1214,9 @@ def test_layerwise_makes_a_front_end_of_its_own_that_only_a_plain_optimizer_clas
     class Mine(LossScaleOptimizer):
         pass
 
-    with pytest.raises(TypeError, match=r"Mine\(layerwise=...\): per-layer scales are a LossScaleOptimizer of their own"):
+    with pytest.raises(
+        TypeError, match=r"Mine\(layerwise=...\): per-layer scales are a LossScaleOptimizer of their own"
+    ):
         Mine(torch.optim.SGD(deep_net().parameters(), lr=0.1), layerwise=deep_net())
 
 

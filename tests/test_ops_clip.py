@@ -35,7 +35,9 @@ def test_norms_equal_the_stack_value_for_value_and_are_never_overwritten(kept_on
     assert torch.equal(first.nan_to_num(), expected.nan_to_num())
     second = norms([t * 2 for t in tensors], ord)  # rewrites the kept buffer
     assert torch.equal(first.nan_to_num(), expected.nan_to_num())  # the first result kept its values
-    assert torch.equal(second.nan_to_num(), torch.stack(torch._foreach_norm([t * 2 for t in tensors], ord)).nan_to_num())
+    assert torch.equal(
+        second.nan_to_num(), torch.stack(torch._foreach_norm([t * 2 for t in tensors], ord)).nan_to_num()
+    )
     assert norms(tensors, ord, torch.float32).dtype == torch.float32
 
 

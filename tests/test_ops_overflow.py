@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lossscale.testing import HostReadCounter
 from lossscale.ops.overflow import check_, check_with_amax_, overflowing, saturation_threshold, unscale_and_check_
+from lossscale.testing import HostReadCounter
 
 
 def grads(dtype=torch.float32):

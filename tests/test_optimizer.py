@@ -24,9 +24,9 @@ from lossscale import (
     PredictiveScale,
     StepResult,
 )
-from lossscale.testing import HostReadCounter
 from lossscale.compat.keras import _KerasStep
 from lossscale.stages import NoGradientsError
+from lossscale.testing import HostReadCounter
 
 INF, NAN = math.inf, math.nan
 INJECT = {2, 5, 6, 11, 17}

@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossscale import DynamicScale, FixedScale, FloorError, LossScale, Policy, PredictiveScale, presets
-from lossscale.testing import HostReadCounter
 from lossscale.policies.base import state_from_dict, state_to_dict
+from lossscale.testing import HostReadCounter
 from lossscale.validation import FLOAT32_MAX, SMALLEST_NORMAL_FLOAT32
 from oracles import DynamicOracle, TorchOracle, f32
 

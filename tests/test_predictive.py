@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossscale import GradScaler, LossScaleOptimizer
-from lossscale.testing import HostReadCounter
 from lossscale.ops.underflow import underflow_share
 from lossscale.policies.predictive import PredictiveScale
+from lossscale.testing import HostReadCounter
 from oracles import PredictiveOracle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

@@ -28,8 +28,8 @@ from lossscale import (
     ScalerStep,
     StepResult,
 )
-from lossscale.testing import HostReadCounter
 from lossscale.reporting import COLUMNS, EventFields, StepLogger, atomic_write, step_record
+from lossscale.testing import HostReadCounter
 
 EXPECTED_COLUMNS = (
     "step",

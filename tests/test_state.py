@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lossscale import DynamicScale, FloorError, GradScaler, LossScale, PredictiveScale, presets
-from lossscale.testing import HostReadCounter
 from lossscale.state import ReplayedUpdate
+from lossscale.testing import HostReadCounter
 from oracles import f32
 
 

@@ -20,6 +20,7 @@ import torch
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str]) -> Iterator[str]:
     """Yield a temporary path beside ``path``; when the block ends without an exception, it replaces ``path``.
@@ -226,7 +227,9 @@ def step_record(result: StepResult, **extra: object) -> dict[str, Any]:
     clash = [k for k in extra if k in COLUMNS or k in added]
     if clash:
         whose = "a StepResult column" if clash[0] in COLUMNS else "a field the step's add-ons added"
-        raise ValueError(f"step_record(..., {clash[0]}=...): {clash[0]!r} is {whose}; name the extra value differently.")
+        raise ValueError(
+            f"step_record(..., {clash[0]}=...): {clash[0]!r} is {whose}; name the extra value differently."
+        )
     values: dict[str, object] = {
         f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.metadata.get("column", True)
     }
@@ -382,5 +385,3 @@ def _csv_line(values: Iterable[object]) -> str:
     buffer = io.StringIO()
     csv.writer(buffer).writerow(values)
     return buffer.getvalue()
-
-

@@ -8,10 +8,11 @@ found_inf agreed over ``torch.distributed``. Unlike torch, the scale never goes 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import abc, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
@@ -54,8 +55,8 @@ class _Iteration:
     gradient maxima (a policy that reads them), whether the losses scaled were finite (where they are watched) and the
     iteration's forward fault once agreed."""
 
-    records: defaultdict[int, dict[str, Any]] = field(default_factory=lambda: defaultdict(_fresh_record))
-    amax_seen: list[torch.Tensor] = field(default_factory=list)
+    records: defaultdict[int, dict[str, Any]] = dataclasses.field(default_factory=lambda: defaultdict(_fresh_record))
+    amax_seen: list[torch.Tensor] = dataclasses.field(default_factory=list)
     loss_finite: torch.Tensor | None = None
     fault: torch.Tensor | None = None
     losses: int = 0  # the losses scaled, counted where add-ons see them
@@ -104,7 +105,7 @@ class GradScaler:
         saturation_dtype: torch.dtype = torch.float16,
         process_group: ProcessGroup | None = None,
         skip_mode: Literal["auto", "host"] = "auto",
-        diagnose: torch.nn.Module | AddOn | None = None,
+        diagnose: torch.nn.Module | AddOn | Literal[False] | None = None,
     ) -> None:
         policy = _policy_from_args(
             policy,
@@ -221,7 +222,9 @@ class GradScaler:
                 finite = torch.isfinite(outputs.detach()).all().to(self._loss_scale.device)
                 iteration.loss_finite = finite if iteration.loss_finite is None else iteration.loss_finite & finite
             scale = self._loss_scale.scale
-            return stages.scale_loss(outputs, scale if outputs.device == scale.device else self._scale_on(outputs.device))
+            return stages.scale_loss(
+                outputs, scale if outputs.device == scale.device else self._scale_on(outputs.device)
+            )
         if isinstance(outputs, abc.Iterable) and not isinstance(outputs, (str, bytes)):
             mapped = map(self.scale, outputs)
             return type(outputs)(mapped) if isinstance(outputs, (list, tuple)) else mapped
@@ -352,7 +355,9 @@ class GradScaler:
         value = stages.fused_step_(optimizer, grad_scale, skip, *args, **kwargs)
         record["stage"] = OptState.STEPPED
         # the kernel reads found_inf, never writes it
-        return ScalerStep(found_inf=found_inf.bool(), value=value, forward_fault=None if fault is None else fault.bool())
+        return ScalerStep(
+            found_inf=found_inf.bool(), value=value, forward_fault=None if fault is None else fault.bool()
+        )
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Move the policy by this iteration's overflow (its state kept as it was on a forward fault), then show the
@@ -593,7 +598,9 @@ class GradScaler:
             elif device not in found:
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
             if self._reads_amax:
-                self._iteration.amax_seen.append(check_with_amax_(group, found[device], self.overflow_mode, self._threshold))
+                self._iteration.amax_seen.append(
+                    check_with_amax_(group, found[device], self.overflow_mode, self._threshold)
+                )
             else:
                 check_(group, found[device], self.overflow_mode, self._threshold)
         record["found_inf_per_device"] = self._agreed(found)

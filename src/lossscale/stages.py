@@ -30,7 +30,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
@@ -91,15 +91,15 @@ def grouped_gradients(
         NoGradientsError: no parameter of ``optimizer`` has a gradient (when ``required``).
         ValueError: a float16 gradient where ``allow_fp16`` is False (unscaling it would underflow).
     """
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    grads = [p.grad for p in params]
+    grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
     plain = all(type(g) is torch.Tensor and g.layout is torch.strided for g in grads)
-    tensors = grads if plain else [_writable(p) for p in params]
-    groups = Groups(
-        {key: lists[0] for key, (lists, _) in torch._C._group_tensors_by_device_and_dtype([tensors], False).items()}
-        if tensors
-        else {}
+    tensors = (
+        grads
+        if plain
+        else [_writable(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     )
+    by_key = torch._C._group_tensors_by_device_and_dtype([tensors], False) if tensors else {}
+    groups = Groups({key: cast("list[torch.Tensor]", lists[0]) for key, (lists, _) in by_key.items()})  # no None given
     groups.plain = plain
     if not allow_fp16 and any(dtype == torch.float16 for _, dtype in groups):
         raise ValueError(

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lossscale import presets
-from lossscale.testing import HostReadCounter
 from lossscale.addons.base import FrontEnd, StepOutcome
-from lossscale.state import LossScale
 from lossscale.diagnosis import OverflowDiagnosis, OverflowWarning, find_overflow, keep_float32
+from lossscale.state import LossScale
+from lossscale.testing import HostReadCounter
 from test_diagnosis import Amplifier, hook_count, make_net, plant_gate_overflow
 
 SYNC_WARNING = "called a synchronizing CUDA operation"

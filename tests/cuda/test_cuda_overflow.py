@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lossscale.ops.clip import squared_norms
-from lossscale.ops.clip import MIN_COUNT
+from lossscale.ops.clip import MIN_COUNT, squared_norms
 from lossscale.ops.overflow import check_with_amax_
 
 

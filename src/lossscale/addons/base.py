@@ -67,11 +67,11 @@ class AddOn:
     def attach(self, front_end: FrontEnd) -> None:
         """Called when a front end takes the add-on, and again when its options change."""
 
-    def on_loss(self, loss: torch.Tensor, opens_window: bool) -> bool:
-        """Called with each loss before it is scaled and backpropagated (``opens_window``: the first loss since
-        the last step). Returns whether the losses of the window this loss opens are to be scaled; the front end
-        reads the answer where ``opens_window`` is True (a precision schedule's bfloat16 or float32 phase says
-        False)."""
+    def on_loss(self, loss: torch.Tensor | None, opens_window: bool) -> bool:
+        """Called with each loss before it is scaled and backpropagated (``opens_window``: the first loss since the
+        last step; ``loss`` None where a step came with no loss, its gradients written by hand). Returns whether the
+        losses of the window this loss opens are to be scaled; the front end reads the answer where ``opens_window``
+        is True (a precision schedule's bfloat16 or float32 phase says False)."""
         return True
 
     def after_step(self, outcome: StepOutcome) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ import torch
 from lossscale.addons.base import AddOn, FrontEnd, StepOutcome
 from lossscale.validation import ArgumentTypeError, unlike_tensor, validate_int_at_least
 
+
 class EMA(AddOn):
     """Shadow weights ``ema = momentum * ema + (1 - momentum) * param`` after every applied step.
 

@@ -60,7 +60,7 @@ from lossscale.compat._common import OptimizerHolder, validate_optional_number, 
 from lossscale.ops.clip import clip_per_tensor_
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
 from lossscale.reporting import StepResult
-from lossscale.stages import fused_step_, fused_scaling
+from lossscale.stages import fused_scaling, fused_step_
 from lossscale.validation import validate_choice, validate_int_at_least, validate_optimizer
 
 __all__ = ["LossScaleOptimizer", "BASE_KWARGS"]
@@ -164,17 +164,29 @@ class _KerasStep(torch.optim.Optimizer):
         self.weight_decay = weight_decay
         self._step_supports_amp_scaling = clipnorm is None and fused_scaling(inner) == "flags"
 
-    @property  # type: ignore[override]  # the inner optimizer's groups, read through
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
 
-    @property  # type: ignore[override]  # the inner optimizer's state, read through
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
     def state(self) -> Any:
         return self.inner.state
 
-    @property  # type: ignore[override]  # the inner optimizer's defaults, read through
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.inner.state = value
+
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.inner.defaults = value
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
@@ -186,7 +198,7 @@ class _KerasStep(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]  # the inner optimizer's return
+    def step(self, closure: Any = None) -> Any:
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         if self.clipnorm is not None:
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lossscale.ops.nested import map_tensors, tensors_in
 from lossscale.validation import ArgumentTypeError, validate_choice
 
 __all__ = ["Float32Forward", "keep_float32"]
@@ -38,11 +39,11 @@ class Float32Forward:
 
     def _run(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         enabled = [d for d in _DEVICE_TYPES if _autocast_on(d)]
-        first = next((t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()), None)
+        first = next((t.dtype for t in tensors_in((args, kwargs)) if t.is_floating_point()), None)
         with contextlib.ExitStack() as stack:
             for device_type in enabled:
                 stack.enter_context(torch.autocast(device_type, enabled=False))
-            out = inner(*_to_float32(args), **_to_float32(kwargs))
+            out = inner(*map_tensors(_to_float32, args), **map_tensors(_to_float32, kwargs))
         if self.outputs == "float32":
             return out
         targets = {d: torch.get_autocast_dtype(d) for d in enabled}
@@ -53,7 +54,7 @@ class Float32Forward:
             target = targets.get(t.device.type, None if enabled else first)
             return t if target is None or target == torch.float32 else t.to(target)
 
-        return _map(back, out)
+        return map_tensors(back, out)
 
     def remove(self) -> None:
         """Undo: the module's forward runs as before (idempotent)."""
@@ -122,33 +123,5 @@ def _autocast_on(device_type: str) -> bool:
         return False
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        found.append(t)
-        return t
-
-    _map(keep, obj)
-    return found
-
-
-def _to_float32(obj: Any) -> Any:
-    return _map(lambda t: t.float() if t.dtype in _LOW else t, obj)
-
-
-def _map(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """``obj`` with ``fn`` applied to every tensor in it (tuples, named tuples, lists and dicts rebuilt)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map(fn, v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map(fn, v) for v in obj)
-    if isinstance(obj, dict):
-        mapped = {k: _map(fn, v) for k, v in obj.items()}
-        try:
-            return type(obj)(**mapped) if type(obj) is not dict else mapped
-        except TypeError:
-            return mapped
-    return obj
+def _to_float32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in _LOW else t

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,41 +20,35 @@ import torch
 from torch import nn
 
 from lossscale.diagnosis.report import Kind, ModuleRecord, OverflowReport
+from lossscale.ops.nested import tensors_in
+from lossscale.ops.overflow import largest_magnitude
+from lossscale.validation import in_backward
 
 __all__ = ["Tracer", "advice_for", "floating_tensors"]
 
 
-def floating_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """The floating-point tensors in ``obj`` (a tensor, or tuples, lists, dicts and dataclass-like records of them)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() or obj.is_complex():
-            yield obj
-    elif depth > 8 or isinstance(obj, (str, bytes)):
-        return
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from floating_tensors(value, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from floating_tensors(value, depth + 1)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from floating_tensors(getattr(obj, name, None), depth + 1)
+def floating_tensors(obj: Any) -> list[torch.Tensor]:
+    """The floating-point (and complex) tensors in ``obj`` (:func:`~lossscale.ops.nested.tensors_in`)."""
+    return [t for t in tensors_in(obj) if t.is_floating_point() or t.is_complex()]
 
 
 def _amax(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """Largest ``|x|`` over ``tensors`` as a 0-d float32 tensor on the first one's device (nan wins over inf)."""
-    parts = []
+    """Largest ``|x|`` over ``tensors`` (a sparse tensor's values, a complex one's moduli; any devices and dtypes) as
+    a 0-d float32 tensor on the first one's device, NaN where any is NaN
+    (:func:`~lossscale.ops.overflow.largest_magnitude` per device and dtype); None where every tensor is empty."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         t = t.detach()
         if t.is_sparse:
             t = t._values()
-        if t.numel() == 0:
-            continue
-        parts.append(t.abs().amax().float().to(tensors[0].device))
-    if not parts:
+        if t.is_complex():
+            t = t.abs()
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    if not groups:
         return None
-    return parts[0] if len(parts) == 1 else torch.stack(parts).amax()
+    maxima = [largest_magnitude(group).to(tensors[0].device) for group in groups.values()]
+    return maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
 
 
 @dataclass(eq=False)
@@ -92,10 +86,6 @@ class _GradEvent:
     watched: _Watched
     amax: torch.Tensor
     limit: float
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class Tracer:
@@ -138,7 +128,7 @@ class Tracer:
 
     def _pre_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if _in_backward():
+            if in_backward():
                 call = self._recomputation(name)
                 if call is not None and not call.watched:
                     for t in floating_tensors((args, kwargs)):
@@ -167,7 +157,7 @@ class Tracer:
 
     def _post_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if _in_backward():
+            if in_backward():
                 call = self._last_recomputed.get(name)
                 if call is not None and not call.watched:
                     for t in floating_tensors(output):

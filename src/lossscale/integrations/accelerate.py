@@ -120,7 +120,7 @@ def install(
     scaler_kwargs: dict[str, Any],
     name: str = "accelerator",
     scaler_type: type[GradScaler] = GradScaler,
-    diagnose: object = None,
+    diagnose: torch.nn.Module | OverflowDiagnosis | Literal[False] | None = None,
 ) -> GradScaler:
     """:func:`use_lossscale`'s checks and installation, for the front ends built on it: ``name`` is the argument
     their errors echo, ``scaler_type`` the GradScaler (or subclass) they install, ``diagnose`` its diagnosis."""

@@ -261,7 +261,11 @@ class LayerScales:
 
     # -- what its front end calls (lossscale.optimizer.layerwise.LayerwiseOptimizer) ------------------------------
     def bind(
-        self, call: str, params: Sequence[torch.Tensor], process_group: ProcessGroup | None, is_scaled: Callable[[], bool]
+        self,
+        call: str,
+        params: Sequence[torch.Tensor],
+        process_group: ProcessGroup | None,
+        is_scaled: Callable[[], bool],
     ) -> None:
         """Take the front end's parameters (:meth:`unscale` measures them all), process group and ``is_scaled``;
         again whenever its options change.

@@ -15,6 +15,8 @@ import torch
 from torch.autograd.graph import Node, get_gradient_edge
 
 from lossscale.layerwise.wiring import Edge, Forward, Slot, Units, Wiring
+from lossscale.ops.nested import map_tensors, tensors_in
+from lossscale.validation import in_backward
 
 __all__ = ["Convert", "Recorder", "UnitInput", "times", "unit_of"]
 
@@ -44,32 +46,15 @@ def times(grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return (grad.float() * factor.to(grad.device)).to(grad.dtype)
 
 
-def in_backward() -> bool:
-    """Whether this thread is inside a backward pass (where a module's forward is a recomputation)."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
 def tensors(tree: Any, plain: bool = False) -> list[torch.Tensor]:
-    """The tensors that require grad in ``tree`` (tuples, lists and dicts, depth first; with ``plain``, only in
-    those exact types: the ones :func:`mapped` rebuilds)."""
-    if isinstance(tree, torch.Tensor):
-        return [tree] if tree.requires_grad else []
-    if type(tree) in (tuple, list) if plain else isinstance(tree, (tuple, list)):
-        return [t for item in tree for t in tensors(item, plain)]
-    if type(tree) is dict if plain else isinstance(tree, dict):
-        return [t for item in tree.values() for t in tensors(item, plain)]
-    return []
+    """The tensors that require grad in ``tree`` (:func:`~lossscale.ops.nested.tensors_in`; with ``plain``, only in
+    exact tuples, lists and dicts: the ones :func:`mapped` rebuilds)."""
+    return [t for t in tensors_in(tree, plain=plain) if t.requires_grad]
 
 
 def mapped(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``tree`` with ``fn`` applied to each tensor that requires grad (plain tuples, lists and dicts rebuilt)."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree) if tree.requires_grad else tree
-    if type(tree) in (tuple, list):
-        return type(tree)(mapped(item, fn) for item in tree)
-    if type(tree) is dict:
-        return {k: mapped(v, fn) for k, v in tree.items()}
-    return tree
+    """``tree`` with ``fn`` applied to each tensor that requires grad (exact tuples, lists and dicts rebuilt)."""
+    return map_tensors(lambda t: fn(t) if t.requires_grad else t, tree, plain=True)
 
 
 def edge(t: torch.Tensor) -> Edge:

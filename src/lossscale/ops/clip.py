@@ -43,9 +43,9 @@ _KEPT = threading.local()
 def norms(tensors: Sequence[torch.Tensor], ord: float = 2.0, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The per-tensor norms of ``tensors`` (one device, dense) as one 1-D tensor, in their dtype or ``dtype``
     (``torch.stack(torch._foreach_norm(tensors, ord, dtype=dtype))``, equal value for value; NaN propagated). One
-    read of every tensor; no host read. Host ops: a constant number whatever ``len(tensors)`` (one multi-tensor copy into a kept
-    buffer and one clone), except on :data:`STACK_ON` devices (the CPU), below :data:`MIN_COUNT` tensors and under CUDA
-    graph capture (where host time is spent once, at capture), where ``torch.stack`` is used."""
+    read of every tensor; no host read. Host ops: a constant number whatever ``len(tensors)`` (one multi-tensor copy
+    into a kept buffer and one clone), except on :data:`STACK_ON` devices (the CPU), below :data:`MIN_COUNT` tensors
+    and under CUDA graph capture (where host time is spent once, at capture), where ``torch.stack`` is used."""
     values = torch._foreach_norm(list(tensors), ord, dtype=dtype)
     n, first = len(values), values[0]
     if n < MIN_COUNT or first.device.type in STACK_ON or capturing(first):
@@ -84,9 +84,11 @@ def grouped_norm_squared(
 
 def _sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """Squared L2 norm of the local parts of ``grads`` (a sparse gradient's values), as 0-d float32."""
-    local = [_local_values(g) for g in grads]
+    local: list[torch.Tensor | None] = [_local_values(g) for g in grads]
     groups = torch._C._group_tensors_by_device_and_dtype([local], False) if local else {}
-    return grouped_norm_squared({key: lists[0] for key, (lists, _) in groups.items()}, device)
+    return grouped_norm_squared(
+        {key: [t for t in lists[0] if t is not None] for key, (lists, _) in groups.items()}, device
+    )
 
 
 def _split(grads: Sequence[torch.Tensor], sharded: bool | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 
-
 def active(process_group: ProcessGroup | None = None) -> bool:
     """Whether a reduction is needed: torch.distributed is initialized and the group has > 1 rank."""
     if not (dist.is_available() and dist.is_initialized()):

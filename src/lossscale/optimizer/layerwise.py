@@ -113,7 +113,13 @@ class LayerwiseOptimizer(LossScaleOptimizer):
         grad_norm = None
         if options.clip_grad_norm is not None:  # the norm of the unscaled gradients: 1/scale is 1
             grad_norm, clip = stages.clip_norm(
-                groups, self._grads, self._one, found, options.clip_grad_norm, options.process_group, options.sharded_grads
+                groups,
+                self._grads,
+                self._one,
+                found,
+                options.clip_grad_norm,
+                options.process_group,
+                options.sharded_grads,
             )
             for grads in groups.values():
                 stages.unscale_(grads, found, clip, None)

@@ -7,7 +7,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -16,6 +16,7 @@ from lossscale.addons.base import AddOn, FrontEnd
 from lossscale.keywords import add_ons_from, validate_add_ons
 from lossscale.ops.flat import FlatGrads
 from lossscale.ops.masked import MaskedSkip
+from lossscale.ops.overflow import OverflowMode
 from lossscale.ops.underflow import underflow_share
 from lossscale.optimizer import checkpoint
 from lossscale.optimizer.options import ResolvedSkipMode, StepOptions
@@ -144,7 +145,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         ema: AddOn | None = None,
         schedule: AddOn | None = None,
         layerwise: Any = None,
-        diagnose: torch.nn.Module | AddOn | None = None,
+        diagnose: torch.nn.Module | AddOn | Literal[False] | None = None,
         add_ons: list[AddOn] | tuple[AddOn, ...] = (),
         **options: Any,
     ) -> None:
@@ -352,7 +353,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         stages.validate_loss("LossScaleOptimizer.scale_loss(loss)", loss)
         run = self._run
         opens = run.window is None
-        scaled = all([add_on.on_loss(loss, opens) for add_on in self._add_ons])  # every add-on sees the loss
+        scaled = all([add_on.on_loss(loss, opens) for add_on in self._add_ons])  # noqa: C419  # a list: every add-on sees the loss
         if opens:
             run.window = scaled
         if self._flat is not None and not self._flat.attached(params := self._params()):
@@ -390,7 +391,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 loss = closure()
         run = self._run
         if run.window is None:  # a window whose gradients came without a loss (written to .grad by hand)
-            run.window = all([add_on.on_loss(None, True) for add_on in self._add_ons])
+            run.window = all([add_on.on_loss(None, True) for add_on in self._add_ons])  # noqa: C419  # every add-on is asked
         run.micro += 1
         if run.micro < self._options.accumulation_steps:
             false = torch.zeros((), dtype=torch.bool, device=self._device)
@@ -485,10 +486,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 return grad_norm, None
             return grad_norm, (scale.clone() if clip is None else scale / clip)
         assert inv is not None  # made above wherever our pass runs
-        checked = clip is not None or (scaled and options.overflow_mode == "saturation") or (
-            scaled and self._loss_scale.policy.observes_amax
+        checked = (
+            clip is not None
+            or (scaled and options.overflow_mode == "saturation")
+            or (scaled and self._loss_scale.policy.observes_amax)
         )
-        check = None if checked else "inf_nan"
+        check: OverflowMode | None = None if checked else "inf_nan"
         factor = None if not scaled and clip is None else (inv if clip is None else inv * clip)
         for grads in groups.values():
             stages.unscale_(grads, found, factor, check)
@@ -527,6 +530,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def _flat_groups(self) -> stages.Groups:
         """Each flat buffer, as the gradients to pass over (its views attached again first where a gradient was set
         to None or replaced, with a warning the first time)."""
+        assert self._flat is not None  # called only with a buffer
         params = self._params()
         if not self._flat.attached(params):
             self._attach_flat(params)

@@ -23,6 +23,7 @@ from lossscale.validation import (
     validate_scale_bounds,
 )
 
+
 @dataclass(frozen=True)
 class DynamicScale(Policy[ScaleState]):
     """Dynamic loss scaling: back off on overflow, grow after a run of clean steps.
