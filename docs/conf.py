@@ -93,26 +93,46 @@ html_show_sourcelink = False
 
 
 # The API pages of the modules are generated at each build from the package itself, so that a module added, moved
-# or removed changes the reference without an edit here: one page per module found under ``lossscale`` (private
-# ones, starting with "_", and the demo left out), in docs/api/compat/, docs/api/integrations/ and docs/api/modules/
-# (not tracked by git). A name that the package exports at the top (``lossscale.__all__``) or that
-# ``lossscale.presets`` holds is described once, on those pages; a module's page links to it.
+# or removed changes the reference without an edit here: one page per public module, a module that declares
+# ``__all__`` (docs/architecture.md, "Public and internal"), in docs/api/compat/, docs/api/integrations/ and
+# docs/api/modules/ (not tracked by git), each following its ``__all__``. A name that the package exports at the top
+# (``lossscale.__all__``) or that ``lossscale.presets`` holds is described once, on those pages; a module's page links
+# to it. The internal modules have no page: a docstring's reference to one of their names renders as code.
 API = Path(__file__).resolve().parent / "api"
 SKIPPED = ("lossscale.demo", "lossscale.__main__")
 GROUPS = {"lossscale.compat": "compat", "lossscale.integrations": "integrations"}
 
 
-def _public_modules() -> list[str]:
+def _modules() -> list[str]:
+    """Every module of the package but the private ones (a part starting with "_") and the demo."""
     import lossscale
 
     names = []
     for info in pkgutil.walk_packages(lossscale.__path__, "lossscale."):
-        if any(part.startswith("_") for part in info.name.split(".")):
-            continue
-        if info.name.startswith(SKIPPED) or importlib.import_module("lossscale").presets.__name__ == info.name:
+        if any(part.startswith("_") for part in info.name.split(".")) or info.name.startswith(SKIPPED):
             continue
         names.append(info.name)
     return sorted(names)
+
+
+def _declares_all(name: str) -> bool:
+    try:
+        return "__all__" in vars(importlib.import_module(name))
+    except ImportError:  # an optional dependency (triton): an internal module
+        return False
+
+
+def _public_modules() -> list[str]:
+    """The modules that declare ``__all__``, but the two with hand-written pages (``lossscale``, its presets)."""
+    import lossscale
+
+    return [n for n in _modules() if _declares_all(n) and n != lossscale.presets.__name__]
+
+
+# a reference to an internal module or one of its names renders as code (the module has no page)
+nitpick_ignore_regex.extend(
+    (r"py:.*", re.escape(name) + r"(\..*)?") for name in _modules() if name != "lossscale" and not _declares_all(name)
+)
 
 
 def _exported() -> dict[int, str]:
@@ -131,11 +151,9 @@ def _module_page(name: str, group: str, exported: dict[int, str]) -> str:
         module = None
     elsewhere = []
     for member, obj in sorted(vars(module).items() if module else ()):
-        if id(obj) in exported and getattr(obj, "__module__", None) == name:
+        if id(obj) in exported and name != "lossscale" and member in getattr(module, "__all__", ()):
             elsewhere.append((member, exported[id(obj)]))
     lines = [f"# `{name}`", "", "```{eval-rst}", f".. automodule:: {name}"]
-    if group == "modules":  # below the public surface: every documented name defined in the module
-        lines.append("   :ignore-module-all:")
     if elsewhere:
         lines.append("   :exclude-members: " + ", ".join(m for m, _ in elsewhere))
     lines += ["```", ""]
@@ -172,7 +190,7 @@ _generate_api_pages()
 def _resolvable_type_checking_names() -> None:
     import torch.distributed
 
-    for name in _public_modules():
+    for name in _modules():
         try:
             module = importlib.import_module(name)
         except ImportError:  # an optional dependency (triton)

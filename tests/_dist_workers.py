@@ -663,7 +663,66 @@ def layerwise_uneven(rank: int, world_size: int) -> dict:
     return {"error": None}
 
 
+FAULT_STEP = 3  # rank 1's loss is inf at this step (its gradients finite: the inf is a constant term)
+
+
+def forward_fault(rank: int, world_size: int, kind: str, opt_name: str) -> dict:
+    """DDP with a front end that finds forward faults: at FAULT_STEP only rank 1's loss is non-finite, its gradients
+    finite. Both ranks must skip that step, and neither rank's policy state may move there."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lossscale import DynamicScale, GradScaler, LossScaleOptimizer
+    from lossscale.addons import AddOn
+
+    class FindsFaults(AddOn):
+        finds_forward_faults = True
+
+    model = DDP(make_model())
+    inner = OPTIMIZERS[opt_name](model.parameters())
+    policy = DynamicScale(init_scale=2.0**10, growth_interval=2)
+    if kind == "lso":
+        opt: Any = LossScaleOptimizer(inner, policy=policy, add_ons=[FindsFaults()])
+        scaler = None
+    else:
+        opt, scaler = inner, GradScaler("cpu", policy=policy)
+        scaler.attach_add_ons([FindsFaults()])
+    out: dict[str, Any] = {"stepped": [], "found_inf": [], "fault": [], "states": []}
+    for step in range(6):
+        x, y = batch(step, rows_of(rank, world_size))
+        loss = loss_fn(model, x, y)
+        if step == FAULT_STEP and rank == 1:
+            loss = loss + torch.tensor(INF)  # a non-finite loss whose gradients stay finite
+        opt.zero_grad()
+        if scaler is None:
+            opt.backward(loss)
+            result = opt.step()
+            state = opt.loss_scale.state_dict()
+            stepped, found, fault = result.stepped, result.found_inf, result.forward_fault
+        else:
+            scaler.scale(loss).backward()
+            decision = scaler.step(opt)
+            scaler.update()
+            state = scaler.loss_scale.state_dict()
+            stepped, found, fault = decision.stepped, decision.found_inf, decision.forward_fault
+        out["stepped"].append(bool(stepped))
+        out["found_inf"].append(bool(found))
+        out["fault"].append(bool(fault))
+        out["states"].append(state)
+    out["params"] = flat(model)
+    return out
+
+
 SCENARIOS = {
     f.__name__: f
-    for f in (helpers, scaler_plain, lso_ddp, accumulation, fsdp2, checkpoint, layerwise, layerwise_uneven)
+    for f in (
+        helpers,
+        scaler_plain,
+        lso_ddp,
+        accumulation,
+        fsdp2,
+        checkpoint,
+        layerwise,
+        layerwise_uneven,
+        forward_fault,
+    )
 }

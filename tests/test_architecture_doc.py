@@ -340,7 +340,7 @@ def shared_table_problems(text: str) -> list[str]:
 
 def test_every_named_function_exists_where_the_page_says():
     text = PAGE.read_text(encoding="utf-8")
-    assert len(names_in(text)) > 40, "the page's walks name their functions as `module:Qualified.name`"
+    assert len(names_in(text)) > 30, "the page's walks name their functions as `module:Qualified.name`"
     assert name_problems(text) == []
 
 
@@ -364,22 +364,31 @@ def test_the_shared_table_names_stages_and_their_callers():
 
 def test_the_checks_fail_on_a_page_that_is_wrong():
     text = PAGE.read_text(encoding="utf-8")
-    renamed = text.replace("LossScaleOptimizer._guard`", "LossScaleOptimizer._guard_scale`")
-    assert any("_guard_scale" in p for p in name_problems(renamed))
-    assert any("_guard_scale" in p for p in walk_problems(renamed, "## One LossScaleOptimizer step", optimizer_step()))
+    renamed = text.replace("LossScaleOptimizer._unscale`", "LossScaleOptimizer._unscale_and_clip`")
+    assert any("_unscale_and_clip" in p for p in name_problems(renamed))
+    walk = "## One LossScaleOptimizer step"
+    assert any("_unscale_and_clip" in p for p in walk_problems(renamed, walk, optimizer_step()))
     moved = text.replace(
         "`lossscale.stages:guarded_found` (`stages.py`", "`lossscale.stages:guarded_found` (`state.py`"
     )
     assert any("guarded_found" in p and "state.py" in p for p in name_problems(moved))
-    reexported = "`lossscale.stages:global_norm_squared`"  # stages imports it from ops/clip.py
+    reexported = "`lossscale.stages:grouped_norm_squared`"  # stages imports it from ops/clip.py
     assert any("not in lossscale.stages" in p for p in name_problems(reexported))
     assert any("states.py" in p for p in tree_problems(text.replace("  state.py ", "  states.py")))
     assert any(
         "validation.py: in the package" in p for p in tree_problems(text.replace("  validation.py", "  checks.py"))
     )
-    wrong_count = text.replace("opens 8 files and 36", "opens 8 files and 35")
-    assert any("says (8, 35, 3)" in p for p in walk_problems(wrong_count, "## One GradScaler step", scaler_step()))
-    stale = text.replace("| 10 files, 42 functions (3 properties) |", "| 10 files, 41 functions (3 properties) |")
-    assert any("LossScaleOptimizer: now (10, 41, 3)" in p for p in count_table_problems(stale))
-    swapped = text.replace("| `_unscale` | `_unscale_grads_` |", "| `_guard` | `_unscale_grads_` |")
-    assert any("_guard calls none" in p for p in shared_table_problems(swapped))
+    wrong_count = text.replace("opens 7 files and 25 functions (2", "opens 7 files and 24 functions (2")
+    assert any("says (7, 24, 2)" in p for p in walk_problems(wrong_count, "## One GradScaler step", scaler_step()))
+    stale = text.replace("| 7 files, 25 functions (1 properties) |", "| 7 files, 24 functions (1 properties) |")
+    assert any("LossScaleOptimizer: now (7, 24, 1)" in p for p in count_table_problems(stale))
+    swapped = text.replace("| `clip_norm` | `_unscale` | |", "| `clip_norm` | `_apply` | |")
+    assert any("_apply calls none" in p for p in shared_table_problems(swapped))
+
+
+def test_the_walks_keep_to_the_step_budget():
+    """The step every user runs is small: at most 7 files and 25 functions per front end, by the tracer."""
+    for step in STEPS.values():
+        entered = step()
+        files = {module_file(n.split(":")[0]) for n in entered}
+        assert len(files) <= 7 and len(entered) <= 25, (len(files), len(entered), sorted(entered))

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist_workers import CKPT_INJECT, DDP_SKIPPED, FSDP_INJECT_STEP, SCALER_INJECT, RankPool
+from _dist_workers import CKPT_INJECT, DDP_SKIPPED, FAULT_STEP, FSDP_INJECT_STEP, SCALER_INJECT, RankPool
 from _torch_versions import needs_torch
 from lossscale import stages, testing
 from lossscale.ops import distributed as ld
@@ -234,6 +234,23 @@ def test_fsdp2_every_rank_skips_and_clips_by_the_global_norm(ranks, kind):
         torch.testing.assert_close(out["params"], out["ref_params"], rtol=1e-5, atol=1e-6)
     local = [sum(out["local_sq_norms"]) for out in results]
     assert all(v > 0 for v in local)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind, opt_name", [("lso", "fused_adamw"), ("lso", "sgd"), ("scaler", "fused_adamw")])
+def test_a_forward_fault_on_one_rank_skips_the_step_on_both_and_moves_neither_policy(ranks, kind, opt_name):
+    """Only rank 1's loss is non-finite (its gradients finite): the verdict is agreed with found_inf, every rank skips
+    that step, and no rank's policy state moves there."""
+    results = ranks.run("forward_fault", kind, opt_name)
+    same_everywhere(results, "params")
+    step = FAULT_STEP
+    for out in results:
+        assert out["stepped"] == [s != step for s in range(6)]
+        assert out["fault"] == [s == step for s in range(6)]
+        assert not any(out["found_inf"])  # found_inf keeps meaning a gradient overflow
+        assert out["states"][step] == out["states"][step - 1]  # the policy did not see the step
+        assert out["states"][step + 1] != out["states"][step]  # and sees the next one
+    assert results[0]["states"] == results[1]["states"]
 
 
 @pytest.mark.distributed

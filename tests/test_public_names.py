@@ -8,6 +8,7 @@ name of a ``from lossscale... import ...`` line. A newly documented name fails u
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import re
 import types
@@ -63,6 +64,12 @@ KIND = {
     "lossscale.ops.amax_kernel.amax": "function",
     "lossscale.diagnosis": "module",
     "lossscale.diagnosis.advance_trigger": "function",
+    "lossscale.addons": "module",
+    "lossscale.layerwise": "module",
+    "lossscale.ops.distributed": "module",
+    "lossscale.optimizer": "module",
+    "lossscale.reporting": "module",
+    "lossscale.testing.HostReadCounter": "class",
     # the modules docs/architecture.md walks a step through
     "lossscale.scaler": "module",
     "lossscale.stages": "module",
@@ -71,7 +78,6 @@ KIND = {
     "lossscale.ops.clip": "module",
     "lossscale.ops.overflow": "module",
     "lossscale.optimizer.optimizer": "module",
-    "lossscale.policies.base": "module",
     "lossscale.policies.dynamic": "module",
     "lossscale.OverflowDiagnosis": "class",
     "lossscale.OverflowWarning": "class",
@@ -147,3 +153,61 @@ def test_a_documented_name_imports_as_its_kind(name):
 def test_every_name_in_all_resolves(name):
     obj = getattr(lossscale, name)
     assert isinstance(obj, types.ModuleType) or obj.__module__.startswith("lossscale."), name
+
+
+#: The public modules (docs/architecture.md, "Public and internal"): exactly the ones that declare ``__all__``.
+PUBLIC_MODULES = {
+    "lossscale",
+    "lossscale.addons",
+    "lossscale.compat.ascend",
+    "lossscale.compat.keras",
+    "lossscale.compat.mindspore",
+    "lossscale.compat.nnabla",
+    "lossscale.diagnosis",
+    "lossscale.integrations.accelerate",
+    "lossscale.integrations.fabric",
+    "lossscale.integrations.lightning",
+    "lossscale.integrations.transformers",
+    "lossscale.layerwise",
+    "lossscale.optimizer",
+    "lossscale.policies.presets",
+    "lossscale.reporting",
+    "lossscale.testing",
+}
+
+
+def _all_modules() -> list[str]:
+    import pkgutil
+
+    return ["lossscale", *(m.name for m in pkgutil.walk_packages(lossscale.__path__, "lossscale."))]
+
+
+def test_exactly_the_public_modules_declare_all_and_each_name_in_it_resolves():
+    declaring = set()
+    for name in _all_modules():
+        framework = next((f for prefix, f in FRAMEWORK.items() if name.startswith(prefix)), None)
+        if framework and importlib.util.find_spec(framework) is None:
+            continue  # an optional dependency absent here: the module cannot be imported to be read
+        module = importlib.import_module(name)
+        if "__all__" in vars(module):
+            declaring.add(name)
+            for member in module.__all__:
+                assert hasattr(module, member), f"{name}.__all__ names {member!r}, which it does not have"
+    assert declaring == PUBLIC_MODULES - {m for m in PUBLIC_MODULES if _absent(m)}, (
+        f"declare __all__ only in public modules: extra {sorted(declaring - PUBLIC_MODULES)}, "
+        f"missing {sorted(PUBLIC_MODULES - declaring)}"
+    )
+
+
+def _absent(name: str) -> bool:
+    framework = next((f for prefix, f in FRAMEWORK.items() if name.startswith(prefix)), None)
+    return framework is not None and importlib.util.find_spec(framework) is None
+
+
+def test_the_architecture_page_lists_the_public_modules():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    listed = set(re.findall(r"`(lossscale(?:\.\w+)*)`", text.split("## Public and internal", 1)[1].split("\n## ")[0]))
+    shown = {"lossscale.presets" if m == "lossscale.policies.presets" else m for m in PUBLIC_MODULES}
+    grouped = {m for m in shown if m.startswith(("lossscale.compat.", "lossscale.integrations."))}
+    assert shown - grouped <= listed, sorted(shown - grouped - listed)
+    assert {"lossscale.compat", "lossscale.integrations"} <= listed

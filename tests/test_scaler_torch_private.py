@@ -3,7 +3,8 @@
 and ``grad_scaler=self`` for optimizers that take it. Each test runs on both classes (``BOTH``) or compares
 lossscale's with torch's. That these names are views of the one owner of the scale: test_state.py.
 
-The external harness /work/torchtests/run.sh runs PyTorch's own test file against lossscale.GradScaler.
+PyTorch's own GradScaler tests, run against lossscale.GradScaler, are kept outside the repository (CONTRIBUTING.md,
+"Tests against what others wrote").
 """
 
 from __future__ import annotations

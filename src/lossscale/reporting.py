@@ -1,5 +1,5 @@
 """What a step decided and how to read it: the step records, a CSV/TensorBoard logger, and the one way the library
-writes a file (:func:`atomic_write`)."""
+writes a file (``atomic_write``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import torch
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
+
+__all__ = ["COLUMNS", "EventFields", "ScalerStep", "StepLogger", "StepOutcome", "StepResult", "step_record"]
 
 
 @contextlib.contextmanager
@@ -259,7 +261,7 @@ class StepLogger:
     at ``global_step=step``, and the text ones (the diagnosis's) as text.
 
     The CSV survives a killed process: a file already at ``path_csv`` stays as it was until the new log has its
-    header and first row (they are written to a temporary file that then replaces it, as :func:`atomic_write`
+    header and first row (they are written to a temporary file that then replaces it, as ``atomic_write``
     does); after that each row goes to the file in one ``write`` of a whole line, so the file a kill leaves ends
     with the last row written (readers such as ``csv.DictReader`` and ``pandas.read_csv`` read it as it is).
 

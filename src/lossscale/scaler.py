@@ -38,8 +38,6 @@ from lossscale.validation import (
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["GradScaler"]
-
 _TORCH_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 _TORCH_COPIES = {"scale": "scale", "_growth_tracker": "growth_tracker"}  # torch's key -> policy_state's field
 
@@ -132,7 +130,7 @@ class GradScaler:
         self._reads_amax, self._reads_loss_finite = policy.observes_amax, policy.observes_loss_finite
         self._placed = False  # whether the state has moved to the device of the first scaled output
         self._replicas: dict[torch.device, torch.Tensor] = {}
-        self._updates = 0  # update() calls that advanced the policy
+        self._updates = 0  # update() calls that updated the policy
         self._iteration = _Iteration()
         self._add_ons: list[AddOn] = []
         self._finds_forward_faults = False

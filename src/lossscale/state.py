@@ -2,8 +2,8 @@
 
 Every front end and facade reads and writes the scale and counters through it; every setter and loader checks
 the scale with :func:`~lossscale.validation.validated_scale` against the policy's bounds. On a CUDA device, a
-policy whose ``cuda_graph`` is True (PredictiveScale: its rule is about 80 small kernels) is advanced by replaying
-its update from a CUDA graph (:class:`ReplayedUpdate`): one launch instead of one per op.
+policy whose ``cuda_graph`` is True (PredictiveScale: its rule is about 80 small kernels) is updated by replaying
+its update from a CUDA graph (``ReplayedUpdate``): one launch instead of one per op.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from lossscale.policies.base import (
 )
 from lossscale.policies.dynamic import DynamicScale
 from lossscale.validation import capturing, validated_scale
-
-__all__ = ["LossScale"]
 
 
 class LossScale(Generic[StateT]):
@@ -124,9 +122,9 @@ class LossScale(Generic[StateT]):
         Host reads: none, unless the policy raises at its floor (``at_floor="raise"``: one).
 
         Under CUDA graph capture the new state is written into the current state's tensors (one multi-tensor
-        copy), so each replay of the graph reads and advances the same state (the scale returned is then a copy);
+        copy), so each replay of the graph reads and updates the same state (the scale returned is then a copy);
         outside capture the state is replaced and the tensors read before stay as they were. Outside capture, on a
-        CUDA device, a policy with ``cuda_graph`` True is advanced by :class:`ReplayedUpdate` (the same result, bit for
+        CUDA device, a policy with ``cuda_graph`` True is updated by ``ReplayedUpdate`` (the same result, bit for
         bit)."""
         old = self._state
         if not capturing(old.scale):

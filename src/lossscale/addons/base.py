@@ -33,8 +33,6 @@ from lossscale.state import LossScale
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["AddOn", "FrontEnd", "StepOutcome"]
-
 
 @dataclass(frozen=True)
 class FrontEnd:

@@ -1,4 +1,4 @@
-"""Exponential moving average of the weights, advanced only on steps that were really applied."""
+"""Exponential moving average of the weights, moved only on steps that were really applied."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class EMA(AddOn):
 
     @torch.no_grad()
     def update(self, stepped: torch.Tensor, boundary: int) -> None:
-        """Advance the average where ``stepped`` (0-d bool); overwrite params every ``overwrite_every``."""
+        """Move the average where ``stepped`` (0-d bool); overwrite params every ``overwrite_every``."""
         if not self.params:
             return
         weight = stepped.to(self.shadow[0].dtype) * (1.0 - self.momentum)

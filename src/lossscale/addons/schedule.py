@@ -31,8 +31,6 @@ import torch
 from lossscale.addons.base import AddOn, FrontEnd, StepOutcome
 from lossscale.validation import ArgumentTypeError
 
-__all__ = ["PrecisionSchedule", "ScheduleConfig", "ScheduleState", "advance", "validate_attachable", "parse_mode"]
-
 Trigger = Literal["step", "loss"]
 
 LOW_DTYPES: dict[str, torch.dtype] = {"fast": torch.float16, "fast1": torch.bfloat16}
@@ -123,7 +121,7 @@ def advance(config: ScheduleConfig, state: ScheduleState, step: int | None, loss
 class PrecisionSchedule(AddOn):
     """Trains the first share of a run in float16 or bfloat16, then switches back to the original precision once.
 
-    Rule (see :func:`advance`): ``'fast|step|0.9'`` with ``total_steps=100`` is float16 for steps 0-89 and
+    Rule (see ``advance``): ``'fast|step|0.9'`` with ``total_steps=100`` is float16 for steps 0-89 and
     original precision from step 90; ``'fast1|loss|1.05'`` with ``target_loss=2.0`` is bfloat16 until a reported
     loss is <= 2.1. Feed it once per step with :meth:`update`. Host reads: one per tensor ``loss``.
 
@@ -271,7 +269,7 @@ class PrecisionSchedule(AddOn):
     label = "a precision schedule"
 
     def attach(self, front_end: FrontEnd) -> None:
-        """Refuse parameters already in low precision (:func:`validate_attachable`); the first time, a schedule
+        """Refuse parameters already in low precision (``validate_attachable``); the first time, a schedule
         already back in its original precision has no switch left to report."""
         validate_attachable(self, front_end.params, front_end.call)
         if self._reported is None:

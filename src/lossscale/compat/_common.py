@@ -14,15 +14,6 @@ from lossscale.policies.base import Policy, ScaleState
 from lossscale.state import LossScale
 from lossscale.validation import ArgumentTypeError, validate_int_in_range, validated_state_dict
 
-__all__ = [
-    "COUNTER_MAX",
-    "LossScaleHolder",
-    "OptimizerHolder",
-    "validate_optional_number",
-    "validated_counters",
-    "validated_tensors",
-]
-
 #: The largest saved step counter a facade loads (exact in int64).
 COUNTER_MAX = 2**62
 

@@ -111,7 +111,7 @@ class _LossScaleManager(LossScaleHolder):
         return self.loss_scale.scale
 
     def update_loss_scale(self, finite_grads: bool | torch.Tensor) -> None:
-        """Advance the rule with one step's ``finite_grads`` (True: no overflow). No host read."""
+        """Update the rule with one step's ``finite_grads`` (True: no overflow). No host read."""
         self.loss_scale.update(overflow_from_finite_grads(finite_grads, self.loss_scale.scale))
 
     def __repr__(self) -> str:

@@ -192,7 +192,7 @@ class DynamicLossScaleManager(LossScaleHolder):
         return float(self.loss_scale.scale)
 
     def update_loss_scale(self, overflow: bool | torch.Tensor) -> None:
-        """Advance the rule with one step's ``overflow``, a bool (a tensor is read on the host)."""
+        """Update the rule with one step's ``overflow``, a bool (a tensor is read on the host)."""
         if isinstance(overflow, torch.Tensor):
             overflow = bool(_flag(overflow, overflow.device, "DynamicLossScaleManager.update_loss_scale"))
         if not isinstance(overflow, bool):

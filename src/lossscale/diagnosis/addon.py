@@ -15,8 +15,6 @@ from lossscale.diagnosis.report import OverflowReport, OverflowWarning
 from lossscale.diagnosis.trace import Tracer
 from lossscale.validation import ArgumentTypeError, validate_int_at_least
 
-__all__ = ["OverflowDiagnosis", "TriggerState", "advance_trigger"]
-
 _STREAK_CAP = 2**30  # the streak saturates here (bound everything that grows)
 
 
@@ -45,7 +43,7 @@ class TriggerState(NamedTuple):
 def advance_trigger(
     state: TriggerState, found_inf: torch.Tensor, next_scale: torch.Tensor, *, patience: int, initial_limit: int
 ) -> TriggerState:
-    """One step of the trigger (element-wise, so a batch of runs advances at once). No host read.
+    """One step of the trigger (element-wise, so a batch of runs moves at once). No host read.
 
     The rule::
 
@@ -179,7 +177,7 @@ class OverflowDiagnosis(AddOn):
 
     def _publish_and_poll(self) -> bool:
         """Copy the latched flag towards the host without blocking; True if a completed copy says it fired."""
-        assert self._state is not None  # after_step advanced it first
+        assert self._state is not None  # after_step moved it first
         fired = self._state.fired
         if fired.device.type != "cuda":
             if not self._slots:

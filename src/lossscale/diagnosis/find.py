@@ -14,8 +14,6 @@ from lossscale.diagnosis.report import OverflowReport
 from lossscale.diagnosis.trace import Tracer
 from lossscale.validation import ArgumentTypeError, validated_scale
 
-__all__ = ["find_overflow"]
-
 #: The backward passes (the first included) after which the search for ``max_safe_scale`` stops starting a trial;
 #: a trial's check of twice its scale may add one.
 MAX_SEARCH_RUNS = 12

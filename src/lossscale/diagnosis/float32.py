@@ -12,8 +12,6 @@ from torch import nn
 from lossscale.ops.nested import map_tensors, tensors_in
 from lossscale.validation import ArgumentTypeError, validate_choice
 
-__all__ = ["Float32Forward", "keep_float32"]
-
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
 _LOW = (torch.float16, torch.bfloat16)
 

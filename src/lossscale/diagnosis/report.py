@@ -8,8 +8,6 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["FLOAT16_MAX", "Kind", "ModuleRecord", "OverflowReport", "OverflowWarning"]
-
 #: The largest finite float16 value; a magnitude past it is inf in float16.
 FLOAT16_MAX = 65504.0
 
@@ -70,7 +68,7 @@ class OverflowReport:
         max_safe_scale: The largest power of two at which this batch's backward stays finite (below 1 where even
             an unscaled backward overflows); None where the forward or the loss broke, or where it was not measured.
         advice: What fixes this kind of fault, in one or two sentences.
-        records: One :class:`ModuleRecord` per module call, in the order the calls started.
+        records: One :class:`~lossscale.diagnosis.ModuleRecord` per module call, in the order the calls started.
         loss: The loss's value (None where unknown).
         rank: The process's rank under torch.distributed, else None.
     """

@@ -24,8 +24,6 @@ from lossscale.ops.nested import tensors_in
 from lossscale.ops.overflow import largest_magnitude
 from lossscale.validation import in_backward
 
-__all__ = ["Tracer", "advice_for", "floating_tensors"]
-
 
 def floating_tensors(obj: Any) -> list[torch.Tensor]:
     """The floating-point (and complex) tensors in ``obj`` (:func:`~lossscale.ops.nested.tensors_in`)."""

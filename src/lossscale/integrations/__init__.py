@@ -20,8 +20,6 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["require"]
-
 
 def require(framework: str, extra: str, integration: str) -> ModuleType:
     """Import ``framework`` for ``lossscale.integrations.<integration>``; an ImportError names the extra."""

@@ -13,8 +13,6 @@ from lossscale.keywords import add_ons_from
 from lossscale.reporting import ScalerStep, StepResult
 from lossscale.scaler import GradScaler
 
-__all__ = ["carried", "diagnose_later", "diagnose_model", "make_scaler", "scaler_result"]
-
 
 def carried(add_ons: Iterable[object]) -> OverflowDiagnosis | None:
     """The OverflowDiagnosis among a front end's add-ons, or None."""
@@ -121,7 +119,7 @@ def scaler_result(
         grad_norm=grad_norm,
         step=step,
         forward_fault=decision.forward_fault,
-        fields=dict(scaler.last_fields),
+        fields=scaler.last_fields,  # a new dict at each update()
     )
 
 

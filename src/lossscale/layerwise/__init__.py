@@ -3,7 +3,7 @@
 :class:`LayerScales` keeps an exponent ``e[m] >= 0`` per module (a *unit*). Inside unit m the backward pass, and
 so its parameters' gradients, carry ``S * 2**e[m]`` (S: the global loss scale); between units a gradient carries
 ``S * 2**s``, where ``s`` belongs to the *region* it flows through (the tensors joined by operations outside the
-units). Hooks convert at each unit's boundary::
+units). Hooks convert at each unit's edges::
 
     gradient entering m (sum over readers of m's outputs)  *= 2 ** (e[m] - s(output region))
     gradient leaving m into its inputs (m's share only)    *= 2 ** (s(input region) - e[m])
@@ -45,15 +45,15 @@ loss is given to ``backward_from`` (else a unit weight read after the units goes
 warns); who reads a tensor changes only with the units that run, their order or their numbers of tensor inputs and
 outputs.
 
-Cost: two tiny ops per unit boundary per backward, an identity node per unit input that is not the only reader of
+Cost: two tiny ops per unit edge per backward, an identity node per unit input that is not the only reader of
 its region; per step one read and one write pass over the gradients and about twenty element-wise ops on
 ``[units]`` tensors. One time: the wiring read (a walk over the autograd graph in Python) and, in the first
 backward, one amax per unit's output gradient (under torch.distributed, with one MAX all-reduce per group of units,
 so that every rank sets the same factors, after one check that every rank ran the same units: the only host read,
 once). No host read otherwise.
 
-The package by job: :mod:`.wiring` (the units, what a forward showed, the regions read from the graph),
-:mod:`.hooks` (the module and tensor hooks, the identity Function), :mod:`.rule` (the exponents' first values and
+The package by job: ``wiring.py`` (the units, what a forward showed, the regions read from the graph),
+``hooks.py`` (the module and tensor hooks, the identity Function), ``rule.py`` (the exponents' first values and
 update, the factors, the saved record's check); :class:`LayerScales` holds the state and runs them.
 """
 
@@ -76,7 +76,7 @@ from lossscale.layerwise.rule import (
     Levels,
     Rule,
     SavedLayers,
-    boundary_factors,
+    edge_factors,
     first_exponent,
     tied,
     updated,
@@ -193,7 +193,7 @@ class LayerScales:
         self._wiring: Wiring = chain_wiring([], len(self._units), self._device)
         # per backward pass
         self._backward = _Backward()
-        self._factors: Factors | None = None  # boundary_factors of the exponents and wiring now; None: to compute
+        self._factors: Factors | None = None  # edge_factors of the exponents and wiring now; None: to compute
         # once a run
         self._calibrated = False  # the first scaled backward pass (which sets the exponents) has run
         self._warned_no_loss = False
@@ -487,7 +487,7 @@ class LayerScales:
         if first is not None:
             factor = self._first_backward_factor(first, index, self._wiring.out_source[k], grad)
         else:
-            factor = self._boundary_factors()[0][k]
+            factor = self._edge_factors()[0][k]
         return times(grad, factor)
 
     def _scale_input(self, index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
@@ -501,7 +501,7 @@ class LayerScales:
         if self._backward.first is not None:
             factor = torch.exp2(self._region_exponent(source) - self.exponent[index])
         else:
-            factor = self._boundary_factors()[1][k]
+            factor = self._edge_factors()[1][k]
         return times(grad, factor)
 
     def _region_exponent(self, source: int) -> torch.Tensor:
@@ -524,10 +524,10 @@ class LayerScales:
                 self.exponent[m] = e
         return torch.exp2(self.exponent[index] - region)
 
-    def _boundary_factors(self) -> Factors:
-        """:func:`~.rule.boundary_factors` of the exponents now, cached until they or the wiring change."""
+    def _edge_factors(self) -> Factors:
+        """``rule.edge_factors`` of the exponents now, cached until they or the wiring change."""
         if self._factors is None:
-            self._factors = boundary_factors(self.exponent, self._wiring.slots)
+            self._factors = edge_factors(self.exponent, self._wiring.slots)
         return self._factors
 
     def _index_gradients(self, present: tuple[bool, ...], outside: int) -> _GradientIndex:

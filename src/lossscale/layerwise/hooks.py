@@ -18,8 +18,6 @@ from lossscale.layerwise.wiring import Edge, Forward, Slot, Units, Wiring
 from lossscale.ops.nested import map_tensors, tensors_in
 from lossscale.validation import in_backward
 
-__all__ = ["Convert", "Recorder", "UnitInput", "times", "unit_of"]
-
 #: (unit, slot, gradient) -> the gradient to pass on: the conversion at one slot of a unit's edge.
 Convert = Callable[[int, int, torch.Tensor], torch.Tensor]
 

@@ -13,21 +13,6 @@ import torch
 from lossscale.layerwise.wiring import SlotIndex, Units, Wiring
 from lossscale.validation import validate_int_at_least
 
-__all__ = [
-    "CEILING",
-    "FIELDS",
-    "Factors",
-    "FirstBackward",
-    "Levels",
-    "Rule",
-    "SavedLayers",
-    "boundary_factors",
-    "first_exponent",
-    "tied",
-    "updated",
-    "validated_layer_state",
-]
-
 #: C in the rule: log2 of float16's largest value.
 CEILING = math.log2(torch.finfo(torch.float16).max)
 
@@ -110,7 +95,7 @@ def first_exponent(
 Factors = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
 
 
-def boundary_factors(exponent: torch.Tensor, slots: SlotIndex) -> Factors:
+def edge_factors(exponent: torch.Tensor, slots: SlotIndex) -> Factors:
     """Every slot's factor at once (a hook then indexes a tuple, not the tensor, which would be one more op)."""
     padded = torch.cat([exponent, exponent.new_zeros(1)])  # the last index: a region at the global scale
     return (

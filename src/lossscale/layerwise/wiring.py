@@ -16,8 +16,6 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import Node
 
-__all__ = ["Edge", "Forward", "Slot", "SlotIndex", "Units", "Wiring", "chain_wiring", "find_units", "read_wiring"]
-
 #: (node, output index) where a tensor's gradient enters the autograd graph.
 Edge = tuple[Node, int]
 #: What a wiring was read for: the order the units ran in, the (unit, slot) of every input and output slot, and

@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["amax"]
-
 #: Values each program reads (its chunk of one tensor), and per loop iteration.
 CHUNK = 65536
 BLOCK = 1024

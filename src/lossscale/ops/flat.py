@@ -20,8 +20,6 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["FlatGrads"]
-
 
 class FlatGrads:
     """One zero-initialised buffer per (device, dtype) holding the gradients of ``params``, each ``.grad`` a view.

@@ -30,8 +30,6 @@ from torch.optim import optimizer as _optim_module
 
 from lossscale.ops.distributed import local_shard
 
-__all__ = ["MaskedSkip"]
-
 #: Optimizers whose step is separable over parameters (exact classes, not subclasses).
 SEPARABLE = tuple(
     getattr(torch.optim, name)

@@ -6,8 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["FLUSH_TO_ZERO_FLOAT16", "underflow_share"]
-
 #: Magnitudes at or below this round to zero in float16 (half the smallest subnormal, 2**-24).
 FLUSH_TO_ZERO_FLOAT16 = 2.0**-25
 

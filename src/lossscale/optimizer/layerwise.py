@@ -14,8 +14,6 @@ from lossscale.optimizer.optimizer import LossScaleOptimizer
 from lossscale.optimizer.options import StepOptions
 from lossscale.reporting import StepResult
 
-__all__ = ["LayerwiseOptimizer"]
-
 
 class _WindowScaled:
     """Whether the losses of the optimizer's accumulation window under way are scaled (before its first loss: True):
@@ -30,7 +28,7 @@ class _WindowScaled:
         return True if optimizer is None else optimizer._run.window is not False
 
 
-class LayerwiseOptimizer(LossScaleOptimizer):
+class LayerwiseOptimizer(LossScaleOptimizer, layerwise=True):
     """A :class:`~lossscale.LossScaleOptimizer` with one extra power-of-two scale per module on top of the global one
     (:class:`~lossscale.layerwise.LayerScales`): ``LossScaleOptimizer(inner, layerwise=model)`` builds one.
 
@@ -127,11 +125,11 @@ class LayerwiseOptimizer(LossScaleOptimizer):
             stages.clip_value_(groups, options.clip_grad_value)
         return grad_norm, None
 
-    def _advance(self, found: torch.Tensor, amax: torch.Tensor | None, fault: torch.Tensor | None) -> torch.Tensor:
+    def _update_policy(self, found: torch.Tensor, amax: torch.Tensor | None, fault: torch.Tensor | None) -> torch.Tensor:
         """The exponents move first; the policy sees the found_inf they return and the largest magnitude over the
         units."""
         scale = self._loss_scale.scale
-        return super()._advance(self.layers.update_observed(found, scale), self._unit_amax, fault)
+        return super()._update_policy(self.layers.update_observed(found, scale), self._unit_amax, fault)
 
     def _boundary_step(self, loss: object) -> StepResult:
         """The base class's step; its result carries ``layer_scales`` (each unit's total scale in a scaled window)."""

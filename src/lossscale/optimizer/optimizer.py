@@ -7,7 +7,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -24,8 +24,6 @@ from lossscale.policies.base import FloorError, Policy, validate_policy
 from lossscale.reporting import StepResult
 from lossscale.state import LossScale
 from lossscale.validation import ArgumentTypeError, outside_caller
-
-__all__ = ["LossScaleOptimizer"]
 
 _STEP = "LossScaleOptimizer.step()"
 
@@ -128,12 +126,20 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             ``.grad`` are copied in with a warning the first time; dense ``torch.Tensor`` parameters only).
     """
 
+    #: The front end ``layerwise=`` builds: the subclass declared with ``layerwise=True``
+    #: (:class:`~lossscale.optimizer.layerwise.LayerwiseOptimizer`).
+    _layerwise_type: ClassVar[type[LossScaleOptimizer] | None] = None
+
+    def __init_subclass__(cls, *, layerwise: bool = False, **kwargs: Any) -> None:
+        """``class LayerwiseOptimizer(LossScaleOptimizer, layerwise=True)`` makes it what ``layerwise=`` builds."""
+        super().__init_subclass__(**kwargs)
+        if layerwise:
+            LossScaleOptimizer._layerwise_type = cls
+
     def __new__(cls, *args: Any, layerwise: Any = None, **kwargs: Any) -> LossScaleOptimizer:
         """``layerwise=`` makes the optimizer a :class:`~lossscale.optimizer.layerwise.LayerwiseOptimizer`."""
-        if layerwise is not None and cls is LossScaleOptimizer:
-            from lossscale.optimizer.layerwise import LayerwiseOptimizer
-
-            cls = LayerwiseOptimizer
+        if layerwise is not None and cls is LossScaleOptimizer and cls._layerwise_type is not None:
+            cls = cls._layerwise_type
         return super().__new__(cls)
 
     def __init__(
@@ -155,7 +161,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 "LossScaleOptimizer(inner=LossScaleOptimizer): wrap the inner optimizer once, not a wrapper."
             )
-        if layerwise is not None and not isinstance(self, _layerwise_type()):
+        if layerwise is not None and (self._layerwise_type is None or not isinstance(self, self._layerwise_type)):
             raise TypeError(
                 f"{type(self).__name__}(layerwise=...): per-layer scales are a LossScaleOptimizer of their own "
                 f"(lossscale.optimizer.layerwise.LayerwiseOptimizer); a subclass of LossScaleOptimizer cannot take "
@@ -425,7 +431,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._apply(groups, skip, divisor)
         run.boundaries += 1
         if scaled:
-            scale = self._advance(found, amax, fault)
+            scale = self._update_policy(found, amax, fault)
         result = StepResult(
             stepped=~skip.bool(),
             found_inf=found.bool(),
@@ -519,7 +525,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         else:
             stages.fused_step_(self.inner, divisor, skip)
 
-    def _advance(self, found: torch.Tensor, amax: torch.Tensor | None, fault: torch.Tensor | None) -> torch.Tensor:
+    def _update_policy(self, found: torch.Tensor, amax: torch.Tensor | None, fault: torch.Tensor | None) -> torch.Tensor:
         """The policy's update (its state kept as it was on a forward fault); a FloorError names the step (counted
         from 1). Returns the scale the step ran at."""
         try:
@@ -665,9 +671,3 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("LossScaleOptimizer is not pickled directly; save opt.state_dict() with torch.save.")
-
-
-def _layerwise_type() -> type[LossScaleOptimizer]:
-    from lossscale.optimizer.layerwise import LayerwiseOptimizer
-
-    return LayerwiseOptimizer

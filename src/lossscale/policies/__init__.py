@@ -1,17 +1,5 @@
-"""Loss-scale policies: frozen configs whose whole rule is ``update(state, found_inf, amax=None) -> state``."""
+"""Loss-scale policies: frozen configs whose whole rule is ``update(state, found_inf, amax=None) -> state``.
 
-from lossscale.policies import presets
-from lossscale.policies.base import FixedScale, FloorError, Policy, ScaleState
-from lossscale.policies.dynamic import DynamicScale
-from lossscale.policies.predictive import PredictiveScale, PredictiveState
-
-__all__ = [
-    "DynamicScale",
-    "FixedScale",
-    "FloorError",
-    "Policy",
-    "PredictiveScale",
-    "PredictiveState",
-    "ScaleState",
-    "presets",
-]
+The public names are ``lossscale``'s (``DynamicScale``, ``FixedScale``, ``PredictiveScale``, ``Policy``, ...) and
+``lossscale.presets``; the modules here are internal.
+"""

@@ -70,7 +70,7 @@ class Policy(Generic[StateT]):
     """The protocol of a loss-scale policy over its state record ``StateT``: everything the step stages call, with
     defaults.
 
-    Required: ``init(device) -> state`` (a :class:`StateRecord`: a frozen dataclass of tensors with a ``scale``
+    Required: ``init(device) -> state`` (a ``StateRecord``: a frozen dataclass of tensors with a ``scale``
     field) and ``update(state, found_inf, amax=None) -> state`` (tensor ops only). ``found_inf`` is a tensor on
     any device: a bool flag, or a count of overflows (torch's scaler keeps a float32 count, the core a 0-d float32
     0/1 flag); nonzero means the step overflowed, and its dtype and device are the caller's. Optional, with defaults

@@ -18,8 +18,6 @@ from lossscale.validation import (
     validate_scale_bounds,
 )
 
-__all__ = ["PredictiveScale", "PredictiveState"]
-
 #: The tail is measured above the level's 90th percentile and extrapolated as an exponential tail.
 TAIL_SHARE = 0.1
 #: Before ``PRIOR_STEPS`` observations the tail width leans on this prior (powers of two per e-fold of rarity:
@@ -85,7 +83,7 @@ class PredictiveScale(Policy[PredictiveState]):
         scale = clamp(power of two, min_scale, max_scale)
 
     ``limit`` is ``torch.finfo(dtype).max`` (65504 for float16); the scale is always a power of two.
-    Cost: about 80 ops on 0-d tensors (state fields with a leading dimension advance that many independent
+    Cost: about 80 ops on 0-d tensors (state fields with a leading dimension update that many independent
     scales); no host read. On a CUDA device :class:`~lossscale.LossScale` replays them from a CUDA graph
     (``cuda_graph=True``): one launch and a few copies per step instead of about 80 kernel launches.
 
