@@ -3,6 +3,9 @@ without it, the traced step against a plain one, and one find_overflow call agai
 
     python benchmarks/diagnosis.py [--device cuda] [--repeats 7] [--steps 30] [--tiny] [--json PATH]
 
+The last two rows step the same model through LossScaleOptimizer with ``diagnose=`` alone and with ``heal=True``
+beside it, and give their ratio in the same round: what healing costs a healthy step.
+
 The step is a float16-autocast transformer encoder (torch.nn.TransformerEncoderLayer blocks) trained by a small
 loop that calls the add-on's hooks in a front end's order (on_loss, after_step; check and unscale with
 torch's fused kernel, a skip without host read, the policy's update). Variants run interleaved, round after round,
@@ -131,12 +134,31 @@ def main(argv: list[str] | None = None) -> dict:
         addon.on_loss(loss, True)
         addon.after_step(outcome)
 
+    # the real front end: LossScaleOptimizer with diagnose= alone, and with heal=True beside it (which adds the
+    # forward-fault check: the loss's finiteness on the device, agreed with found_inf, and the policy's masked
+    # update); both over the same model, healthy steps
+    from lossscale import DynamicScale, LossScaleOptimizer
+
+    def front_end(heal: bool) -> LossScaleOptimizer:
+        inner = torch.optim.SGD(base.parameters(), lr=1e-5)
+        policy = DynamicScale(init_scale=2.0**12, growth_interval=10**6)
+        return LossScaleOptimizer(inner, policy=policy, diagnose=base, heal=heal)
+
+    diagnosed, healing = front_end(False), front_end(True)
+
+    def front_end_step(opt: LossScaleOptimizer) -> None:
+        opt.backward(plain.loss(ids))
+        opt.step()
+        opt.zero_grad()
+
     variants = {
         "plain step": (lambda: plain.step(ids), steps),
         "step with OverflowDiagnosis": (lambda: with_addon.step(ids), steps),
         "traced step": (traced_step, steps),
         "find_overflow call": (diagnose, 1),
         "the add-on's hooks alone": (hooks_only, 20 * steps),
+        "LossScaleOptimizer, diagnose=": (lambda: front_end_step(diagnosed), steps),
+        "LossScaleOptimizer, diagnose= and heal=True": (lambda: front_end_step(healing), steps),
     }
     for fn, _ in variants.values():  # warm-up
         timed(fn, 1, device)
@@ -151,10 +173,18 @@ def main(argv: list[str] | None = None) -> dict:
         {"variant": name, "ms": value * 1e3, "x plain step (same round)": ratios[name]}
         for name, value in medians.items()
     ]
+    heal_cost = statistics.median(
+        h / d
+        for h, d in zip(times["LossScaleOptimizer, diagnose= and heal=True"], times["LossScaleOptimizer, diagnose="])
+    )
+    rows[-1]["x diagnose= alone (same round)"] = heal_cost
     md = (
         f"Device: {device}. A float16-autocast encoder d={d} x{layers}, batch {batch}x{seq}; median of {repeats} "
         f"interleaved rounds of {steps} steps (find_overflow: one call a round):\n\n"
-        + table([{k: f"{v:.3f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows], list(rows[0]))
+        + table(
+            [{k: f"{v:.3f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows],
+            [*rows[0], "x diagnose= alone (same round)"],
+        )
     )  # three decimals: a 1% cost must show
     payload = {"machine": machine(device), "rows": rows, "markdown": md}
     emit("diagnosis", payload, args.json)

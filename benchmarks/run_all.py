@@ -44,6 +44,11 @@ BENCHMARKS = [
         "Overflow diagnosis: a healthy step with the add-on, the traced step, find_overflow",
         ["--size", "128,2,8,32", "--repeats", "15", "--steps", "10"],
     ),
+    (
+        "heal",
+        "Healing: GPT-2 and Llama with a planted fault of each kind, against torch.amp.GradScaler and float32",
+        [],
+    ),
 ]
 # (module, title, arguments for a full run) with --device cuda: each also gets --device; sized together for a few
 # minutes on one H100 (1B parameters in 100 tensors and a 350M transformer layout: about 25 GB of device memory)

@@ -712,6 +712,57 @@ def forward_fault(rank: int, world_size: int, kind: str, opt_name: str) -> dict:
     return out
 
 
+class HealChain(torch.nn.Module):
+    """inp -> a -> norm_a -> b -> norm_b -> out: a norm after a and after b, so a fault healed in either stays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.a, self.b = torch.nn.Linear(6, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.norm_a, self.norm_b, self.out = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm_b(self.b(self.norm_a(self.a(self.inp(x))))))
+
+
+HEAL_FAULT_STEP = 3  # from this step rank 0's `a` and rank 1's `b` overflow float16 in the forward
+
+
+def heal_union(rank: int, world_size: int) -> dict:
+    """DDP with LossScaleOptimizer(diagnose=model, heal=True), a different module faulting on each rank: every rank
+    must heal at the same step, keep the union of the modules the ranks' traces name, keep its scale, and step on."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lossscale import DynamicScale, HealWarning, LossScaleOptimizer
+
+    inner = HealChain()
+    model = DDP(inner)
+    opt = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        policy=DynamicScale(init_scale=2.0**10, growth_interval=1000),
+        diagnose=inner,
+        heal=True,
+    )
+    out: dict[str, Any] = {"stepped": [], "scale": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(12):
+            if step == HEAL_FAULT_STEP:
+                with torch.no_grad():
+                    (inner.a if rank == 0 else inner.b).weight.mul_(3e5)
+            x, y = batch(step, rows_of(rank, world_size))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            opt.backward(loss)
+            result = opt.step()
+            opt.zero_grad()
+            out["stepped"].append(bool(result.stepped))
+            out["scale"].append(float(result.scale))
+    out["healed"] = {name: str(dtype) for name, dtype in opt.add_ons[0].healed.items()}
+    out["heals"] = [str(w.message).split(" (")[0] for w in caught if issubclass(w.category, HealWarning)]
+    return out
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -724,5 +775,6 @@ SCENARIOS = {
         layerwise,
         layerwise_uneven,
         forward_fault,
+        heal_union,
     )
 }

@@ -80,6 +80,21 @@ class Tiny(pl.LightningModule):
         return lossscale.LossScaleOptimizer(sgd, policy=lossscale.DynamicScale(**TORCH_ARGS), **wrap)
 
 
+class Healable(Tiny):
+    """Tiny whose ``net.big`` Linear overflows float16 in the forward at every step (its weights x3e5, still below
+    65504), a LayerNorm after it: healing keeps ``net.big`` in float32 and the run goes on."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(inf_at=set(), **kwargs)
+        torch.manual_seed(0)
+        self.net = nn.Sequential()
+        for name, layer in (("inp", nn.Linear(4, 8)), ("big", nn.Linear(8, 8)), ("norm", nn.LayerNorm(8))):
+            self.net.add_module(name, layer)
+        self.net.add_module("out", nn.Linear(8, 1))
+        with torch.no_grad():
+            self.net.big.weight.mul_(3e5)
+
+
 class Recorder(pl.Callback):
     """The scale after every micro-batch (where there is one) and each new ``last_result``."""
 

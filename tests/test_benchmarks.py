@@ -100,6 +100,23 @@ def test_host_read_counts_are_what_the_docs_claim(tiny_run):
     assert added[("SGD momentum", "torch.amp.GradScaler", "(torch's)")] == 1
 
 
+def test_healing_heals_each_forward_fault_with_at_most_two_modules_and_torch_does_not(tiny_run):
+    """benchmarks/heal.py at its tiny size: every planted forward fault (a feed-forward output past 65504, attention
+    scores past it) is healed with at most 2 modules kept and the run ends finite, where torch.amp.GradScaler's run
+    ends NaN; bad batches and an overflowing loss heal nothing and keep the scale."""
+    rows = json.loads((tiny_run[1] / "heal.json").read_text())["rows"]
+    by = {(r["model"], r["fault"], r["run"]): r for r in rows}
+    for model in ("gpt2", "llama"):
+        for fault in ("ff_overflow", "nan_op"):
+            healed, torch_run = by[(model, fault, "heal")], by[(model, fault, "torch")]
+            assert 1 <= len(healed["kept"].split(", ")) <= 2 and healed["healed at"] != "-", healed
+            assert healed["final scale"] >= 2.0**14 and healed["held-out loss"] < 10, healed  # not driven down
+            assert torch_run["held-out loss"] != torch_run["held-out loss"], torch_run  # NaN: the run broke
+        for fault in ("bad_batches", "loss_overflow"):
+            healed = by[(model, fault, "heal")]
+            assert healed["kept"] == "-" and healed["final scale"] >= 2.0**14 and healed["skipped"] > 0, healed
+
+
 def test_alternate_samples_rotates_the_order_and_drops_the_warm_up_round():
     calls = []
     samples = _common.alternate_samples({n: (lambda n=n: calls.append(n)) for n in "abc"}, rounds=4)

@@ -622,10 +622,12 @@ def test_the_traced_step_is_the_users_next_step_and_hooks_go_away():
         front.step(batch(n=16))
         assert not addon.tracing
         front.step(batch(n=16))
-        assert addon.tracing  # fired at this after_step: the hooks are on for the next step
-        assert len(calls) == 2
+        assert not addon.tracing  # fired at this after_step, published to the host, acted on at the next one
         front.step(batch(n=16))
-        assert not addon.tracing and len(calls) == 3  # traced, nothing re-run
+        assert addon.tracing  # the hooks are on for the next step
+        assert len(calls) == 3
+        front.step(batch(n=16))
+        assert not addon.tracing and len(calls) == 4  # traced, nothing re-run
     assert len(caught) == 1 and caught[0].message.report.module == "blocks.1.ff"
     assert hook_count(model) == 1  # only the test's own hook
 
@@ -785,7 +787,9 @@ def test_diagnose_through_the_front_ends_adds_no_host_read_and_warns(front):
     assert not none and len(found) == 1
     report = found[0].message.report
     assert (report.kind, report.module) == ("forward", "blocks.1.ff.wi_1")
-    assert "traced step 36" in str(found[0].message)  # 16 overflows from step 20, then the traced step
+    # the loss is non-finite from step 20: the trigger fires at its second (21), is acted on one step later (22),
+    # and the step after is traced; the message says which trigger fired
+    assert "the loss was non-finite 2 steps in a row; the traced step 23 found" in str(found[0].message)
 
 
 def test_plot_without_matplotlib_names_the_demo_extra(monkeypatch, tmp_path):

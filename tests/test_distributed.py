@@ -254,6 +254,18 @@ def test_a_forward_fault_on_one_rank_skips_the_step_on_both_and_moves_neither_po
 
 
 @pytest.mark.distributed
+def test_healing_keeps_the_union_of_the_ranks_faulting_modules_on_every_rank_at_the_same_step(ranks):
+    """Rank 0's `a` and rank 1's `b` overflow from step 3: both ranks trace at the same step (the trigger is acted on
+    one step after it fires, on every rank), keep {a, b}, keep the scale, and step on in lockstep."""
+    results = ranks.run("heal_union")  # the ranks' parameters differ by their planted weights
+    for rank, out in enumerate(results):
+        assert out["healed"] == {"a": "torch.float32", "b": "torch.float32"}
+        assert out["heals"] == [f"rank {rank}: healed at step 6: 'a', 'b' now run in float32, outputs in float32"]
+        assert out["stepped"] == [not 3 <= s <= 6 for s in range(12)]
+        assert set(out["scale"]) == {2.0**10}
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["lso", "scaler"])
 def test_checkpoint_saved_on_rank0_and_loaded_everywhere_resumes_the_same_trajectory(ranks, kind, tmp_path):
     results = ranks.run("checkpoint", kind, str(tmp_path / "ckpt.pt"))

@@ -72,7 +72,7 @@ def run_optimizer(kind: str, faults: bool, policy=None, bad_step: int | None = F
 
 @pytest.mark.parametrize("kind", ["fused", "host", "masked"])
 def test_a_non_finite_loss_skips_the_step_and_the_policy_does_not_see_it(kind):
-    opt, add_on, results, states, params = run_optimizer(kind, faults=True)
+    _, add_on, results, states, params = run_optimizer(kind, faults=True)
     assert [bool(r.stepped) for r in results] == [i != FAULT for i in range(8)]
     assert [bool(r.forward_fault) for r in results] == [i == FAULT for i in range(8)]
     assert not any(bool(r.found_inf) for r in results)  # found_inf keeps meaning a gradient overflow
@@ -172,10 +172,10 @@ def test_the_scaler_skips_a_forward_fault_and_its_policy_does_not_see_it(kind):
     assert torch.equal(params[FAULT], params[FAULT - 1])
     assert [bool(o.forward_fault) for o in add_on.outcomes] == [i == FAULT for i in range(8)]
     assert [bool(o.stepped) for o in add_on.outcomes] == [i != FAULT for i in range(8)]
-    _, plain, plain_states, plain_params = run_scaler(kind, faults=False)
+    _, plain, _, _ = run_scaler(kind, faults=False)
     assert all(d.forward_fault is None for d in plain) and bool(plain[FAULT].stepped)
-    _, healthy, healthy_states, healthy_params = run_scaler(kind, faults=True, bad_step=None)
-    _, off, off_states, off_params = run_scaler(kind, faults=False, bad_step=None)
+    _, _, healthy_states, healthy_params = run_scaler(kind, faults=True, bad_step=None)
+    _, _, off_states, off_params = run_scaler(kind, faults=False, bad_step=None)
     assert healthy_states == off_states and all(torch.equal(a, b) for a, b in zip(healthy_params, off_params))
 
 

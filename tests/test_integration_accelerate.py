@@ -158,7 +158,8 @@ def test_diagnose_names_the_module_whose_forward_overflows() -> None:
             opt.zero_grad()
     [warning] = [w.message for w in caught if isinstance(w.message, OverflowWarning)]
     assert (warning.report.kind, warning.report.module) == ("forward", "amplify")
-    assert "traced step 16" in str(warning)  # 16 overflowing steps (the default patience), then the traced one
+    # the loss is non-finite from step 0: the trigger fires at the second (1), is acted on at 2, traces step 3
+    assert "the loss was non-finite 2 steps in a row; the traced step 3" in str(warning)
     [diagnosis] = scaler.add_ons
     assert isinstance(diagnosis, OverflowDiagnosis) and diagnosis.model is model
 
@@ -185,3 +186,25 @@ def test_diagnose_refuses_what_it_cannot_trace() -> None:
     ):
         use_lossscale(acc, fp16_on_cpu=True, diagnose=True)  # type: ignore[arg-type]
     assert use_lossscale(acc, fp16_on_cpu=True, diagnose=False).add_ons == ()
+
+
+def test_heal_names_and_heals_the_planted_module_and_keeps_the_scale() -> None:
+    torch.manual_seed(0)
+    layers = [("inp", nn.Linear(4, 8)), ("big", nn.Linear(8, 8)), ("norm", nn.LayerNorm(8)), ("out", nn.Linear(8, 1))]
+    model = nn.Sequential(OrderedDict(layers))
+    with torch.no_grad():
+        model.big.weight.mul_(3e5)  # its float16 output passes 65504 at every step
+    acc = accelerator(mixed_precision="fp16")
+    scaler = use_lossscale(acc, fp16_on_cpu=True, diagnose=model, heal=True, init_scale=2.0**10, growth_interval=1000)
+    prepared_model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    g = torch.Generator().manual_seed(1)
+    with pytest.warns(lossscale.HealWarning, match=r"healed at step 3: 'big' now runs in float32") as caught:
+        for _ in range(12):
+            x, y = torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+            acc.backward(F.mse_loss(prepared_model(x).float(), y))
+            opt.step()
+            opt.zero_grad()
+    assert len([w for w in caught if isinstance(w.message, lossscale.HealWarning)]) == 1
+    [diagnosis] = scaler.add_ons
+    assert isinstance(diagnosis, OverflowDiagnosis) and diagnosis.healed == {"big": torch.float32}
+    assert scaler.get_scale() == 2.0**10 and not opt.step_was_skipped  # the last step applied

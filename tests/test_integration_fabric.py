@@ -164,7 +164,8 @@ def test_diagnose_true_names_the_module_whose_forward_overflows() -> None:
             opt.zero_grad()
     [warning] = [w.message for w in caught if isinstance(w.message, OverflowWarning)]
     assert (warning.report.kind, warning.report.module) == ("forward", "amplify")
-    assert "traced step 16" in str(warning)  # 16 overflowing steps (the default patience), then the traced one
+    # the loss is non-finite from step 0: the trigger fires at the second (1), is acted on at 2, traces step 3
+    assert "the loss was non-finite 2 steps in a row; the traced step 3" in str(warning)
     assert plugin.diagnosis is not None and plugin.diagnosis.model is raw  # True: the module given to setup
 
 
@@ -189,3 +190,30 @@ def test_diagnose_refuses_what_it_cannot_trace() -> None:
         fabric.setup(nn.Linear(2, 2))
     given = OverflowDiagnosis(planted(1.0))
     assert MixedPrecision("16-mixed", "cpu", diagnose=given).diagnosis is given
+
+
+def healable() -> nn.Module:
+    """``big`` overflows float16 in the forward at every step (weights x3e5), a LayerNorm after it."""
+    torch.manual_seed(0)
+    layers = [("inp", nn.Linear(4, 8)), ("big", nn.Linear(8, 8)), ("norm", nn.LayerNorm(8)), ("out", nn.Linear(8, 1))]
+    model = nn.Sequential(OrderedDict(layers))
+    with torch.no_grad():
+        model.big.weight.mul_(3e5)
+    return model
+
+
+def test_heal_true_heals_the_module_given_to_setup_and_keeps_the_scale() -> None:
+    plugin = MixedPrecision("16-mixed", "cpu", diagnose=True, heal=True, init_scale=2.0**10, growth_interval=1000)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    raw = healable()
+    model, opt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.05))
+    stepped = []
+    with pytest.warns(lossscale.HealWarning, match=r"healed at step 3: 'big' now runs in float32") as caught:
+        for x, y in batches():
+            fabric.backward(F.mse_loss(model(x).float(), y))
+            opt.step()
+            opt.zero_grad()
+            stepped.append(bool(plugin.last_result.stepped))
+    assert len([w for w in caught if isinstance(w.message, lossscale.HealWarning)]) == 1
+    assert plugin.diagnosis is not None and plugin.diagnosis.healed == {"big": torch.float32}
+    assert stepped == [i > 3 for i in range(len(stepped))] and plugin.scaler.get_scale() == 2.0**10

@@ -81,7 +81,8 @@ def test_diagnose_true_names_the_module_whose_forward_overflows() -> None:
         module, _, _ = fit(plugin, Planted(factor=1e6), epochs=3, accumulate_grad_batches=1)  # 24 steps
     [warning] = [w.message for w in caught if isinstance(w.message, OverflowWarning)]
     assert (warning.report.kind, warning.report.module) == ("forward", "net.amplify")
-    assert "traced step 16" in str(warning)  # 16 overflowing steps (the default patience), then the traced one
+    # the loss is non-finite from step 0: the trigger fires at the second (1), is acted on at 2, traces step 3
+    assert "the loss was non-finite 2 steps in a row; the traced step 3" in str(warning)
     assert plugin.diagnosis is not None and plugin.diagnosis.model is module  # True: the LightningModule trained
 
 

@@ -7,12 +7,13 @@ from argparse import Namespace
 from typing import Any
 
 import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import Logger
 
 import lossscale
 import lossscale.testing
-from _lightning_models import LIGHTNING_WARNINGS, TORCH_ARGS, Planted, Tiny, fit, torch_plugin
+from _lightning_models import LIGHTNING_WARNINGS, TORCH_ARGS, Healable, Planted, Tiny, fit, torch_plugin
 from lossscale import OverflowWarning
 from lossscale.integrations.lightning import LossScaleMonitor, LossScalePrecision, MixedPrecision
 from lossscale.reporting import read_scalars as _read
@@ -178,15 +179,54 @@ def test_logs_the_diagnosis_of_a_collapse_once_as_text(
         )
     found = [(step, m) for step, m in memory.rows if "lossscale/overflow_kind" in m]
     assert [(step, m["lossscale/overflow_kind"], m["lossscale/overflow_module"]) for step, m in found] == [
-        (16, "forward", "net.amplify")  # in the log of the traced step, 16
+        # in the log of each traced step: 3 (two non-finite losses fired the trigger, acted on one step later), and
+        # 21 (16 overflows in a row after that trace, the default patience); warned once (the same cause)
+        (3, "forward", "net.amplify"),
+        (21, "forward", "net.amplify"),
     ]
     assert board.board.texts == [
-        ("lossscale/overflow_kind", "forward", 16),
-        ("lossscale/overflow_module", "net.amplify", 16),
+        ("lossscale/overflow_kind", "forward", 3),
+        ("lossscale/overflow_module", "net.amplify", 3),
+        ("lossscale/overflow_kind", "forward", 21),
+        ("lossscale/overflow_module", "net.amplify", 21),
     ]
     assert {tag for tag, _, _ in board.board.scalars} == {"lossscale/scale", "lossscale/skipped_steps"}
     with open(table.experiment.metrics_file_path, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["lossscale/overflow_kind"]]
     assert [(r["lossscale/overflow_kind"], r["lossscale/overflow_module"]) for r in rows] == [
-        ("forward", "net.amplify")
+        ("forward", "net.amplify"),
+        ("forward", "net.amplify"),
     ]
+
+
+@pytest.mark.parametrize("precision", ["MixedPrecision", "LossScalePrecision"])
+def test_heal_true_heals_the_planted_module_and_the_monitor_logs_it_once(precision: str) -> None:
+    """The one line, ``heal=True`` beside ``diagnose=True``: the forward overflow planted in ``net.big`` is healed at
+    the traced step (3), the scale never moves, and the monitor logs ``healed_modules`` in that step's row only,
+    with the forward faults counted apart from the skipped steps."""
+    memory = MemoryLogger()
+    plugin = (
+        MixedPrecision("16-mixed", "cpu", diagnose=True, heal=True, **TORCH_ARGS)
+        if precision == "MixedPrecision"
+        else LossScalePrecision(device="cpu", diagnose=True, heal=True)
+    )
+    with pytest.warns(lossscale.HealWarning, match=r"healed at step 3: 'net.big' now runs in float32") as caught:
+        _, recorder, _ = fit(
+            plugin,
+            Healable(wrap=None if precision == "MixedPrecision" else {}),
+            epochs=2,
+            accumulate_grad_batches=1,
+            logger=[memory],
+            log_every_n_steps=1,
+            callbacks=[LossScaleMonitor()],
+        )
+    assert len([w for w in caught if isinstance(w.message, lossscale.HealWarning)]) == 1
+    assert plugin.diagnosis is not None and plugin.diagnosis.healed == {"net.big": torch.float32}
+    healed = [(step, m["lossscale/healed_modules"]) for step, m in memory.rows if "lossscale/healed_modules" in m]
+    assert healed == [(3, "net.big")]
+    faults = [m["lossscale/forward_faults"] for _, m in memory.rows]
+    skipped = [m["lossscale/skipped_steps"] for _, m in memory.rows]
+    assert faults[:5] == [1, 2, 3, 4, 4] and faults[-1] == 4  # none after the heal
+    assert skipped[:5] == [1, 2, 3, 4, 4]  # later skips: the scale's own growth overflowing (growth_interval=2)
+    assert recorder.scales[:4] == [2.0**10] * 4  # the policy never saw the faulted steps
+    assert bool(recorder.results[4].stepped) and recorder.scales[5] == 2.0**11  # then grew as torch's rule does

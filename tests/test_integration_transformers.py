@@ -4,6 +4,7 @@ side by side with the Trainer's own path driving torch.amp.GradScaler."""
 from __future__ import annotations
 
 import json
+import math
 import runpy
 import sys
 import warnings
@@ -326,10 +327,11 @@ def test_diagnose_true_names_the_planted_module_in_the_warning_and_in_log_histor
         run.train()
     [warning] = [w.message for w in caught if isinstance(w.message, OverflowWarning)]
     assert (warning.report.kind, warning.report.module) == ("forward", "transformer.h.0.mlp.c_fc")
-    assert "traced step 16" in str(warning)  # 16 overflowing steps (the default patience), then the traced one
+    # the loss is non-finite from step 0: the trigger fires at the second (1), is acted on at 2, traces step 3
+    assert "the loss was non-finite 2 steps in a row; the traced step 3" in str(warning)
     found = [log for log in run.state.log_history if "overflow_kind" in log]
     assert [(log["step"], log["overflow_kind"], log["overflow_module"]) for log in found] == [
-        (17, "forward", "transformer.h.0.mlp.c_fc")  # the log of the traced step, the 17th
+        (4, "forward", "transformer.h.0.mlp.c_fc")  # the log of the traced step (3, counted from 0), the 4th
     ]
     assert column(step_logs(run), "skipped_steps")[-1] == 20  # every step overflowed
 
@@ -358,3 +360,28 @@ def test_use_lossscale_refuses_a_diagnose_it_cannot_trace(tmp_path: Path) -> Non
         use_lossscale(built, fp16_on_cpu=True, diagnose="yes")  # type: ignore[arg-type]
     [diagnosis] = use_lossscale(built, fp16_on_cpu=True, diagnose=True).add_ons
     assert isinstance(diagnosis, OverflowDiagnosis) and diagnosis.model is built.model
+
+
+def test_heal_true_heals_the_planted_mlp_and_logs_it_in_log_history(tmp_path: Path) -> None:
+    """``use_lossscale(trainer, diagnose=True, heal=True)`` on a GPT-2 built from a config, a forward overflow planted
+    in one MLP's input projection: healed (c_fc, then c_proj, where its float32 output overflowed the next float16
+    op: two modules for one fault), the scale kept, the heals and forward faults in ``log_history``."""
+    run = trainer(tmp_path, "none", [LossScaleCallback()], overflow=False, max_steps=16, optim="adamw_torch")
+    with torch.no_grad():
+        run.model.transformer.h[0].mlp.c_fc.weight.mul_(5e5)
+    use_lossscale(run, fp16_on_cpu=True, diagnose=True, heal=True, init_scale=2.0**10, growth_interval=1000)
+    with pytest.warns(lossscale.HealWarning) as caught:
+        run.train()
+    heals = [str(w.message).split(" (")[0] for w in caught if isinstance(w.message, lossscale.HealWarning)]
+    assert heals == [
+        "healed at step 3: 'transformer.h.0.mlp.c_fc' now runs in float32, outputs in float32",
+        "healed at step 7: 'transformer.h.0.mlp.c_proj' now runs in float32, outputs in float32",
+    ]
+    logs = step_logs(run)
+    assert [(log["step"], log["healed_modules"]) for log in run.state.log_history if "healed_modules" in log] == [
+        (4, "transformer.h.0.mlp.c_fc"),
+        (8, "transformer.h.0.mlp.c_proj"),
+    ]
+    assert column(logs, "loss_scale") == [2.0**10] * 16  # no forward fault lowered it
+    assert column(logs, "forward_faults")[-1] == 8 and column(logs, "skipped_steps")[-1] == 8
+    assert all(math.isfinite(loss) for loss in column(logs, "loss")[8:])

@@ -83,6 +83,9 @@ KIND = {
     "lossscale.OverflowWarning": "class",
     "lossscale.find_overflow": "function",
     "lossscale.keep_float32": "function",
+    "lossscale.heal": "function",
+    "lossscale.HealError": "class",
+    "lossscale.HealWarning": "class",
 }
 #: The optional package a name needs (an integration's framework, an extra; triton, which torch's CUDA builds bring):
 #: without it, its names are skipped, saying so.

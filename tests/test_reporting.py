@@ -214,10 +214,11 @@ def test_diagnosis_columns_are_there_from_the_first_row_and_filled_in_the_traced
     assert tuple(rows[0]) == EXPECTED_COLUMNS + DIAGNOSIS_COLUMNS + ("loss",)
     table = [dict(zip(rows[0], r)) for r in rows[1:]]
     assert [r["skipped"] for r in table] == ["False"] * 3 + ["True"] * 5
-    # overflows at steps 3 and 4 (patience 2) fire the trigger; step 5 is traced and its row says what it found
-    assert [(r["overflow_kind"], r["overflow_module"]) for r in table] == [("", "")] * 5 + [("forward", "0")] + [
+    # overflows at steps 3 and 4 (patience 2) fire the trigger; step 5 acts on it (one step later, on every device),
+    # step 6 is traced and its row says what it found
+    assert [(r["overflow_kind"], r["overflow_module"]) for r in table] == [("", "")] * 6 + [("forward", "0")] + [
         ("", "")
-    ] * 2
+    ]
 
 
 def test_the_diagnosis_argument_is_no_longer_needed_and_says_so_and_added_fields_keep_their_names(tmp_path):
@@ -277,7 +278,8 @@ def test_tensorboard_gets_the_diagnosis_as_text(tmp_path, monkeypatch):
             opt.backward(loss)
             log.log(opt.step())
     texts = [(tag, text, step) for kind, tag, text, step in written if kind == "text"]
-    assert texts == [("lossscale/overflow_kind", "forward", 1), ("lossscale/overflow_module", "0", 1)]
+    # fired at step 0, acted on at step 1, step 2 traced
+    assert texts == [("lossscale/overflow_kind", "forward", 2), ("lossscale/overflow_module", "0", 2)]
     assert not [tag for kind, tag, _, _ in written if kind == "scalar" and "overflow" in tag]
 
 

@@ -12,6 +12,8 @@ it is made again.
   ``demo-out/demo.png``. The demo writes both chunks itself; ``Settings`` is results.json's ``config``.
 - ``diagnosis_t5.png``: ``python examples/float16_overflow.py --plot diagnosis_t5.png``. ``Settings``: the T5's sizes,
   the planted factor, the seeds, the batch and the scale, read from the example's source.
+- ``heal.png``: ``python examples/heal.py --plot heal.png``. ``Settings``: the GPT-2's sizes, the steps, the fault's
+  step, block and growth, the seeds, the optimizer and the scalers, read from the example's source.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "docs" / "images"
 T5_EXAMPLE = ROOT / "examples" / "float16_overflow.py"
+HEAL_EXAMPLE = ROOT / "examples" / "heal.py"
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Picture:
 
 DEMO = ["lossscale", "demo", "--quick", "--out", "demo-out"]
 T5 = ["python", "examples/float16_overflow.py", "--plot", "diagnosis_t5.png"]
+HEAL = ["python", "examples/heal.py", "--plot", "heal.png"]
 
 
 def demo_settings() -> dict[str, Any]:
@@ -65,22 +69,36 @@ def draw_demo(folder: Path) -> bytes:
     return (folder / "demo-out" / "demo.png").read_bytes()
 
 
-def t5_settings() -> dict[str, Any]:
-    """What decides examples/float16_overflow.py's picture, read from its source: ``FACTOR``, the ``T5Config``
-    arguments, and the seeding, batch and ``find_overflow`` calls as written."""
-    tree = ast.parse(T5_EXAMPLE.read_text(encoding="utf-8"))
+def source_settings(path: Path, constants: tuple[str, ...], config: str, calls: tuple[str, ...]) -> dict[str, Any]:
+    """What decides an example's picture, read from its source: the module-level ``constants``, the keyword arguments
+    of its ``config`` call, and the ``calls`` as written."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
     settings: dict[str, Any] = {}
-    calls: dict[str, list[str]] = {}
+    found: dict[str, list[str]] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["FACTOR"]:
-            settings["FACTOR"] = ast.literal_eval(node.value)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and ast.unparse(node.targets[0]) in constants:
+            settings[ast.unparse(node.targets[0])] = ast.literal_eval(node.value)
         elif isinstance(node, ast.Call):
             name = ast.unparse(node.func)
-            if name == "T5Config":
-                settings["T5Config"] = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
-            elif name in ("torch.manual_seed", "torch.randint", "find_overflow"):
-                calls.setdefault(name, []).append(ast.unparse(node))
-    return settings | {name: sorted(set(found)) for name, found in sorted(calls.items())}
+            if name == config:
+                settings[config] = {k.arg: _literal(k.value) for k in node.keywords if k.arg}
+            elif name in calls:
+                found.setdefault(name, []).append(ast.unparse(node))
+    return settings | {name: sorted(set(seen)) for name, seen in sorted(found.items())}
+
+
+def _literal(node: ast.expr) -> Any:
+    """A literal's value; any other expression as written (a constant's name)."""
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return ast.unparse(node)
+
+
+def t5_settings() -> dict[str, Any]:
+    """examples/float16_overflow.py's ``FACTOR``, the ``T5Config`` arguments, and the seeding, batch and
+    ``find_overflow`` calls."""
+    return source_settings(T5_EXAMPLE, ("FACTOR",), "T5Config", ("torch.manual_seed", "torch.randint", "find_overflow"))
 
 
 def draw_t5(folder: Path) -> bytes:
@@ -89,9 +107,22 @@ def draw_t5(folder: Path) -> bytes:
     return with_text(png, {"Command": shlex.join(T5), "Settings": json.dumps(t5_settings())})
 
 
+def heal_settings() -> dict[str, Any]:
+    """examples/heal.py's constants, the ``GPT2Config`` arguments, and its seeding, optimizer and scaler calls."""
+    calls = ("torch.manual_seed", "torch.optim.AdamW", "torch.amp.GradScaler", "lossscale.GradScaler")
+    return source_settings(HEAL_EXAMPLE, ("VOCAB", "STEPS", "FAULT_AT", "BLOCK", "GROWTH"), "GPT2Config", calls)
+
+
+def draw_heal(folder: Path) -> bytes:
+    subprocess.run([sys.executable, str(ROOT / HEAL[1]), *HEAL[2:]], cwd=folder, check=True)
+    png = (folder / HEAL[-1]).read_bytes()
+    return with_text(png, {"Command": shlex.join(HEAL), "Settings": json.dumps(heal_settings())})
+
+
 PICTURES = {
     "demo-quick.png": Picture(DEMO, demo_settings, draw_demo),
     "diagnosis_t5.png": Picture(T5, t5_settings, draw_t5),
+    "heal.png": Picture(HEAL, heal_settings, draw_heal),
 }
 
 

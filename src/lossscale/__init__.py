@@ -2,7 +2,17 @@
 
 from lossscale.addons.ema import EMA
 from lossscale.addons.schedule import PrecisionSchedule
-from lossscale.diagnosis import OverflowDiagnosis, OverflowReport, OverflowWarning, find_overflow, keep_float32
+from lossscale.diagnosis import (
+    HealError,
+    HealReport,
+    HealWarning,
+    OverflowDiagnosis,
+    OverflowReport,
+    OverflowWarning,
+    find_overflow,
+    heal,
+    keep_float32,
+)
 from lossscale.optimizer import LossScaleOptimizer
 from lossscale.policies import presets
 from lossscale.policies.base import FixedScale, FloorError, Policy, ScaleState
@@ -18,6 +28,9 @@ __all__ = [
     "FixedScale",
     "FloorError",
     "GradScaler",
+    "HealError",
+    "HealReport",
+    "HealWarning",
     "LossScale",
     "LossScaleOptimizer",
     "OverflowDiagnosis",
@@ -31,6 +44,7 @@ __all__ = [
     "StepLogger",
     "StepResult",
     "find_overflow",
+    "heal",
     "keep_float32",
     "presets",
 ]

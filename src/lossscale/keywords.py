@@ -6,6 +6,7 @@ framework's connect or setup) builds them here too; past this table, neither fro
     ema=EMA(...)                  the EMA, as it is
     schedule=PrecisionSchedule    the schedule, as it is (its parameters are checked when it attaches)
     diagnose=model                OverflowDiagnosis(model); an OverflowDiagnosis as it is; None or False: none
+    heal=True (or a dtype)        with diagnose=: OverflowDiagnosis(model, heal=True); refused without diagnose=
     add_ons=[...]                 each AddOn as it is, after the ones above
 
 At most one add-on per checkpoint key.
@@ -29,12 +30,13 @@ def add_ons_from(
     ema: Any = None,
     schedule: Any = None,
     diagnose: Any = None,
+    heal: Any = False,
     add_ons: Any = (),
     model: torch.nn.Module | None = None,
 ) -> list[AddOn]:
-    """The add-ons of ``call``'s keywords, in the order their hooks run: ``ema``, ``schedule``, ``diagnose``, then
-    ``add_ons``; each keyword checked and named in its error. ``model``: the framework's own model, which
-    ``diagnose=True`` traces (an integration's; a front end has none, so True is refused there)."""
+    """The add-ons of ``call``'s keywords, in the order their hooks run: ``ema``, ``schedule``, ``diagnose`` (with
+    ``heal``), then ``add_ons``; each keyword checked and named in its error. ``model``: the framework's own model,
+    which ``diagnose=True`` traces (an integration's; a front end has none, so True is refused there)."""
     built: list[AddOn] = []
     if ema is not None:
         if not isinstance(ema, EMA):
@@ -47,7 +49,7 @@ def add_ons_from(
                 f"{type(schedule).__name__}."
             )
         built.append(schedule)
-    diagnosis = diagnosis_from(call, diagnose, model)
+    diagnosis = diagnosis_from(call, diagnose, model, heal=heal)
     if diagnosis is not None:
         built.append(diagnosis)
     validate_add_ons(call, add_ons)

@@ -19,7 +19,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from lossscale import stages
-from lossscale.addons.base import AddOn, FrontEnd
+from lossscale.addons.base import AddOn, FrontEnd, parts_of, warn_unmatched_parts
 from lossscale.keywords import add_ons_from, validate_add_ons
 from lossscale.ops import distributed as _dist
 from lossscale.ops.overflow import OverflowMode, check_, check_with_amax_, saturation_threshold, validate_mode
@@ -87,6 +87,11 @@ class GradScaler:
             step is decided on the host (one read of found_inf) and an overflowing step never calls
             ``optimizer.step``, fused optimizers included, for code that watches whether it was called (HF
             Accelerate's ``optimizer_step_was_skipped``, which holds the Trainer's LR schedule).
+        diagnose: The model to trace when the loss scale collapses or the loss stays non-finite
+            (:mod:`lossscale.diagnosis`), or an :class:`~lossscale.OverflowDiagnosis`; None or False: none.
+        heal: True (or ``torch.bfloat16``), with ``diagnose``: heal the run (docs/diagnosis.md, "Healing"): a step
+            whose loss is non-finite is skipped without lowering the scale, and a forward fault's module runs in
+            float32 (bfloat16) from then on, the scale restored; the following steps check it.
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class GradScaler:
         process_group: ProcessGroup | None = None,
         skip_mode: Literal["auto", "host"] = "auto",
         diagnose: torch.nn.Module | AddOn | Literal[False] | None = None,
+        heal: bool | torch.dtype = False,
     ) -> None:
         policy = _policy_from_args(
             policy,
@@ -137,7 +143,7 @@ class GradScaler:
         #: The fields the add-ons added at the last ``update()`` (a diagnosis's ``overflow_kind``, ...): what a
         #: LossScaleOptimizer puts in its StepResult, for the loggers of a GradScaler's steps.
         self.last_fields: dict[str, Any] = {}
-        self.attach_add_ons(add_ons_from("GradScaler", diagnose=diagnose))
+        self.attach_add_ons(add_ons_from("GradScaler", diagnose=diagnose, heal=heal))
 
     # --- state -------------------------------------------------------------------------------
 
@@ -399,6 +405,7 @@ class GradScaler:
             fields: dict[str, Any] = {}
             for add_on in self._add_ons:
                 fields.update(add_on.after_step(outcome) or {})
+            fields.pop("rerun", None)  # a GradScaler has no closure to run the step again
             self.last_fields = fields
 
     def get_scale(self) -> float:
@@ -462,10 +469,13 @@ class GradScaler:
         if "growth_tracker" in values:
             out["_growth_tracker"] = int(cast(int, values["growth_tracker"]))
         out["policy_state"] = values
+        for key, part in parts_of(self._add_ons):  # an add-on that saves state (the diagnosis's healed modules)
+            out[key] = part.state_dict()
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore our ``state_dict()`` or torch's; the whole dict is checked before anything changes."""
+        """Restore our ``state_dict()`` or torch's; the whole dict is checked before anything changes. An add-on's
+        entry (``diagnosis``) that only one side has is named in a UserWarning."""
         if not self._enabled:
             return
         call = "GradScaler.load_state_dict(state_dict)"
@@ -490,9 +500,16 @@ class GradScaler:
             values["scale"] = state_dict["scale"]
             if "_growth_tracker" in state_dict and "growth_tracker" in values:
                 values["growth_tracker"] = state_dict["_growth_tracker"]
+        parts = [(key, part) for key, part in parts_of(self._add_ons) if key in state_dict]
+        for key, part in parts:
+            part.validate_state_dict(state_dict[key])
         self._loss_scale.load_state_dict(values, call)
         self._loss_scale.set_policy(policy)
         self._replicas = {}
+        for key, part in parts:
+            part.load_state_dict(state_dict[key])
+        if "policy_state" in state_dict:  # torch's format holds no add-on: nothing to say
+            warn_unmatched_parts(call, "GradScaler", parts_of(self._add_ons), state_dict)
 
     def _policy_from(self, state_dict: dict[str, Any], call: str) -> Any:
         """The policy with torch's three knobs from ``state_dict`` (a DynamicScale; validated), else unchanged."""

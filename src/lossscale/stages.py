@@ -217,7 +217,7 @@ def inverse(scale: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
     """``1 / scale`` rounded once to float32, and 1 where :func:`guarded_found` refused the scale (``found``,
     its flag before any check sets it). 3 0-d ops, no host read."""
     inv = scale.reciprocal() if scale.dtype == torch.float32 else scale.double().reciprocal().float()
-    return inv.masked_fill(found.to(device=inv.device, dtype=torch.bool), 1.0)
+    return inv.masked_fill_(found.to(device=inv.device, dtype=torch.bool), 1.0)  # inv is new: in place
 
 
 def agree_(

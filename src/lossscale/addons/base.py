@@ -22,6 +22,7 @@ A keyword of a front end (``ema=``, ``schedule=``, ``diagnose=``, ``heal=``) bec
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,6 +30,7 @@ import torch
 
 from lossscale.reporting import StepOutcome
 from lossscale.state import LossScale
+from lossscale.validation import outside_caller
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -86,3 +88,42 @@ class AddOn:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (checked by :meth:`validate_state_dict` first)."""
+
+
+#: What each add-on's checkpoint entry is called in messages, by key: the add-ons a front end may lack (an add-on's
+#: own ``label`` wins where the front end holds it).
+PART_LABELS = {
+    "ema": "an EMA",
+    "layerwise": "per-layer scales",
+    "schedule": "a precision schedule",
+    "diagnosis": "an overflow diagnosis",
+}
+
+
+def parts_of(add_ons: list[AddOn]) -> list[tuple[str, AddOn]]:
+    """(checkpoint key, add-on) of each add-on that saves state (a ``key``), in order."""
+    return [(add_on.key, add_on) for add_on in add_ons if add_on.key is not None]
+
+
+def warn_unmatched_parts(call: str, front_end: str, parts: list[tuple[str, Any]], state_dict: dict[str, Any]) -> None:
+    """A UserWarning for each part that only one side has: the front end (the part keeps its state) or the
+    checkpoint (its entry is ignored)."""
+    have = {key for key, _ in parts}
+    keywords = {"diagnosis": "diagnose"}
+    labels = {**PART_LABELS, **{key: part.label for key, part in parts}}
+    for key, what in labels.items():
+        if key in have and key not in state_dict:
+            warnings.warn(
+                f"{call}: this {front_end} has {what} ({keywords.get(key, key)}=) and the checkpoint has no {key!r} "
+                f"entry; the {key} part keeps its current state, not the saved run's. Save the checkpoint from a "
+                f"{front_end} with the same parts to resume it.",
+                UserWarning,
+                stacklevel=outside_caller(),
+            )
+        elif key in state_dict and key not in have:
+            warnings.warn(
+                f"{call}: the checkpoint holds a {key!r} entry and this {front_end} has no {what}; the entry is "
+                f"ignored. Pass {keywords.get(key, key)}=... when building the {front_end} to resume it.",
+                UserWarning,
+                stacklevel=outside_caller(),
+            )

@@ -1,18 +1,25 @@
-"""Why float16 training breaks: find the first non-finite value, name the module, say what fixes it.
+"""Why float16 training breaks, and healing it: find the first non-finite value, name the module, say what fixes it,
+and fix it.
 
 - :func:`find_overflow` traces one forward and scaled backward of a closure and returns an :class:`OverflowReport`.
 - :func:`keep_float32` runs one module in float32 inside an autocast model (the fix for a forward overflow).
-- :class:`OverflowDiagnosis` is the add-on a front end takes (``diagnose=model``): it notices the scale collapsing
-  without a host read and traces the next step, warning with an :class:`OverflowWarning`.
+- :func:`heal` keeps in float32 each module a batch's forward overflows in, until it runs clean: before a run.
+- :class:`OverflowDiagnosis` is the add-on a front end takes (``diagnose=model``, and ``heal=True``): it notices the
+  scale collapsing or the loss going non-finite without a host read, traces the next step, warns with an
+  :class:`OverflowWarning`, and with ``heal`` heals the run as it goes (:class:`HealWarning`, :class:`HealError`).
 """
 
 from lossscale.diagnosis.addon import OverflowDiagnosis, TriggerState, advance_trigger
 from lossscale.diagnosis.find import find_overflow
 from lossscale.diagnosis.float32 import Float32Forward, keep_float32
-from lossscale.diagnosis.report import ModuleRecord, OverflowReport, OverflowWarning
+from lossscale.diagnosis.healing import HealReport, heal
+from lossscale.diagnosis.report import HealError, HealWarning, ModuleRecord, OverflowReport, OverflowWarning
 
 __all__ = [
     "Float32Forward",
+    "HealError",
+    "HealReport",
+    "HealWarning",
     "ModuleRecord",
     "OverflowDiagnosis",
     "OverflowReport",
@@ -20,5 +27,6 @@ __all__ = [
     "TriggerState",
     "advance_trigger",
     "find_overflow",
+    "heal",
     "keep_float32",
 ]

@@ -1,8 +1,8 @@
-"""``keep_float32``: the standard fix for a forward overflow, one module run in float32 inside an autocast model."""
+"""``keep_float32``: the standard fix for a forward overflow, one module run in float32 (or bfloat16) inside an autocast
+model."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -19,9 +19,10 @@ _LOW = (torch.float16, torch.bfloat16)
 class Float32Forward:
     """The handle :func:`keep_float32` returns: :meth:`remove` undoes it (also as a context manager)."""
 
-    def __init__(self, module: nn.Module, outputs: str) -> None:
+    def __init__(self, module: nn.Module, outputs: str, precision: torch.dtype = torch.float32) -> None:
         self.module = module
         self.outputs = outputs
+        self.precision = precision
         self.removed = False
         self._had_own = "forward" in module.__dict__
         self._previous = module.__dict__.get("forward")
@@ -38,12 +39,11 @@ class Float32Forward:
     def _run(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         enabled = [d for d in _DEVICE_TYPES if _autocast_on(d)]
         first = next((t.dtype for t in tensors_in((args, kwargs)) if t.is_floating_point()), None)
-        with contextlib.ExitStack() as stack:
-            for device_type in enabled:
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-            out = inner(*map_tensors(_to_float32, args), **map_tensors(_to_float32, kwargs))
+        if self.precision == torch.float32:
+            args, kwargs = map_tensors(_to_float32, args), map_tensors(_to_float32, kwargs)
+        out = self._call(inner, enabled, args, kwargs)
         if self.outputs == "float32":
-            return out
+            return map_tensors(_to_float32, out)
         targets = {d: torch.get_autocast_dtype(d) for d in enabled}
 
         def back(t: torch.Tensor) -> torch.Tensor:
@@ -53,6 +53,19 @@ class Float32Forward:
             return t if target is None or target == torch.float32 else t.to(target)
 
         return map_tensors(back, out)
+
+    def _call(
+        self, inner: Callable[..., Any], devices: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``inner`` with autocast off (or in bfloat16) on each of ``devices``: one plain ``with`` per device, which
+        torch.compile traces without a graph break."""
+        if not devices:
+            return inner(*args, **kwargs)
+        if self.precision == torch.float32:
+            with torch.autocast(devices[0], enabled=False):
+                return self._call(inner, devices[1:], args, kwargs)
+        with torch.autocast(devices[0], dtype=self.precision):  # bfloat16: float32's range at half the width
+            return self._call(inner, devices[1:], args, kwargs)
 
     def remove(self) -> None:
         """Undo: the module's forward runs as before (idempotent)."""
@@ -74,26 +87,36 @@ class Float32Forward:
 
     def __repr__(self) -> str:
         state = "removed" if self.removed else "active"
-        return f"Float32Forward({type(self.module).__name__}, outputs={self.outputs!r}, {state})"
+        precision = "" if self.precision == torch.float32 else f", precision={self.precision}"
+        return f"Float32Forward({type(self.module).__name__}, outputs={self.outputs!r}{precision}, {state})"
 
 
-def keep_float32(module: nn.Module, *, outputs: Literal["autocast", "float32"] = "autocast") -> Float32Forward:
+def keep_float32(
+    module: nn.Module,
+    *,
+    outputs: Literal["autocast", "float32"] = "autocast",
+    precision: torch.dtype = torch.float32,
+) -> Float32Forward:
     """Run ``module``'s forward outside autocast on float32 inputs; returns a handle whose ``remove()`` undoes it.
 
     The rule, at each call::
 
         inputs:  every float16/bfloat16 tensor in args and kwargs -> float32
         forward: with autocast disabled on every device type where it was enabled
+                 (precision=torch.bfloat16: autocast to bfloat16 there instead, inputs as they come)
         outputs: "autocast": each float32 output -> autocast's dtype on its device (float16 on CUDA under
                  torch.autocast("cuda")), what autocast gives a matmul-like op; without autocast, the dtype
                  of the first floating-point input
-                 "float32": outputs stay float32 (for a module whose output itself passes 65504)
+                 "float32": every floating-point output as float32 (for a module whose output itself passes
+                 65504: cast back to float16 it would overflow again)
 
     The module's parameters are not touched (under autocast they are float32 already). Host reads: none.
 
     Args:
         module: The module to run in float32 (e.g. the one :func:`find_overflow` names).
         outputs: ``"autocast"`` or ``"float32"``, as above.
+        precision: ``torch.float32`` (default) or ``torch.bfloat16`` (float32's range, where the device runs it
+            natively).
 
     Example:
         >>> import torch
@@ -111,7 +134,8 @@ def keep_float32(module: nn.Module, *, outputs: Literal["autocast", "float32"] =
             f"model.get_submodule(report.module)); got {type(module).__name__}."
         )
     validate_choice(call, "outputs", outputs, ("autocast", "float32"))
-    return Float32Forward(module, outputs)
+    validate_choice(call, "precision", precision, (torch.float32, torch.bfloat16))
+    return Float32Forward(module, outputs, precision)
 
 
 def _autocast_on(device_type: str) -> bool:

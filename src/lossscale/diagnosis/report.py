@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +50,31 @@ class OverflowWarning(UserWarning):
 
     def __reduce__(self) -> tuple[type[OverflowWarning], tuple[str, OverflowReport]]:
         return type(self), (str(self), self.report)  # pickles (across processes) with its report
+
+
+class HealWarning(OverflowWarning):
+    """Healing changed the model (a module now runs in float32 or bfloat16), or stopped because it cannot fix this
+    run; ``.report`` is the :class:`OverflowReport` that named the module, ``.healed`` the modules kept so far (name
+    to the precision each runs in)."""
+
+    def __init__(self, message: str, report: OverflowReport, healed: Mapping[str, object] | None = None) -> None:
+        super().__init__(message, report)
+        self.healed = dict(healed or {})
+
+    def __reduce__(self) -> tuple[type[OverflowWarning], tuple[str, OverflowReport]]:
+        return type(self), (str(self), self.report, self.healed)  # type: ignore[return-value]  # three, as __init__ takes
+
+
+class HealError(RuntimeError):
+    """A run that heals kept skipping with nothing left to heal (``give_up_after`` skipped steps in a row): raised on
+    every rank at the same step, with the diagnosis's reports (``.reports``, the last one last)."""
+
+    def __init__(self, message: str, reports: list[OverflowReport]) -> None:
+        super().__init__(message)
+        self.reports = list(reports)
+
+    def __reduce__(self) -> tuple[type[HealError], tuple[str, list[OverflowReport]]]:
+        return type(self), (str(self), self.reports)
 
 
 @dataclass(frozen=True)

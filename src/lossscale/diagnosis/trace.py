@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lossscale.diagnosis.report import Kind, ModuleRecord, OverflowReport
-from lossscale.ops.nested import tensors_in
+from lossscale.diagnosis.report import FLOAT16_MAX, Kind, ModuleRecord, OverflowReport
+from lossscale.ops.nested import map_tensors, tensors_in
 from lossscale.ops.overflow import largest_magnitude
 from lossscale.validation import in_backward
 
@@ -65,6 +65,9 @@ class _Call:
     output_max: torch.Tensor | None = None
     output_dtype: str | None = None
     watched: bool = False  # whether a gradient hook watches any of its outputs
+    casts_to_half: bool = False  # autocast to float16 was on for its inputs' device when the call began
+    float32_max: torch.Tensor | None = None  # the first float16 call to end non-finite from finite inputs: its
+    # output's largest magnitude when run again in float32 (finite: a range fault, not a NaN-making op)
 
 
 @dataclass(eq=False)
@@ -86,8 +89,18 @@ class _GradEvent:
     limit: float
 
 
+def _eager() -> Any:
+    """Make ``torch.compile``'d code run eagerly until the returned stance is exited (a compiled graph would not call
+    the hooks); None where that cannot be (inside a compiled region)."""
+    try:
+        return torch.compiler.set_stance("force_eager")
+    except RuntimeError:
+        return None
+
+
 class Tracer:
-    """Hooks on every module and parameter of ``model`` that record magnitudes until :meth:`remove`.
+    """Hooks on every module and parameter of ``model`` that record magnitudes until :meth:`remove`; meanwhile
+    ``torch.compile``'d code runs eagerly (its graphs would not call the hooks).
 
     A forward pass ends at :meth:`end_forward` (the loss); the backward events after it belong to that pass.
     """
@@ -108,6 +121,8 @@ class Tracer:
         self._last_recomputed: dict[str, _Call] = {}
         self._watched: dict[int, _Watched] = {}
         self._types: dict[str, str] = {}
+        self._replaying = False  # a call run again in float32: the hooks stand aside
+        self._culprit_seen = False  # whether a float16 call already ended non-finite from finite inputs
         for name, module in model.named_modules():
             self._types[name] = type(module).__name__
             self.handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
@@ -121,11 +136,14 @@ class Tracer:
                     params[id(param)] = _Watched(weakref.ref(param))
                     self.handles.append(param.register_hook(self._grad_hook(params[id(param)])))
                 params[id(param)].owners.append(name)
+        self._stance = _eager()
 
     # hooks ------------------------------------------------------------------------------------------------------
 
     def _pre_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._replaying:
+                return
             if in_backward():
                 call = self._recomputation(name)
                 if call is not None and not call.watched:
@@ -145,6 +163,7 @@ class Tracer:
                 self._pass,
                 self._next(),
                 input_max=_amax(inputs),
+                casts_to_half=bool(inputs) and _autocasts_to_half(inputs[0].device.type),
             )
             self.calls.append(call)
             self._stack.append(call)
@@ -155,6 +174,8 @@ class Tracer:
 
     def _post_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if self._replaying:
+                return
             if in_backward():
                 call = self._last_recomputed.get(name)
                 if call is not None and not call.watched:
@@ -172,11 +193,46 @@ class Tracer:
             for t in outputs:
                 call.watched |= self._watch(t, call, produced=True)
             call.end = self._next()
+            if call.casts_to_half and not self._culprit_seen and outputs and outputs[0].dtype == torch.float16:
+                self._check_range(module, call, args, kwargs)
 
         return hook
 
+    def _check_range(self, module: nn.Module, call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """For a float16 call: whether it ended non-finite from finite inputs (one host read); for the first that did,
+        its output's largest magnitude when its forward runs again in float32 (:attr:`_Call.float32_max`), so the
+        report tells an overflow inside its float16 computation (inf - inf is NaN) from an op that makes a NaN at
+        any precision. The rerun takes no gradient, consumes no random numbers and leaves the module's buffers as
+        they were; an error in it only leaves the answer unknown."""
+        assert call.output_max is not None  # a float16 output was seen
+        bad = ~torch.isfinite(call.output_max)
+        if call.input_max is not None:
+            bad &= torch.isfinite(call.input_max)
+        if not bool(bad):
+            return
+        self._culprit_seen = True
+        device = call.output_max.device
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        devices = (
+            [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+        )
+        self._replaying = True
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.autocast(device.type, enabled=False):
+                out = module.forward(*map_tensors(_to_float32, args), **map_tensors(_to_float32, kwargs))
+            call.float32_max = _amax(floating_tensors(out))
+        except Exception:  # the answer stays unknown; the step goes on as traced
+            call.float32_max = None
+        finally:
+            self._replaying = False
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+
     def _grad_hook(self, watched: _Watched) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
+            if self._replaying:
+                return
             amax = _amax([grad])
             if amax is not None:
                 limit = torch.finfo(grad.dtype).max if grad.is_floating_point() else math.inf
@@ -225,11 +281,14 @@ class Tracer:
         self._stack.clear()
 
     def remove(self) -> None:
-        """Remove every hook (idempotent)."""
+        """Remove every hook and give torch.compile its stance back (idempotent)."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
         self._watched.clear()
+        if self._stance is not None:
+            self._stance.__exit__(None, None, None)
+            self._stance = None
 
     # analysis ---------------------------------------------------------------------------------------------------
 
@@ -252,12 +311,13 @@ class Tracer:
         values = _read(
             [c.input_max for c in calls]
             + [c.output_max for c in calls]
+            + [c.float32_max for c in calls]
             + list(self.losses)
             + [e.amax for e in run_events]
         )
         n, m = len(calls), len(self.losses)
-        inputs, outputs = values[:n], values[n : 2 * n]
-        losses, grads = values[2 * n : 2 * n + m], _floats(values[2 * n + m :])
+        inputs, outputs, peaks = values[:n], values[n : 2 * n], values[2 * n : 3 * n]
+        losses, grads = values[3 * n : 3 * n + m], _floats(values[3 * n + m :])
         counts: dict[tuple[int, str], int] = {}
         for c in calls:
             counts[(c.forward_pass, c.name)] = counts.get((c.forward_pass, c.name), 0) + 1
@@ -275,8 +335,14 @@ class Tracer:
             )
 
         def located(
-            p: int, kind: Kind, call: _Call | None, value: float | None, name: str | None = None
+            p: int,
+            kind: Kind,
+            call: _Call | None,
+            value: float | None,
+            name: str | None = None,
+            cast_input: float | None = None,
         ) -> OverflowReport:
+            peak = peaks[calls.index(call)] if call is not None and kind == "forward" else None
             module = call.name if call is not None else name
             index = call.index if call is not None else None
             total = counts.get((call.forward_pass, call.name)) if call is not None else None
@@ -292,7 +358,7 @@ class Tracer:
                 nan,
                 scale,
                 None if kind in ("input", "forward", "loss") else max_safe_scale,
-                advice_for(kind, module, nan, scale, max_safe_scale),
+                advice_for(kind, module, nan, scale, max_safe_scale, cast_input, peak),
                 records_of(p),
                 losses[p] if p < m else None,
                 rank,
@@ -311,7 +377,9 @@ class Tracer:
             if events:
                 _, where, c, v = min(events, key=lambda e: e[0])
                 if where == "end":
-                    return located(p, "forward", c, v)
+                    seen_in = inputs[calls.index(c)]
+                    cast = c.casts_to_half and seen_in is not None and FLOAT16_MAX < seen_in < math.inf
+                    return located(p, "forward", c, v, cast_input=seen_in if cast else None)
                 return located(p, "input", c, v) if c.parent is None else located(p, "forward", c.parent, v)
             loss = losses[p] if p < m else None
             if loss is not None and not math.isfinite(loss):
@@ -366,31 +434,77 @@ def _read(tensors: list[torch.Tensor | None]) -> list[float | None]:
     return out
 
 
-def advice_for(kind: Kind, module: str | None, nan: bool, scale: float, max_safe_scale: float | None) -> str:
-    """One or two sentences on what fixes a fault of this kind."""
+def _to_float32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _autocasts_to_half(device_type: str) -> bool:
+    """Whether autocast to float16 is on for ``device_type`` now."""
+    try:
+        return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16
+    except (RuntimeError, ValueError):  # a device type autocast does not know
+        return False
+
+
+#: What restores a scale a fault lowered, once the fault is fixed (the end of a forward fault's advice).
+RESTORE = (
+    " A scale lowered meanwhile stays low once the fault is fixed: set it back to your initial scale, e.g. "
+    "opt.set_scale(2.0**16) (or scaler.update(new_scale=2.0**16)); heal=True fixes the module and restores the scale "
+    "by itself."
+)
+
+
+def advice_for(
+    kind: Kind,
+    module: str | None,
+    nan: bool,
+    scale: float,
+    max_safe_scale: float | None,
+    cast_input: float | None = None,
+    float32_peak: float | None = None,
+) -> str:
+    """One or two sentences on what fixes a fault of this kind (a fix that fixes it: the module and its outputs in
+    float32 for a forward overflow). ``cast_input``: the finite input past float16's range that autocast cast to
+    float16 on its way into ``module``'s op, where that was the cause; ``float32_peak``: the module's output's largest
+    magnitude when run again in float32 (finite: its NaN came from an overflow inside its float16 computation)."""
     name = "the model" if module == "" else repr(module)
+    fix = f"keep_float32(model.get_submodule({module!r}), outputs='float32')"
     if kind == "input":
         return (
             "A batch already holds inf or NaN before the model sees it, and no loss scale fixes that: check the "
             "data loader and preprocessing (e.g. assert torch.isfinite(batch).all()), or skip such batches."
         )
     if kind == "forward":
+        if cast_input is not None:
+            return (
+                f"The input of {name} ({_pow2(cast_input)}) is finite but past float16's 65504, and autocast casts it "
+                f"to float16 on its way into the module's float16 op, where it becomes inf"
+                f"{' and then NaN' if nan else ''}: run {name} in float32 with {fix} (or keep its input smaller). "
+                f"Lowering the loss scale cannot fix a forward overflow.{RESTORE}"
+            )
+        if nan and float32_peak is not None and math.isfinite(float32_peak):
+            return (
+                f"{name} made a NaN in float16 from finite inputs, and in float32 its output stays finite (largest "
+                f"{float32_peak:.4g}): its float16 computation overflows inside (inf - inf is NaN). Run it in "
+                f"float32, its outputs too, with {fix}. Lowering the loss scale cannot fix a forward overflow."
+                f"{RESTORE}"
+            )
         if nan:
             return (
                 f"{name} made a NaN in its own code from finite inputs (0/0, inf-inf, log or sqrt of a negative, a "
                 f"softmax over all -inf): guard that op (an eps, a mask that keeps one entry), or run it in "
-                f"float32 with keep_float32(model.get_submodule({module!r})). Lowering the loss "
-                f"scale cannot fix it."
+                f"float32 with {fix}. Lowering the loss scale cannot fix it.{RESTORE}"
             )
         return (
-            f"The activations of {name} pass float16's 65504: run it in float32 with "
-            f"keep_float32(model.get_submodule({module!r})) (or keep its weights and inputs smaller). "
-            f"Lowering the loss scale cannot fix a forward overflow."
+            f"The activations of {name} pass float16's 65504: run it in float32, its outputs too (cast back to "
+            f"float16 they would overflow again), with {fix} (or keep its weights and inputs smaller). Lowering the "
+            f"loss scale cannot fix a forward overflow.{RESTORE}"
         )
     if kind == "loss":
         return (
             "The loss computation overflowed though every module's output was finite: compute the loss in "
             "float32, outside autocast (e.g. loss_fn(logits.float(), target)), and use a mean, not a sum."
+            f"{RESTORE.replace(' heal=True fixes the module and restores the scale by itself.', '')}"
         )
     if kind == "backward":
         if max_safe_scale is not None and max_safe_scale < 1:

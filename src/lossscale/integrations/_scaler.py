@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lossscale.diagnosis.addon import OverflowDiagnosis, validate_diagnose
+from lossscale.diagnosis.addon import OverflowDiagnosis, validate_heal
 from lossscale.keywords import add_ons_from
 from lossscale.reporting import ScalerStep, StepResult
 from lossscale.scaler import GradScaler
@@ -19,15 +19,17 @@ def carried(add_ons: Iterable[object]) -> OverflowDiagnosis | None:
     return next((a for a in add_ons if isinstance(a, OverflowDiagnosis)), None)
 
 
-def diagnose_later(call: str, diagnose: object, true_means: str, front_end: GradScaler | Any, where: str) -> bool:
-    """A plugin's ``diagnose=``: checked; a module or an OverflowDiagnosis given to ``front_end`` (the scaler or
-    optimizer the plugin drives) at once, through the keyword table. Returns whether ``diagnose`` is True: the
-    plugin gives it the framework's model when it meets it (:func:`diagnose_model`).
+def diagnose_later(
+    call: str, diagnose: object, true_means: str, front_end: GradScaler | Any, where: str, heal: object = False
+) -> bool:
+    """A plugin's ``diagnose=`` and ``heal=``: checked; a module or an OverflowDiagnosis given to ``front_end`` (the
+    scaler or optimizer the plugin drives) at once, through the keyword table. Returns whether ``diagnose`` is True:
+    the plugin gives it the framework's model when it meets it (:func:`diagnose_model`).
 
     Raises:
-        ValueError: ``front_end`` carries a diagnosis of its own too.
+        ValueError: ``front_end`` carries a diagnosis of its own too; ``heal`` without a diagnosis.
     """
-    validate_diagnose(call, diagnose, true_means)
+    validate_heal(call, diagnose, heal, true_means)
     if diagnose is None or diagnose is False:
         return False
     if carried(front_end.add_ons) is not None:
@@ -37,19 +39,21 @@ def diagnose_later(call: str, diagnose: object, true_means: str, front_end: Grad
         )
     if diagnose is True:
         return True
-    front_end.attach_add_ons(add_ons_from(call, diagnose=diagnose))
+    front_end.attach_add_ons(add_ons_from(call, diagnose=diagnose, heal=heal))
     return False
 
 
-def diagnose_model(call: str, front_end: GradScaler | Any, model: torch.nn.Module, where: str) -> None:
-    """``diagnose=True``: give ``front_end`` a diagnosis of ``model`` (the framework's), once.
+def diagnose_model(
+    call: str, front_end: GradScaler | Any, model: torch.nn.Module, where: str, heal: object = False
+) -> None:
+    """``diagnose=True``: give ``front_end`` a diagnosis of ``model`` (the framework's), once (healing with ``heal``).
 
     Raises:
         ValueError: it already traces another module.
     """
     bound = carried(front_end.add_ons)
     if bound is None:
-        front_end.attach_add_ons(add_ons_from(call, diagnose=True, model=model))
+        front_end.attach_add_ons(add_ons_from(call, diagnose=True, model=model, heal=heal))
     elif bound.model is not model:
         raise ValueError(
             f"{call}(diagnose=True) traces the one module {where}, and another one ({type(model).__name__}) came after "
@@ -58,7 +62,13 @@ def diagnose_model(call: str, front_end: GradScaler | Any, model: torch.nn.Modul
 
 
 def make_scaler(
-    call: str, precision: object, device: object, scaler: object, scaler_kwargs: dict[str, Any], diagnose: object = None
+    call: str,
+    precision: object,
+    device: object,
+    scaler: object,
+    scaler_kwargs: dict[str, Any],
+    diagnose: object = None,
+    heal: object = False,
 ) -> GradScaler | None:
     """``scaler``, or ``GradScaler(device=device, **scaler_kwargs)`` when it is None; under ``"bf16-mixed"``, None
     (bfloat16 autocast without a scaler, as the framework's own plugin runs it). ``diagnose`` is the plugin's
@@ -75,7 +85,7 @@ def make_scaler(
             f"autocast with lossscale's GradScaler, or bfloat16 autocast without a scaler)."
         )
     if precision == "bf16-mixed":
-        _validate_bf16(call, scaler, scaler_kwargs, diagnose)
+        _validate_bf16(call, scaler, scaler_kwargs, diagnose, heal)
         return None
     if not isinstance(device, str):
         raise TypeError(
@@ -123,7 +133,7 @@ def scaler_result(
     )
 
 
-def _validate_bf16(call: str, scaler: object, scaler_kwargs: dict[str, Any], diagnose: object) -> None:
+def _validate_bf16(call: str, scaler: object, scaler_kwargs: dict[str, Any], diagnose: object, heal: object) -> None:
     """Raise where ``precision="bf16-mixed"`` comes with something that needs a loss scale."""
     if scaler is not None:
         raise ValueError(  # Lightning's own text after the call, as its tests expect it
@@ -144,4 +154,10 @@ def _validate_bf16(call: str, scaler: object, scaler_kwargs: dict[str, Any], dia
             f"{call}(precision='bf16-mixed', diagnose={got}): diagnose must be None or False with 'bf16-mixed' "
             f"(bfloat16 has float32's range: there is no loss scale to collapse, and the diagnosis is triggered by "
             f"the scale's collapse); got {got}. Leave diagnose out, or use precision='16-mixed'."
+        )
+    if heal is not None and heal is not False:
+        raise ValueError(
+            f"{call}(precision='bf16-mixed', heal={heal!r}): heal must be False with 'bf16-mixed' (healing moves a "
+            f"float16 module to float32 and keeps the loss scale; bfloat16 has float32's range and no loss scale); got "
+            f"{heal!r}. Leave heal out, or use precision='16-mixed'."
         )

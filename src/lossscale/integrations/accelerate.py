@@ -27,7 +27,7 @@ require("accelerate", "accelerate", "accelerate")
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from lossscale.diagnosis.addon import OverflowDiagnosis, validate_diagnose
+from lossscale.diagnosis.addon import OverflowDiagnosis, validate_heal
 from lossscale.scaler import GradScaler
 
 __all__ = ["use_lossscale"]
@@ -87,6 +87,7 @@ def use_lossscale(
     *,
     fp16_on_cpu: bool = False,
     diagnose: torch.nn.Module | OverflowDiagnosis | Literal[False] | None = None,
+    heal: bool | torch.dtype = False,
     **scaler_kwargs: Any,
 ) -> GradScaler:
     """Install ``GradScaler(device=accelerator.device.type, **scaler_kwargs)`` as ``accelerator.scaler``; return it.
@@ -101,6 +102,9 @@ def use_lossscale(
         diagnose: The model to trace when the loss scale collapses (the module you pass to ``prepare()``, before
             or after it), or an :class:`~lossscale.OverflowDiagnosis` (its ``patience``); None or False: none.
             The scaler's ``diagnose=`` (:mod:`lossscale.diagnosis`).
+        heal: True (or ``torch.bfloat16``): with ``diagnose``, a forward overflow keeps the faulting modules in
+            float32 (or bfloat16) at once, skips the step without lowering the scale and warns with a
+            :class:`~lossscale.HealWarning` (:ref:`healing`); False (default): diagnosis only.
         **scaler_kwargs: Arguments of ``GradScaler``; or give them in the Accelerator's ``GradScalerKwargs``.
 
     Raises:
@@ -110,8 +114,8 @@ def use_lossscale(
         ValueError: mixed_precision is not ``"fp16"``; a CPU device without ``fp16_on_cpu``, or
             ``fp16_on_cpu`` elsewhere; DeepSpeed or Megatron-LM; both ``scaler_kwargs`` and ``GradScalerKwargs``.
     """
-    validate_diagnose("use_lossscale", diagnose)
-    return install(accelerator, fp16_on_cpu, scaler_kwargs, diagnose=diagnose)
+    validate_heal("use_lossscale", diagnose, heal)
+    return install(accelerator, fp16_on_cpu, scaler_kwargs, diagnose=diagnose, heal=heal)
 
 
 def install(
@@ -121,6 +125,7 @@ def install(
     name: str = "accelerator",
     scaler_type: type[GradScaler] = GradScaler,
     diagnose: torch.nn.Module | OverflowDiagnosis | Literal[False] | None = None,
+    heal: bool | torch.dtype = False,
 ) -> GradScaler:
     """:func:`use_lossscale`'s checks and installation, for the front ends built on it: ``name`` is the argument
     their errors echo, ``scaler_type`` the GradScaler (or subclass) they install, ``diagnose`` its diagnosis."""
@@ -133,7 +138,7 @@ def install(
             f"arguments in one place, not both."
         )
     kwargs = handler.to_kwargs() if handler is not None else scaler_kwargs
-    scaler = scaler_type(device=accelerator.device.type, diagnose=diagnose, **kwargs)
+    scaler = scaler_type(device=accelerator.device.type, diagnose=diagnose, heal=heal, **kwargs)
     accelerator.scaler = scaler
     accelerator.native_amp = True
     return scaler

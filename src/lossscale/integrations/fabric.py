@@ -41,6 +41,9 @@ class MixedPrecision(_FabricMixedPrecision):
         scaler: An existing :class:`~lossscale.GradScaler`; or leave it out and pass ``scaler_kwargs``.
         diagnose: True (the module given to ``fabric.setup``), a module to trace, an
             :class:`~lossscale.OverflowDiagnosis` (its ``patience``), or None or False (no diagnosis).
+        heal: True (or ``torch.bfloat16``): with ``diagnose``, a forward overflow keeps the faulting modules in
+            float32 (or bfloat16) at once, skips the step without lowering the scale and warns with a
+            :class:`~lossscale.HealWarning` (:ref:`healing`); False (default): diagnosis only.
         **scaler_kwargs: Arguments of ``GradScaler`` (``init_scale``, ``growth_interval``, ``policy``, ...).
 
     Raises:
@@ -59,13 +62,15 @@ class MixedPrecision(_FabricMixedPrecision):
         scaler: GradScaler | None = None,
         *,
         diagnose: bool | torch.nn.Module | OverflowDiagnosis | None = None,
+        heal: bool | torch.dtype = False,
         **scaler_kwargs: Any,
     ) -> None:
         validate_diagnose("MixedPrecision", diagnose, _SET_UP)
-        scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs, diagnose)  # None: bf16
+        scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs, diagnose, heal)  # None: bf16
         self._diagnose_module = scaler is not None and diagnose_later(
-            "MixedPrecision", diagnose, _SET_UP, scaler, "GradScaler"
+            "MixedPrecision", diagnose, _SET_UP, scaler, "GradScaler", heal
         )
+        self._heal = heal
         super().__init__(precision, device, scaler=scaler)  # type: ignore[arg-type]  # Fabric types the slot as torch's GradScaler; lossscale's has its surface
         self.last_result: StepResult | None = None
         self._steps = 0
@@ -86,7 +91,7 @@ class MixedPrecision(_FabricMixedPrecision):
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Fabric's conversion (none for mixed precision); with ``diagnose=True``, ``module`` becomes the one traced."""
         if self._diagnose_module:
-            diagnose_model("MixedPrecision", cast(GradScaler, self.scaler), module, "given to fabric.setup")
+            diagnose_model("MixedPrecision", cast(GradScaler, self.scaler), module, "given to fabric.setup", self._heal)
         return super().convert_module(module)
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:

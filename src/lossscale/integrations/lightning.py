@@ -35,7 +35,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from lossscale.addons.schedule import PrecisionSchedule
-from lossscale.diagnosis.addon import OverflowDiagnosis, validate_diagnose
+from lossscale.diagnosis.addon import OverflowDiagnosis, validate_diagnose, validate_heal
 from lossscale.integrations._scaler import carried, diagnose_later, diagnose_model, make_scaler, scaler_result
 from lossscale.keywords import add_ons_from
 from lossscale.optimizer import LossScaleOptimizer
@@ -62,6 +62,9 @@ class MixedPrecision(_LightningMixedPrecision):
         diagnose: True: when the loss scale collapses, trace the LightningModule's next step and warn with a
             :class:`~lossscale.OverflowWarning` (:mod:`lossscale.diagnosis`). Or a module to trace, or an
             :class:`~lossscale.OverflowDiagnosis` (its ``patience``); None or False: no diagnosis.
+        heal: True (or ``torch.bfloat16``): with ``diagnose``, a forward overflow keeps the faulting modules in
+            float32 (or bfloat16) at once, skips the step without lowering the scale and warns with a
+            :class:`~lossscale.HealWarning` (:ref:`healing`); False (default): diagnosis only.
         **scaler_kwargs: Arguments of ``GradScaler`` (``init_scale``, ``growth_interval``, ``policy``, ...).
 
     Raises:
@@ -79,13 +82,15 @@ class MixedPrecision(_LightningMixedPrecision):
         scaler: GradScaler | None = None,
         *,
         diagnose: bool | torch.nn.Module | OverflowDiagnosis | None = None,
+        heal: bool | torch.dtype = False,
         **scaler_kwargs: Any,
     ) -> None:
         validate_diagnose("MixedPrecision", diagnose, _TRAINED)
-        scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs, diagnose)  # None: bf16
+        scaler = make_scaler("MixedPrecision", precision, device, scaler, scaler_kwargs, diagnose, heal)  # None: bf16
         self._diagnose_module = scaler is not None and diagnose_later(
-            "MixedPrecision", diagnose, _TRAINED, scaler, "GradScaler"
+            "MixedPrecision", diagnose, _TRAINED, scaler, "GradScaler", heal
         )
+        self._heal = heal
         super().__init__(precision, device, scaler=scaler)  # type: ignore[arg-type]  # Lightning types the slot as torch's GradScaler; lossscale's has its surface
         self.last_result: StepResult | None = None
         self._carried: torch.Tensor | None = None
@@ -110,7 +115,7 @@ class MixedPrecision(_LightningMixedPrecision):
         """Lightning's connect; with ``diagnose=True``, the LightningModule becomes the module traced."""
         if self._diagnose_module:
             module = _lightning_module(model, "MixedPrecision.connect")
-            diagnose_model("MixedPrecision", cast(GradScaler, self._grad_scaler), module, "being trained")
+            diagnose_model("MixedPrecision", cast(GradScaler, self._grad_scaler), module, "being trained", self._heal)
         return super().connect(model, optimizers, lr_schedulers)
 
     def _after_closure(self, model: pl.LightningModule, optimizer: Steppable) -> None:
@@ -193,6 +198,9 @@ class LossScalePrecision(Precision):
         device: The autocast device type (``"cuda"``, ``"cpu"``, ...).
         diagnose: True (the LightningModule), a module to trace, an :class:`~lossscale.OverflowDiagnosis` (its
             ``patience``), or None or False (no diagnosis).
+        heal: True (or ``torch.bfloat16``): with ``diagnose``, a forward overflow keeps the faulting modules in
+            float32 (or bfloat16) at once, skips the step without lowering the scale and warns with a
+            :class:`~lossscale.HealWarning` (:ref:`healing`); False (default): diagnosis only.
 
     Raises:
         ValueError: another ``dtype``; at ``connect``, wiring that would scale, clip or count wrongly, or
@@ -208,6 +216,7 @@ class LossScalePrecision(Precision):
         device: str = "cuda",
         *,
         diagnose: bool | torch.nn.Module | OverflowDiagnosis | None = None,
+        heal: bool | torch.dtype = False,
     ) -> None:
         if dtype not in _PRECISIONS:
             raise ValueError(
@@ -222,8 +231,9 @@ class LossScalePrecision(Precision):
         self.dtype = dtype
         self.device = device
         self.precision = _PRECISIONS[dtype]
-        validate_diagnose("LossScalePrecision", diagnose, _TRAINED)
+        validate_heal("LossScalePrecision", diagnose, heal, _TRAINED)
         self._diagnose = diagnose
+        self._heal = heal
         self.last_result: StepResult | None = None
         self._wrappers: list[LossScaleOptimizer] = []
         self._module: pl.LightningModule | None = None
@@ -285,7 +295,9 @@ class LossScalePrecision(Precision):
                 "LossScalePrecision(diagnose=...) and a LossScaleOptimizer built with diagnose= of its own: give the "
                 "diagnosis once, in one of the two; got both."
             )
-        wrapper.attach_add_ons(add_ons_from("LossScalePrecision", diagnose=self._diagnose, model=module))
+        wrapper.attach_add_ons(
+            add_ons_from("LossScalePrecision", diagnose=self._diagnose, heal=self._heal, model=module)
+        )
         self._bound = carried(wrapper.add_ons)
 
     def _validate_accumulation(self, accumulate_grad_batches: int) -> None:
@@ -439,6 +451,7 @@ class LossScaleMonitor(Callback):
             raise ValueError(f"LossScaleMonitor(prefix={prefix!r}): prefix must be a non-empty string; got {prefix!r}.")
         self.prefix = prefix
         self._skipped: torch.Tensor | int = 0
+        self._faults: torch.Tensor | int = 0  # forward faults, where the plugin finds them (heal=)
         self._seen: StepResult | None = None
         self._events = EventFields()  # the fields the steps' add-ons added, kept until Lightning logs
 
@@ -464,10 +477,14 @@ class LossScaleMonitor(Callback):
             return
         self._seen = result
         self._skipped = result.skipped.to(torch.int64) + self._skipped
+        if result.forward_fault is not None:
+            self._faults = result.forward_fault.to(torch.int64) + self._faults
         self._events.add(result.fields)
         if not trainer._logger_connector.should_update_logs:  # Lightning's cadence, as in LearningRateMonitor
             return
         values: dict[str, torch.Tensor | int] = {"scale": result.scale, "skipped_steps": self._skipped}
+        if result.forward_fault is not None:
+            values["forward_faults"] = self._faults
         if result.underflow is not None:
             values["underflow"] = result.underflow
         metrics: dict[str, Any] = {f"{self.prefix}/{k}": v for k, v in read_scalars(values).items()}
@@ -483,8 +500,12 @@ class LossScaleMonitor(Callback):
                 logger.log_metrics({**metrics, **text}, step=step)
 
     def state_dict(self) -> dict[str, Any]:
-        """The running count of skipped steps (one host read)."""
-        return {"skipped_steps": int(self._skipped)}
+        """The running count of skipped steps, and of forward faults where the plugin finds them (one host read)."""
+        state: dict[str, Any] = {"skipped_steps": int(self._skipped)}
+        if self._seen is not None and self._seen.forward_fault is not None:  # the plugin finds them (heal=)
+            state["forward_faults"] = int(self._faults)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._skipped = int(state_dict["skipped_steps"])
+        self._faults = int(state_dict.get("forward_faults", 0))

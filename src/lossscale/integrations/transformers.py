@@ -52,6 +52,7 @@ class _TrainerScaler(GradScaler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{"skip_mode": "host", **kwargs})
         self._skipped: torch.Tensor | int = 0
+        self._faults: torch.Tensor | int = 0
         #: The fields the add-ons added at each update, kept until the Trainer logs (LossScaleCallback takes them).
         self.unlogged = EventFields()
 
@@ -66,11 +67,19 @@ class _TrainerScaler(GradScaler):
         """Steps skipped so far: a 0-d int64 tensor on the scale's device after the first step (no host read)."""
         return self._skipped
 
+    @property
+    def forward_faults(self) -> torch.Tensor | int | None:
+        """Of them, the forward faults (a non-finite loss; counted where the scaler finds them: ``heal=True``), else
+        None."""
+        return self._faults if self._finds_forward_faults else None
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ScalerStep:
-        """GradScaler.step, counting a skipped step."""
+        """GradScaler.step, counting a skipped step (and a forward fault)."""
         decision = super().step(optimizer, *args, **kwargs)
         if self.is_enabled():
-            self._skipped = decision.found_inf.to(torch.int64) + self._skipped
+            self._skipped = (~decision.stepped).to(torch.int64) + self._skipped
+            if decision.forward_fault is not None:
+                self._faults = decision.forward_fault.to(torch.int64) + self._faults
         return decision
 
     def state_dict(self) -> dict[str, Any]:
@@ -147,7 +156,10 @@ class LossScaleCallback(TrainerCallback):
         if self._scaler is None or logs is None:
             return
         scale = self._scaler.loss_scale.scale if self._scaler.is_enabled() else 1.0
-        values = read_scalars({"loss_scale": scale, "skipped_steps": self._scaler.skipped_steps})
+        counts: dict[str, Any] = {"loss_scale": scale, "skipped_steps": self._scaler.skipped_steps}
+        if self._scaler.forward_faults is not None:
+            counts["forward_faults"] = self._scaler.forward_faults
+        values = read_scalars(counts)
         values.update(self._scaler.unlogged.take())
         record = state.log_history[-1] if state.log_history else None
         if record is not None and record.keys() == logs.keys() | {"step"}:  # Trainer.log's copy of these logs
@@ -213,6 +225,7 @@ def use_lossscale(
     policy: Policy[Any] | None = None,
     fp16_on_cpu: bool = False,
     diagnose: bool | torch.nn.Module | OverflowDiagnosis | None = None,
+    heal: bool | torch.dtype = False,
     **scaler_kwargs: Any,
 ) -> GradScaler:
     """Install lossscale's GradScaler in ``trainer``'s accelerator and hand it to the Trainer's
@@ -242,6 +255,9 @@ def use_lossscale(
         fp16_on_cpu: True turns float16 autocast on when the Trainer runs on CPU, where it drops fp16.
         diagnose: True (the Trainer's own model), a module to trace, an :class:`~lossscale.OverflowDiagnosis` (its
             ``patience``), or None or False (no diagnosis).
+        heal: True (or ``torch.bfloat16``): with ``diagnose``, a forward overflow keeps the faulting modules in
+            float32 (or bfloat16) at once, skips the step without lowering the scale and warns with a
+            :class:`~lossscale.HealWarning` (:ref:`healing`); False (default): diagnosis only.
         **scaler_kwargs: Other arguments of ``GradScaler`` (``init_scale``, ``growth_interval``, ``skip_mode``).
 
     Raises:
@@ -252,7 +268,9 @@ def use_lossscale(
             DeepSpeed (it keeps its own scaler); GradScaler's own refusals.
     """
     _check(trainer)
-    diagnosis = diagnosis_from("use_lossscale", diagnose, trainer.model, "the Trainer's own model, trainer.model")
+    diagnosis = diagnosis_from(
+        "use_lossscale", diagnose, trainer.model, "the Trainer's own model, trainer.model", heal=heal
+    )
     kwargs = scaler_kwargs if policy is None else {"policy": policy, **scaler_kwargs}
     scaler = cast(
         _TrainerScaler,

@@ -17,9 +17,6 @@ from lossscale.validation import unlike_tensor, validate_int_in_range, validated
 
 _REQUIRED = ("inner", "policy_state", "micro_step", "boundaries")
 
-#: What each optional part of a checkpoint is called in messages, by key (an add-on's ``key`` and ``label``).
-PART_LABELS = {"ema": "an EMA", "layerwise": "per-layer scales", "schedule": "a precision schedule"}
-
 
 def validated_position(call: str, state_dict: dict[str, Any], accumulation_steps: int) -> tuple[int, int]:
     """(micro_step, boundaries) of a checkpoint holding every required key."""

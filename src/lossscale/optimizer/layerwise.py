@@ -125,7 +125,9 @@ class LayerwiseOptimizer(LossScaleOptimizer, layerwise=True):
             stages.clip_value_(groups, options.clip_grad_value)
         return grad_norm, None
 
-    def _update_policy(self, found: torch.Tensor, amax: torch.Tensor | None, fault: torch.Tensor | None) -> torch.Tensor:
+    def _update_policy(
+        self, found: torch.Tensor, amax: torch.Tensor | None, fault: torch.Tensor | None
+    ) -> torch.Tensor:
         """The exponents move first; the policy sees the found_inf they return and the largest magnitude over the
         units."""
         scale = self._loss_scale.scale

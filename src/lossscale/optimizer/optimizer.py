@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from lossscale import stages
-from lossscale.addons.base import AddOn, FrontEnd
+from lossscale.addons.base import AddOn, FrontEnd, parts_of, warn_unmatched_parts
 from lossscale.keywords import add_ons_from, validate_add_ons
 from lossscale.ops.flat import FlatGrads
 from lossscale.ops.masked import MaskedSkip
@@ -103,8 +103,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         layerwise: A model, a list of modules or a :class:`~lossscale.layerwise.LayerScales`: one extra
             power-of-two scale per module on top of the global one (the optimizer is then a
             :class:`~lossscale.optimizer.layerwise.LayerwiseOptimizer`).
-        diagnose: The model to trace when the loss scale collapses (:mod:`lossscale.diagnosis`): the next step's
-            forward and backward name the first non-finite value in a :class:`~lossscale.OverflowWarning`.
+        diagnose: The model to trace when the loss scale collapses or the loss stays non-finite
+            (:mod:`lossscale.diagnosis`): the next step's forward and backward name the first non-finite value in a
+            :class:`~lossscale.OverflowWarning`. Or an :class:`~lossscale.OverflowDiagnosis`; None or False: none.
+        heal: True (or ``torch.bfloat16``), with ``diagnose``: heal the run (docs/diagnosis.md, "Healing"): a step
+            whose loss is non-finite is skipped without lowering the scale, and a forward fault's module runs in
+            float32 (bfloat16) from then on, the scale restored; with ``step(closure)`` the healed step runs again at
+            once.
         add_ons: Further :class:`~lossscale.addons.AddOn` objects (your own), whose hooks run in order after those
             of ``ema``, ``schedule`` and ``diagnose``.
         **options: The step's options (:class:`~lossscale.optimizer.options.StepOptions`), checked once:
@@ -152,6 +157,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         schedule: AddOn | None = None,
         layerwise: Any = None,
         diagnose: torch.nn.Module | AddOn | Literal[False] | None = None,
+        heal: bool | torch.dtype = False,
         add_ons: list[AddOn] | tuple[AddOn, ...] = (),
         **options: Any,
     ) -> None:
@@ -199,7 +205,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.attach_add_ons(add_ons_from("LossScaleOptimizer", ema=ema, schedule=schedule))
         _refuse_float16_parameters(inner)  # after the schedule's own refusal, before anything hooks the model
         self._attach_layerwise(layerwise)
-        self.attach_add_ons(add_ons_from("LossScaleOptimizer", diagnose=diagnose, add_ons=add_ons))
+        self.attach_add_ons(add_ons_from("LossScaleOptimizer", diagnose=diagnose, heal=heal, add_ons=add_ons))
 
     def _attach_layerwise(self, layerwise: Any) -> None:
         """Where per-layer scales hook the model (:class:`~lossscale.optimizer.layerwise.LayerwiseOptimizer`)."""
@@ -406,7 +412,25 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         else:
             run.micro = 0
             result = self._boundary_step(loss)
+            if result.fields.pop("rerun", False) and closure is not None and self._options.accumulation_steps == 1:
+                result = self._run_again(closure, result)
         run.last_result = result
+        return result
+
+    def _run_again(self, closure: Callable[[], Any], skipped: StepResult) -> StepResult:
+        """An add-on changed the model at a skipped step (healing) and asked for the step again: with the closure at
+        hand, run it again now, once. The result is the second step's, with the first one's added fields where the
+        second has none."""
+        self.zero_grad()
+        with torch.enable_grad():
+            loss = closure()
+        if self._run.window is None:  # the closure wrote the gradients by hand
+            self._run.window = all([add_on.on_loss(None, True) for add_on in self._add_ons])  # noqa: C419  # every add-on is asked
+        result = self._boundary_step(loss)
+        result.fields.pop("rerun", None)
+        for name, value in skipped.fields.items():
+            if result.fields.get(name) is None:
+                result.fields[name] = value
         return result
 
     # --- the optimizer step ---------------------------------------------------------------------
@@ -432,9 +456,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         run.boundaries += 1
         if scaled:
             scale = self._update_policy(found, amax, fault)
+        found_inf = found.bool()
         result = StepResult(
-            stepped=~skip.bool(),
-            found_inf=found.bool(),
+            stepped=~(found_inf if fault is None else skip.bool()),
+            found_inf=found_inf,
             scale=scale,
             next_scale=self._loss_scale.scale,
             step=run.boundaries - 1,
@@ -525,7 +550,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         else:
             stages.fused_step_(self.inner, divisor, skip)
 
-    def _update_policy(self, found: torch.Tensor, amax: torch.Tensor | None, fault: torch.Tensor | None) -> torch.Tensor:
+    def _update_policy(
+        self, found: torch.Tensor, amax: torch.Tensor | None, fault: torch.Tensor | None
+    ) -> torch.Tensor:
         """The policy's update (its state kept as it was on a forward fault); a FloorError names the step (counted
         from 1). Returns the scale the step ran at."""
         try:
@@ -639,35 +666,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._flat.attach()
         for key, part in parts:
             part.load_state_dict(state_dict[key])
-        self._warn_unmatched_parts(call, state_dict)
+        warn_unmatched_parts(call, "optimizer", self._parts(), state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _warn_unmatched_parts(self, call: str, state_dict: dict[str, Any]) -> None:
-        """A UserWarning for each optional part that only one side has: this optimizer (the part keeps its state)
-        or the checkpoint (its entry is ignored)."""
-        have = {key for key, _ in self._parts()}
-        labels = {**checkpoint.PART_LABELS, **{key: part.label for key, part in self._parts()}}
-        for key, what in labels.items():
-            if key in have and key not in state_dict:
-                warnings.warn(
-                    f"{call}: this optimizer has {what} ({key}=) and the checkpoint has no {key!r} entry; "
-                    f"the {key} part keeps its current state, not the saved run's. Save the checkpoint "
-                    f"from an optimizer with the same parts to resume it.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            elif key in state_dict and key not in have:
-                warnings.warn(
-                    f"{call}: the checkpoint holds a {key!r} entry and this optimizer has no {what}; the "
-                    f"entry is ignored. Pass {key}=... when building the optimizer to resume it.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-
     def _parts(self) -> list[tuple[str, Any]]:
         """(checkpoint key, part) of each part saved in a checkpoint: the add-ons with a key."""
-        return [(add_on.key, add_on) for add_on in self._add_ons if add_on.key is not None]
+        return parts_of(self._add_ons)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("LossScaleOptimizer is not pickled directly; save opt.state_dict() with torch.save.")
