@@ -108,6 +108,20 @@ class StepResult(StepOutcome):
     knows; tensors stay on the device until the caller reads them.
 
     Attributes:
+        stepped: 0-d bool, True where the inner optimizer's update was applied (``not (found_inf or
+            forward_fault)``); False while accumulating.
+        found_inf: 0-d bool, True where the gradients overflowed (inf/NaN, or saturation in ``"saturation"``
+            overflow mode); False while accumulating.
+        scale: 0-d float32, the loss scale the step's gradients carried (1 where its losses were not scaled).
+        next_scale: 0-d float32, the scale after the policy's update: the one the next losses are multiplied by
+            (while accumulating, the scale in use).
+        step: The number of optimizer steps before this one (0 for the first), skipped ones included; while
+            accumulating, the number of the step the window will make.
+        forward_fault: 0-d bool, True where a loss of the step was non-finite (a forward fault: the step is
+            skipped and the policy does not see it), where the optimizer finds forward faults (``heal=True``); else
+            None.
+        loss_scaled: Whether the step's losses were scaled (False in a precision schedule's bfloat16 or float32
+            phase); not a column.
         grad_norm: 0-d float32, the unscaled global gradient norm when it was computed (``clip_grad_norm``), else
             None.
         underflow: 0-d float32 share of gradient values float16 would flush to zero (``underflow_stride``), else
@@ -216,6 +230,12 @@ class EventFields:
 def step_record(result: StepResult, **extra: object) -> dict[str, Any]:
     """Every column of ``result`` as plain Python values (:data:`COLUMNS` but the running counts, then the fields the
     add-ons added), plus ``skipped`` and ``extra``, with one host read.
+
+    Args:
+        result: The :class:`StepResult` of one ``LossScaleOptimizer.step()``.
+        **extra: Further values to record by name (the loss, the learning rate): plain Python values or one-element
+            tensors (read in the same host read); a name that is a column or an added field raises a ValueError. An
+            extra ``loss`` replaces the closure's.
 
     >>> import torch
     >>> from lossscale import StepResult

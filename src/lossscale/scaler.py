@@ -75,8 +75,13 @@ class GradScaler:
 
     Args:
         device: Accepted for torch compatibility; the state lives on the device of the first scaled output.
-        init_scale, growth_factor, backoff_factor, growth_interval: torch's arguments; build a
-            :class:`DynamicScale` with torch's rule. Leave them at their defaults when passing ``policy``.
+        init_scale: torch's argument: the first scale, default 2**16; a number in [2**-126, float32's largest
+            finite value]. This and the next three build a :class:`~lossscale.DynamicScale` with torch's rule; leave all
+            four at their defaults when passing ``policy`` (a ValueError otherwise).
+        growth_factor: torch's argument: > 1, default 2.0; multiplies the scale after ``growth_interval`` clean
+            steps in a row.
+        backoff_factor: torch's argument: in (0, 1), default 0.5; multiplies the scale at each overflowing step.
+        growth_interval: torch's argument: an int >= 1, default 2000; the clean steps in a row between growths.
         enabled: False makes every call a no-op (``step`` still steps). Arguments are validated anyway.
         policy: Any :class:`~lossscale.Policy`, e.g. ``DynamicScale(hysteresis=2)`` or a preset.
         overflow_mode: ``"inf_nan"`` (default) or ``"saturation"`` (``scaled |g| >= finfo(saturation_dtype).max``).

@@ -57,7 +57,13 @@ def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> tuple[int,
 
     Rule: already initialized -> that group's (rank, world_size); ``RANK`` and ``WORLD_SIZE`` set ->
     ``init_process_group(backend, init_method="env://")``; otherwise -> ``(0, 1)``, nothing initialized.
-    ``backend``: ``"gloo"`` (CPU) by default, ``"nccl"`` on GPUs. Call :func:`shutdown` at exit.
+    Call :func:`shutdown` at exit.
+
+    Args:
+        backend: The torch.distributed backend: ``"gloo"`` (CPU) by default, ``"nccl"`` on GPUs.
+        timeout_s: Seconds the process group's operations (joining it, then each collective) wait before they
+            fail, default 300; passed to ``init_process_group`` as its ``timeout``. Unused where no group is
+            initialized here.
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

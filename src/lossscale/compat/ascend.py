@@ -121,6 +121,16 @@ class _LossScaleManager(LossScaleHolder):
 class ExponentialUpdateLossScaleManager(_LossScaleManager):
     """TF1's dynamic manager, :func:`lossscale.presets.ascend`.
 
+    Args:
+        init_loss_scale: The first loss scale (required, as in npu_bridge); a number in [1, 3.4e38].
+        incr_every_n_steps: An int >= 1 (required): the scale grows after this many steps in a row with finite
+            gradients.
+        decr_every_n_nan_or_inf: An int >= 1, default 2: the steps with non-finite gradients that make a backoff,
+            counted since the scale last grew or backed off (a finite step between them keeps the count).
+        incr_ratio: > 1, default 2: a growth multiplies the scale by it, only while the scale is below
+            ``3.4e38 / incr_ratio``.
+        decr_ratio: In (0, 1), default 0.8: a backoff multiplies the scale by it (in float32), down to 1.
+
     Example:
         >>> m = ExponentialUpdateLossScaleManager(init_loss_scale=1024, incr_every_n_steps=2)
         >>> for finite in [False, True, False]:
@@ -152,6 +162,10 @@ class ExponentialUpdateLossScaleManager(_LossScaleManager):
 class FixedLossScaleManager(_LossScaleManager):
     """A constant loss scale (>= 1); the optimizer still skips overflowing steps.
 
+    Args:
+        loss_scale: The loss scale, a number in [1, float32's largest finite value], as npu_bridge's
+            ``FixedLossScaleManager(loss_scale)`` takes it.
+
     Example:
         >>> float(FixedLossScaleManager(128).get_loss_scale())
         128.0
@@ -171,7 +185,8 @@ class NPULossScaleOptimizer(LossScaleOptimizer):
         is_distributed: True requires an initialized torch.distributed process group. Ranks agree on overflow
             under torch.distributed either way.
         overflow_mode: ``"inf_nan"`` (default) or ``"saturation"``.
-        **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments.
+        **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments (not ``layerwise``, which only a
+            LossScaleOptimizer itself takes).
 
     Raises:
         TypeError: ``opt`` is not a torch optimizer, or ``loss_scale_manager`` not one of the managers above.
@@ -296,7 +311,13 @@ class TellMeStepOrLossHook:
 
 @dataclass(frozen=True)
 class ExperimentalConfig:
-    """Ascend's ``ExperimentalConfig``, reduced to ``accelerate_train_mode`` (None: off), checked at construction."""
+    """Ascend's ``ExperimentalConfig``, reduced to ``accelerate_train_mode`` (None: off), checked at construction.
+
+    Attributes:
+        accelerate_train_mode: Ascend's precision mode ``'type|trigger|ratio'``: type ``fast`` (float16) or
+            ``fast1`` (bfloat16) for the low-precision phase, trigger ``step`` or ``loss`` for its end, e.g.
+            ``'fast|step|0.9'`` (docs/schedule.md lists the values); None (default): off, no schedule.
+    """
 
     accelerate_train_mode: str | None = None
 

@@ -109,6 +109,16 @@ def _check_loss_scale(call: str, loss_scale: object) -> None:
 class DynamicLossScaleUpdateCell(LossScaleHolder):
     """The update cell: ``cell(loss_scale, overflow)`` updates ``loss_scale`` in place and returns ``overflow``.
 
+    Args:
+        loss_scale_value: MindSpore's initial loss scale, a number in [1, float32's largest finite value]: where a
+            :class:`TrainOneStepWithLossScaleCell` drives the cell, the scale starts from it; a call
+            ``cell(loss_scale, overflow)`` updates the value of the tensor it is given. ``get_loss_scale()`` returns
+            it as given (as MindSpore's cell does).
+        scale_factor: > 1: a growth multiplies the scale by it, a backoff by its reciprocal rounded to float32
+            (float32 products), down to 1.
+        scale_window: An int >= 1: the scale grows at this many steps in a row without overflow, counted from the
+            last overflow or growth.
+
     Example:
         >>> import torch
         >>> cell = DynamicLossScaleUpdateCell(loss_scale_value=2**12, scale_factor=2, scale_window=1000)
@@ -150,7 +160,12 @@ class DynamicLossScaleUpdateCell(LossScaleHolder):
 
 
 class FixedLossScaleUpdateCell(LossScaleHolder):
-    """An update cell that keeps the scale: ``cell(loss_scale, overflow)`` returns ``overflow``."""
+    """An update cell that keeps the scale: ``cell(loss_scale, overflow)`` returns ``overflow``.
+
+    Args:
+        loss_scale_value: MindSpore's fixed loss scale, a number in [1, float32's largest finite value];
+            ``get_loss_scale()`` returns it as given.
+    """
 
     def __init__(self, loss_scale_value: float) -> None:
         validate_scale("FixedLossScaleUpdateCell", "loss_scale_value", loss_scale_value, low=1.0, high=FLOAT32_MAX)
@@ -171,6 +186,13 @@ class FixedLossScaleUpdateCell(LossScaleHolder):
 class DynamicLossScaleManager(LossScaleHolder):
     """MindSpore's host-side dynamic manager. After more than 1000 overflows in a row each one raises
     ``RuntimeError`` (the scale is updated first) and the next clean step grows the scale, as in MindSpore.
+
+    Args:
+        init_loss_scale: The first loss scale, default 2**24; a number in [1, float32's largest finite value].
+        scale_factor: > 1, default 2: a growth multiplies the scale by it, a backoff by its reciprocal, down to 1
+            (products in float64, as MindSpore's Python float; the scale is kept in float32).
+        scale_window: An int >= 1, default 2000: the scale grows at this many steps in a row without overflow,
+            counted from the last overflow or growth.
 
     Example:
         >>> m = DynamicLossScaleManager(init_loss_scale=2**10, scale_window=2)
@@ -231,7 +253,15 @@ class DynamicLossScaleManager(LossScaleHolder):
 
 
 class FixedLossScaleManager(LossScaleHolder):
-    """A constant scale (>= 1); ``drop_overflow_update`` says whether overflowing steps are skipped."""
+    """A constant scale (>= 1); ``drop_overflow_update`` says whether overflowing steps are skipped.
+
+    Args:
+        loss_scale: The fixed loss scale, default 128.0; a number in [1, float32's largest finite value].
+        drop_overflow_update: MindSpore's flag, default True: overflowing steps are skipped, and
+            ``get_update_cell()`` gives the :class:`FixedLossScaleUpdateCell` that a
+            :class:`TrainOneStepWithLossScaleCell` checks them with. False: ``get_update_cell()`` is None, as in
+            MindSpore, where the steps are then applied unchecked; ``get_drop_overflow_update()`` returns it.
+    """
 
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
         validate_scale("FixedLossScaleManager", "loss_scale", loss_scale, low=1.0, high=FLOAT32_MAX)

@@ -78,9 +78,25 @@ class DynamicLossScalingUpdater(OptimizerHolder):
     step, or shrink the scale and re-run.
 
     Args:
-        solver, loss, data_feeder, scale, scaling_factor, N, clear_buffer, accum_grad, weight_decay, comm: As in
-            the module's table.
-        grads: Parameters (their ``.grad``) or gradient tensors to all-reduce over ``comm``.
+        solver: The torch optimizer to wrap (nnabla's Solver).
+        loss: A zero-argument callable that runs the forward pass and returns the loss (nnabla's loss Variable).
+        data_feeder: A zero-argument callable that loads the next batch, called before each forward pass (default:
+            one that does nothing).
+        scale: The first loss scale, default 8.0; a number in [2**-126, float32's largest finite value].
+        scaling_factor: > 1, default 2.0: a backoff divides the scale by it, a growth multiplies it.
+        N: nnabla's growth interval, an int >= 0, default 2000: the scale grows at the (N+2)-th clean attempt after
+            the start or an overflow, then every N+1 clean attempts.
+        clear_buffer: A bool, default True; accepted for nnabla's signature, no effect (torch frees the graph in
+            backward).
+        accum_grad: An int >= 1, default 1: forward and scaled backward passes per attempt, their gradients summed
+            (not averaged), as nnabla's backward accumulates them.
+        weight_decay: None (default) or a number >= 0: ``grad += weight_decay * param`` on the unscaled gradients
+            of an applied step (nnabla's coupled L2); it makes the skip mode ``"host"`` unless ``skip_mode`` is
+            given, and refuses ``skip_mode="fused"``.
+        comm: None (default) or a torch.distributed ProcessGroup (nnabla's communicator): the gradients in
+            ``grads`` are summed over it before the overflow check.
+        grads: Parameters (their ``.grad``) or gradient tensors to all-reduce over ``comm``; required with
+            ``comm``.
         **kwargs: Further :class:`~lossscale.LossScaleOptimizer` arguments.
 
     Raises:

@@ -99,6 +99,21 @@ def advance_trigger(
     Before the first clean step the scale is still searching down from its initial value (Megatron's 2**32 with
     hysteresis 2 takes up to 33 overflows to reach 1), so there the overflow streak counts only once the scale is
     down to 1 or after ``initial_limit`` steps. A non-finite loss fires at its second in a row, whatever the scale.
+
+    Args:
+        state: The trigger's state before this step (:meth:`TriggerState.init` at the start); not changed: a new
+            record is returned.
+        found_inf: Bool (or 0/1) tensor, the step's verdict: True where its gradients overflowed.
+        next_scale: The loss scale after the policy's update of this step (a tensor on the state's device): the
+            overflow streak counts before the first clean step once it is <= 1.
+        patience: An int >= 1: overflowing steps in a row that fire the trigger (:class:`OverflowDiagnosis`'s
+            ``patience``).
+        initial_limit: An int >= ``patience``: overflowing steps in a row that fire it before any clean step while
+            the scale is still above 1.
+        forward_fault: Bool tensor, True where the step's loss was non-finite (a forward fault); None (default):
+            no forward fault.
+        scale: The loss scale this step ran at, kept in ``saved_scale`` when the step begins a run of skipped steps;
+            None (default): ``saved_scale`` is left as it is.
     """
     over = found_inf.to(torch.bool)
     fault = torch.zeros_like(over) if forward_fault is None else forward_fault.to(device=over.device, dtype=torch.bool)

@@ -17,7 +17,18 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 class Float32Forward:
-    """The handle :func:`keep_float32` returns: :meth:`remove` undoes it (also as a context manager)."""
+    """The handle :func:`keep_float32` returns: :meth:`remove` undoes it (also as a context manager).
+
+    Constructing it wraps ``module.forward`` at once. Build it through :func:`keep_float32`, which checks the
+    arguments; the constructor takes them as given.
+
+    Args:
+        module: The module whose forward runs in float32 (or ``precision``) from now on.
+        outputs: ``"autocast"`` (each float32 output cast back to autocast's dtype on its device) or ``"float32"``
+            (every floating-point output as float32), as :func:`keep_float32` describes.
+        precision: ``torch.float32`` (default: autocast off, inputs cast to float32) or ``torch.bfloat16``
+            (autocast to bfloat16 instead, inputs as they come).
+    """
 
     def __init__(self, module: nn.Module, outputs: str, precision: torch.dtype = torch.float32) -> None:
         self.module = module

@@ -42,7 +42,13 @@ class ModuleRecord:
 
 
 class OverflowWarning(UserWarning):
-    """The automatic diagnosis found why the loss scale collapsed; ``.report`` is the :class:`OverflowReport`."""
+    """The automatic diagnosis found why the loss scale collapsed; ``.report`` is the :class:`OverflowReport`.
+
+    Args:
+        message: The warning's text: what fired the diagnosis and the report, printed.
+        report: The :class:`OverflowReport` of the traced step, kept as ``.report`` (a report of kind ``"none"``
+            where no step was traced yet).
+    """
 
     def __init__(self, message: str, report: OverflowReport) -> None:
         super().__init__(message)
@@ -55,7 +61,14 @@ class OverflowWarning(UserWarning):
 class HealWarning(OverflowWarning):
     """Healing changed the model (a module now runs in float32 or bfloat16), or stopped because it cannot fix this
     run; ``.report`` is the :class:`OverflowReport` that named the module, ``.healed`` the modules kept so far (name
-    to the precision each runs in)."""
+    to the precision each runs in).
+
+    Args:
+        message: The warning's text: what healing did or why it stopped, and the report, printed.
+        report: The :class:`OverflowReport` that named the module, kept as ``.report``.
+        healed: The modules kept so far, each qualified name (as in ``named_modules()``) to the ``torch.dtype`` it
+            runs in; copied into a dict as ``.healed`` (None: empty).
+    """
 
     def __init__(self, message: str, report: OverflowReport, healed: Mapping[str, object] | None = None) -> None:
         super().__init__(message, report)
@@ -67,7 +80,12 @@ class HealWarning(OverflowWarning):
 
 class HealError(RuntimeError):
     """A run that heals kept skipping with nothing left to heal (``give_up_after`` skipped steps in a row): raised on
-    every rank at the same step, with the diagnosis's reports (``.reports``, the last one last)."""
+    every rank at the same step, with the diagnosis's reports (``.reports``, the last one last).
+
+    Args:
+        message: The error's text: how many steps were skipped, why healing could not help, and the last report.
+        reports: The diagnosis's reports, one per traced step, oldest first; copied into a list as ``.reports``.
+    """
 
     def __init__(self, message: str, reports: list[OverflowReport]) -> None:
         super().__init__(message)

@@ -136,6 +136,10 @@ def validate_policy(call: str, policy: object) -> None:
 class FixedScale(Policy[ScaleState]):
     """A constant loss scale: overflowing steps are still detected and skipped, the scale never moves.
 
+    Args:
+        scale: The loss scale, default 2**16: a finite number > 0 whose float32 value is a normal number (at least
+            2**-126, at most the largest finite float32); the state holds its float32 value.
+
     Example:
         >>> import torch
         >>> policy = FixedScale(128.0)

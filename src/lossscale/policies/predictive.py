@@ -98,7 +98,11 @@ class PredictiveScale(Policy[PredictiveState]):
         forget_interval: >= 1 steps to forget one learned power of two.
         fault_gap: >= 1 powers of two below ``limit`` that make an overflow a fault (see ``fault``).
         dtype: The low-precision format whose largest finite value is ``limit``.
-        min_scale, max_scale: Bounds (powers of two are taken inside them).
+        min_scale: Floor of the scale, default 2**-126 (the smallest normal float32): the scale never goes below
+            the smallest power of two >= ``min_scale``. At most ``init_scale``.
+        max_scale: Cap of the scale, default the largest finite float32: the scale never goes above the largest
+            power of two <= ``max_scale``. At least ``init_scale``; a power of two must lie in
+            ``[min_scale, max_scale]``.
         cuda_graph: On a CUDA device, replay the update from a CUDA graph captured at the first step (the same
             result bit for bit; False runs its ops one by one).
 

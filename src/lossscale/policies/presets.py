@@ -75,6 +75,13 @@ def torch_amp(
     Rule: overflow -> ``S *= backoff_factor``, count = 0; clean -> count += 1, and at
     ``growth_interval``: ``S *= growth_factor`` unless that is inf, count = 0.
 
+    Args:
+        init_scale: The first scale, default 2**16; a number in [2**-126, float32's largest finite value].
+        growth_factor: > 1, default 2.0; multiplies the scale at the ``growth_interval``-th clean step in a row.
+        backoff_factor: In (0, 1), default 0.5; multiplies the scale at every overflowing step.
+        growth_interval: An int >= 1, default 2000; the clean steps in a row between growths.
+        call: The name errors use for this call (default ``"presets.torch_amp"``; a facade passes its own class name).
+
     Example:
         >>> from lossscale import presets
         >>> presets.torch_amp().growth_interval
@@ -97,6 +104,12 @@ def keras(
 
     Rule: overflow -> ``S = S / 2``, count = 0; clean -> if count == W - 1: ``S = S * 2``, count = 0,
     else count += 1 (float32 ops).
+
+    Args:
+        initial_scale: The first scale, default 2**15; a number in [2**-126, float32's largest finite value].
+        dynamic_growth_steps: Keras's W, an int >= 1, default 2000: the scale doubles at the W-th clean step in a
+            row.
+        call: The name errors use for this call (default ``"presets.keras"``; a facade passes its own class name).
 
     Example:
         >>> from lossscale import presets
@@ -121,6 +134,11 @@ def tf_keras2(
 
     Rule: overflow -> ``S = max(S / 2, 1)``, count = 0; clean -> count + 1 >= W: ``S * 2`` if finite
     (else unchanged), count = 0; else count += 1 (float32 ops).
+
+    Args:
+        initial_scale: The first scale, default 2**15; a number in [1 (the floor), float32's largest finite value].
+        dynamic_growth_steps: W, an int >= 1, default 2000: the scale doubles at the W-th clean step in a row.
+        call: The name errors use for this call (default ``"presets.tf_keras2"``; a facade passes its own class name).
 
     Example:
         >>> from lossscale import presets
@@ -150,6 +168,13 @@ def tf_v1(
 
     Rule: overflow -> ``S = max(S / multiplier, 1)``, count = 0; clean -> count + 1 >= period:
     ``S * multiplier`` if finite, count = 0; else count += 1 (float32 ops).
+
+    Args:
+        initial_loss_scale: The first scale, default 2**15; a number in [1 (the floor), float32's largest finite
+            value].
+        increment_period: An int >= 1, default 2000: the scale grows at this many clean steps in a row.
+        multiplier: > 1, default 2.0: a growth multiplies the scale by it, a backoff divides by it.
+        call: The name errors use for this call (default ``"presets.tf_v1"``; a facade passes its own class name).
 
     Example:
         >>> from lossscale import presets
@@ -189,6 +214,15 @@ def mindspore(
         clean:    if cur_iter - last_overflow_iter >= W: S = S * f; last_overflow_iter = cur_iter
         cur_iter += 1
 
+    Args:
+        init_loss_scale: The first scale, default 2**24; a number in [1 (the floor), float32's largest finite
+            value].
+        scale_factor: > 1, default 2: a growth multiplies the scale by it, a backoff by its reciprocal rounded to
+            float32.
+        scale_window: W, an int >= 1, default 2000: the scale grows at the W-th step after the last overflow or
+            growth (the W-th clean step in a row).
+        call: The name errors use for this call (default ``"presets.mindspore"``; a facade passes its own class name).
+
     Example:
         >>> from lossscale import presets
         >>> presets.mindspore(scale_factor=4).backoff_factor
@@ -224,6 +258,13 @@ def nnabla(
                   counter += 1
 
     The re-run belongs to :class:`lossscale.compat.nnabla.DynamicLossScalingUpdater`.
+
+    Args:
+        scale: The first scale, default 8.0; a number in [2**-126, float32's largest finite value].
+        scaling_factor: > 1, default 2.0: a growth multiplies the scale by it, a backoff divides by it.
+        N: An int >= 0, default 2000: the scale grows at the (N+2)-th clean step after the start or an overflow,
+            then every N+1 clean steps.
+        call: The name errors use for this call (default ``"presets.nnabla"``; a facade passes its own class name).
 
     Example:
         >>> from lossscale import presets
@@ -273,6 +314,22 @@ def deepspeed(
 
     Raising at the floor is ``at_floor="raise"`` (:class:`~lossscale.FloorError`; the raising step changes
     no state). DeepSpeed 0.19 fixes ``scale_factor`` at 2; other values follow the same rule.
+
+    Args:
+        init_scale: The first scale, default 2**16 (DeepSpeed's ``2**initial_scale_power``); at least
+            ``min_scale``.
+        scale_factor: > 1, default 2.0: a growth multiplies the scale by it, a backoff divides by it.
+        scale_window: W, an int >= 1, default 1000: the scale grows at the (W+1)-th clean step after the start or
+            an overflow, then every W clean steps.
+        min_scale: The floor of the scale, default 1.0; a number >= 2**-126.
+        delayed_shift: DeepSpeed's hysteresis, an int >= 1, default 2: the overflowing steps that make a backoff
+            (1: every overflow backs off). A backoff does not refill the count; a growth does.
+        consecutive_hysteresis: False (default): overflows count until a growth refills the count; True: a clean
+            step refills it too, so only overflows in a row add up.
+        raise_error_at_min_scale: True (default): an overflow that must back off while the scale is at
+            ``min_scale`` raises :class:`~lossscale.FloorError` (DeepSpeed raises); False: the scale stays at the
+            floor and such steps are skipped.
+        call: The name errors use for this call (default ``"presets.deepspeed"``; a facade passes its own class name).
 
     Example:
         >>> from lossscale import presets
@@ -324,6 +381,17 @@ def megatron(
                   if growth_tracker == growth_interval:
                       growth_tracker = 0; h = hysteresis; S = S * growth_factor
 
+    Args:
+        initial_scale: The first scale, default 2**32; at least ``min_scale``.
+        min_scale: The floor of the scale, default 1.0; a number >= 2**-126.
+        growth_factor: > 1, default 2.0; multiplies the scale at the ``growth_interval``-th clean step in a row.
+        backoff_factor: In (0, 1), default 0.5; multiplies the scale at a backoff.
+        growth_interval: An int >= 1, default 1000; the clean steps in a row between growths.
+        hysteresis: An int >= 1, default 2: the overflowing steps that make a backoff; a backoff does not refill
+            the count (only the ``growth_interval``-th clean step in a row does), so until then every further
+            overflow backs off.
+        call: The name errors use for this call (default ``"presets.megatron"``; a facade passes its own class name).
+
     Example:
         >>> from lossscale import presets
         >>> presets.megatron().hysteresis_mode
@@ -361,6 +429,14 @@ def paddle(
                   if bad == decr_every_n_nan_or_inf: S = S * decr_ratio; bad = 0
         clean:    bad = 0; good += 1
                   if good == incr_every_n_steps: S = S * incr_ratio; good = 0
+
+    Args:
+        init_loss_scaling: The first scale, default 2**16; a number in [2**-126, float32's largest finite value].
+        incr_ratio: > 1, default 2.0; multiplies the scale at the ``incr_every_n_steps``-th clean step in a row.
+        decr_ratio: In (0, 1), default 0.5; multiplies the scale at a backoff.
+        incr_every_n_steps: An int >= 1, default 2000; the clean steps in a row between growths.
+        decr_every_n_nan_or_inf: An int >= 1, default 1; the overflowing steps in a row that make a backoff.
+        call: The name errors use for this call (default ``"presets.paddle"``; a facade passes its own class name).
 
     Example:
         >>> from lossscale import presets
@@ -408,6 +484,16 @@ def ascend(
                   else: good += 1
 
     The growth guard is read from Ascend's source and checked against the pure-Python oracle only.
+
+    Args:
+        init_loss_scale: The first scale (no default, as in Ascend); a finite number in [1, 3.4e38].
+        incr_every_n_steps: An int >= 1 (no default); the clean steps in a row between growths.
+        decr_every_n_nan_or_inf: An int >= 1, default 2: the overflowing steps that make a backoff, counted since
+            the last backoff or growth (a clean step between them keeps the count).
+        incr_ratio: > 1, default 2; multiplies the scale at a growth, which happens only while the scale is below
+            ``3.4e38 / incr_ratio``.
+        decr_ratio: In (0, 1), default 0.8; multiplies the scale at a backoff (the scale stays >= 1).
+        call: The name errors use for this call (default ``"presets.ascend"``; a facade passes its own class name).
 
     Example:
         >>> from lossscale import presets
