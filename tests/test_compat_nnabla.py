@@ -193,6 +193,18 @@ def test_weight_decay_leaves_the_solver_unhooked_between_updates():
     assert torch.equal(w.detach(), torch.full((2,), 1.0 - 0.5 * (1.0 + 1.0)))
 
 
+@pytest.mark.parametrize("skip_mode", [None, "auto"])
+def test_weight_decay_with_a_fused_solver_decays_the_unscaled_weights(skip_mode):
+    # "auto" resolves to "fused" for a fused solver, which never writes the unscaled gradients: the decay would be
+    # added to the scaled ones and divided by the scale (0.99990 instead of 0.9 here). It must run host-side.
+    w = torch.nn.Parameter(torch.ones(2))
+    extra = {} if skip_mode is None else {"skip_mode": skip_mode}
+    solver = torch.optim.SGD([w], lr=0.1, fused=True)
+    updater = DynamicLossScalingUpdater(solver, lambda: (w * 0).sum(), scale=1024.0, weight_decay=1.0, **extra)
+    updater.update()
+    assert torch.allclose(w.detach(), torch.full((2,), 0.9))
+
+
 def test_weight_decay_refuses_the_fused_skip_mode():
     w = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match=r"weight_decay=0.1.*skip_mode='fused'"):

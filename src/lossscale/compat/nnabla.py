@@ -92,7 +92,8 @@ class DynamicLossScalingUpdater(OptimizerHolder):
             (not averaged), as nnabla's backward accumulates them.
         weight_decay: None (default) or a number >= 0: ``grad += weight_decay * param`` on the unscaled gradients
             of an applied step (nnabla's coupled L2); it makes the skip mode ``"host"`` unless ``skip_mode`` is
-            given, and refuses ``skip_mode="fused"``.
+            ``"masked"`` (``"auto"`` included: for a fused solver it would pick ``"fused"``, which never writes the
+            unscaled gradients), and refuses ``skip_mode="fused"``.
         comm: None (default) or a torch.distributed ProcessGroup (nnabla's communicator): the gradients in
             ``grads`` are summed over it before the overflow check.
         grads: Parameters (their ``.grad``) or gradient tensors to all-reduce over ``comm``; required with
@@ -149,8 +150,8 @@ class DynamicLossScalingUpdater(OptimizerHolder):
                 f"is added to the unscaled gradients, which skip_mode='fused' never writes; use "
                 f"skip_mode='host' (the default here) or 'masked'."
             )
-        if weight_decay:
-            kwargs.setdefault("skip_mode", "host")
+        if weight_decay and kwargs.get("skip_mode", "auto") == "auto":  # "auto" would pick fused for a fused solver
+            kwargs["skip_mode"] = "host"
         policy = presets.nnabla(scale, scaling_factor, N, call=call)
         self.solver = solver
         self.loss = loss
