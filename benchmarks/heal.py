@@ -4,7 +4,8 @@ skipping the same bad batches.
 
     python benchmarks/heal.py [--steps 160] [--fault-at 60] [--layers 12] [--tiny] [--json PATH] [--plot PATH]
 
-The faults (each from step ``--fault-at``):
+The faults (each from step ``--fault-at``; ``none`` plants nothing: what float16 training itself costs against
+float32 here, its scale's own search and overflows included):
 
 - ``ff_overflow``: one block's feed-forward output grows past 65504: its output projection (GPT-2 ``mlp.c_proj``,
   Llama ``mlp.down_proj``) is multiplied by 4 at each of 8 steps.
@@ -41,7 +42,7 @@ from _common import emit, machine, table
 from lossscale import GradScaler, HealError, OverflowWarning
 
 VOCAB = 128
-FAULTS = ("ff_overflow", "nan_op", "bad_batches", "loss_overflow")
+FAULTS = ("none", "ff_overflow", "nan_op", "bad_batches", "loss_overflow")
 RUNS = ("torch", "heal", "float32")
 ARCHITECTURES = ("gpt2", "llama")
 
