@@ -111,12 +111,14 @@ class Run:
     error: str | None = None
 
 
-def plant(model: torch.nn.Module, arch: str, fault: str, step: int, fault_at: int, block: int) -> None:
+def plant(
+    model: torch.nn.Module, arch: str, fault: str, step: int, fault_at: int, block: int, growth_steps: int = 8
+) -> None:
     """The weight changes of ``fault`` at ``step`` (the same in every run)."""
     ff, qk = block_parts(model, arch, block)
     with torch.no_grad():
-        if fault == "ff_overflow" and fault_at <= step < fault_at + 8:
-            ff.weight.mul_(8.0)
+        if fault == "ff_overflow" and fault_at <= step < fault_at + growth_steps:
+            ff.weight.mul_(8.0 ** (8 / growth_steps))  # 8**8 in all
         if fault == "nan_op" and step == fault_at:
             for w in qk:
                 w.mul_(1000.0)
@@ -164,7 +166,7 @@ def train(arch: str, fault: str, run: str, args) -> Run:
         warnings.simplefilter("always")
         try:
             for step in range(args.steps):
-                plant(model, arch, fault, step, args.fault_at, block)
+                plant(model, arch, fault, step, args.fault_at, block, args.growth_steps)
                 bad = bad_batch(fault, step, args.fault_at)
                 ids = data.batch(step)
                 start = time.perf_counter()
@@ -209,8 +211,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="write the rows, the machine and the table here (run_all.py)")
     parser.add_argument("--plot", default=None, help="draw the ff_overflow runs of the first architecture here")
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.steps, args.fault_at, args.layers, args.d_model = 24, 4, 2, 32
+    args.growth_steps = 8
+    if args.tiny:  # the feed-forward grows in 2 steps, the faults come at step 2: healed by step 6 of 12
+        args.steps, args.fault_at, args.layers, args.d_model, args.growth_steps = 12, 2, 2, 32, 2
+        args.faults = ",".join(f for f in args.faults.split(",") if f != "none")
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     rows, runs = [], {}
     for arch in args.architectures.split(","):
@@ -275,7 +279,9 @@ def draw(runs: dict, args, path: str) -> None:
             scale_ax.semilogy(r.scales, color=color, label=label, lw=1.2)
         for s in r.heal_steps:
             loss_ax.axvline(s, color=color, ls=":", lw=1)
-    loss_ax.axvspan(args.fault_at, args.fault_at + 8, color="0.9", label="the feed-forward output grows")
+    loss_ax.axvspan(
+        args.fault_at, args.fault_at + args.growth_steps, color="0.9", label="the feed-forward output grows"
+    )
     loss_ax.set_ylabel("training loss")
     loss_ax.legend(loc="upper right", fontsize=8)
     scale_ax.set_ylabel("loss scale")
