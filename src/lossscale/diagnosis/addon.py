@@ -46,7 +46,7 @@ class TriggerState(NamedTuple):
         saved_scale: float32, the scale the first step of the current run of skipped steps ran at (0 before one):
             the scale healing restores.
         fired: bool, latched True when the rule fired, until the host acknowledges it.
-        cause: int32, latched with ``fired``: 1 overflows in a row, 2 non-finite losses in a row (:data:`CAUSES`).
+        cause: int32, latched with ``fired``: 1 overflows in a row, 2 non-finite losses in a row (``CAUSES``).
     """
 
     streak: torch.Tensor
@@ -101,7 +101,7 @@ def advance_trigger(
     down to 1 or after ``initial_limit`` steps. A non-finite loss fires at its second in a row, whatever the scale.
 
     Args:
-        state: The trigger's state before this step (:meth:`TriggerState.init` at the start); not changed: a new
+        state: The trigger's state before this step (``TriggerState.init()`` at the start); not changed: a new
             record is returned.
         found_inf: Bool (or 0/1) tensor, the step's verdict: True where its gradients overflowed.
         next_scale: The loss scale after the policy's update of this step (a tensor on the state's device): the
