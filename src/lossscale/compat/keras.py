@@ -59,6 +59,7 @@ from lossscale.addons.ema import EMA
 from lossscale.compat._common import OptimizerHolder, validate_optional_number, validated_counters, validated_tensors
 from lossscale.ops.clip import clip_per_tensor_
 from lossscale.optimizer import LossScaleOptimizer as _CoreOptimizer
+from lossscale.optimizer.inner import WrapsInner
 from lossscale.reporting import StepResult
 from lossscale.stages import fused_scaling, fused_step_
 from lossscale.validation import validate_choice, validate_int_at_least, validate_optimizer
@@ -146,7 +147,7 @@ class _KerasEMA(EMA):
             )
 
 
-class _KerasStep(torch.optim.Optimizer):
+class _KerasStep(WrapsInner):
     """The inner optimizer's step with Keras's base-optimizer arguments that torch's optimizers lack, run when the core
     applies the step (never on a skipped one), on the unscaled gradients::
 
@@ -163,30 +164,6 @@ class _KerasStep(torch.optim.Optimizer):
         self.clipnorm = clipnorm
         self.weight_decay = weight_decay
         self._step_supports_amp_scaling = clipnorm is None and fused_scaling(inner) == "flags"
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.inner.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.inner.defaults = value
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

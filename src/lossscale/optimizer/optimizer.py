@@ -19,6 +19,7 @@ from lossscale.ops.masked import MaskedSkip
 from lossscale.ops.overflow import OverflowMode
 from lossscale.ops.underflow import underflow_share
 from lossscale.optimizer import checkpoint
+from lossscale.optimizer.inner import WrapsInner
 from lossscale.optimizer.options import ResolvedSkipMode, StepOptions
 from lossscale.policies.base import FloorError, Policy, validate_policy
 from lossscale.reporting import StepResult
@@ -53,7 +54,7 @@ class _Run:
     last_result: StepResult | None = None
 
 
-class LossScaleOptimizer(torch.optim.Optimizer):
+class LossScaleOptimizer(WrapsInner):
     """Wraps any ``torch.optim.Optimizer`` with dynamic loss scaling; ``step()`` returns a :class:`StepResult`.
 
     Usage::
@@ -210,31 +211,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def _attach_layerwise(self, layerwise: Any) -> None:
         """Where per-layer scales hook the model (:class:`~lossscale.optimizer.layerwise.LayerwiseOptimizer`)."""
 
-    # --- the inner optimizer's groups, state and defaults ---------------------------------------
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.inner.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.inner.defaults = value
+    # --- the inner optimizer's groups, state and defaults: WrapsInner's; its param groups -------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the inner optimizer (with ``flat_grads``, a new buffer holds every gradient)."""
