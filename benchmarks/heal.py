@@ -2,7 +2,7 @@
 planted partway through training, three runs each: torch.amp.GradScaler, lossscale with ``heal=True``, and float32
 skipping the same bad batches.
 
-    python benchmarks/heal.py [--steps 160] [--fault-at 60] [--layers 12] [--tiny] [--json PATH] [--plot PATH]
+    python benchmarks/heal.py [--steps 160] [--fault-at 60] [--layers 12] [--tiny] [--json PATH]
 
 The faults (each from step ``--fault-at``; ``none`` plants nothing: what float16 training itself costs against
 float32 here, its scale's own search and overflows included):
@@ -209,18 +209,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--tiny", action="store_true", help="a seconds-long run (tests)")
     parser.add_argument("--json", default=None, help="write the rows, the machine and the table here (run_all.py)")
-    parser.add_argument("--plot", default=None, help="draw the ff_overflow runs of the first architecture here")
     args = parser.parse_args(argv)
     args.growth_steps = 8
     if args.tiny:  # the feed-forward grows in 2 steps, the faults come at step 2: healed by step 6 of 12
         args.steps, args.fault_at, args.layers, args.d_model, args.growth_steps = 12, 2, 2, 32, 2
         args.faults = ",".join(f for f in args.faults.split(",") if f != "none")
     torch.set_num_threads(min(torch.get_num_threads(), 2))
-    rows, runs = [], {}
+    rows = []
     for arch in args.architectures.split(","):
         for fault in args.faults.split(","):
             found = {run: train(arch, fault, run, args) for run in RUNS}
-            runs[(arch, fault)] = found
             reference = found["float32"].held_out
             for run, r in found.items():
                 before = r.times[max(0, args.fault_at - 40) : args.fault_at]
@@ -255,40 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{args.fault_at + 30} where nothing was healed).\n\n" + table(fmt, columns)
     )
     payload = {"machine": machine("cpu"), "rows": rows, "markdown": md}
-    if args.plot:
-        draw(runs, args, args.plot)
     emit("heal", payload, args.json)
     return payload
-
-
-def draw(runs: dict, args, path: str) -> None:
-    """The scale and the training loss over steps of the first architecture's ff_overflow runs."""
-    from matplotlib.figure import Figure
-
-    arch = args.architectures.split(",")[0]
-    found = runs[(arch, "ff_overflow")]
-    fig = Figure(figsize=(9, 5.5), layout="constrained")
-    loss_ax, scale_ax = fig.subplots(2, 1, sharex=True)
-    styles = {"torch": ("torch.amp.GradScaler", "tab:red"), "heal": ("lossscale, heal=True", "tab:blue")}
-    styles["float32"] = ("float32", "0.4")
-    for run, r in found.items():
-        label, color = styles[run]
-        losses = [v if math.isfinite(v) else math.nan for v in r.losses]
-        loss_ax.plot(losses, color=color, label=label, lw=1.2)
-        if run != "float32":
-            scale_ax.semilogy(r.scales, color=color, label=label, lw=1.2)
-        for s in r.heal_steps:
-            loss_ax.axvline(s, color=color, ls=":", lw=1)
-    loss_ax.axvspan(
-        args.fault_at, args.fault_at + args.growth_steps, color="0.9", label="the feed-forward output grows"
-    )
-    loss_ax.set_ylabel("training loss")
-    loss_ax.legend(loc="upper right", fontsize=8)
-    scale_ax.set_ylabel("loss scale")
-    scale_ax.set_xlabel("step")
-    scale_ax.legend(loc="lower left", fontsize=8)
-    fig.suptitle(f"{arch}, {args.layers} blocks: a feed-forward output passes 65504 at step ~{args.fault_at + 7}")
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

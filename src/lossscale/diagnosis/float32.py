@@ -48,13 +48,13 @@ class Float32Forward:
         module.forward = forward
 
     def _run(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        enabled = [d for d in _DEVICE_TYPES if _autocast_on(d)]
+        enabled = [d for d in _DEVICE_TYPES if autocast_on(d)]
         first = next((t.dtype for t in tensors_in((args, kwargs)) if t.is_floating_point()), None)
         if self.precision == torch.float32:
-            args, kwargs = map_tensors(_to_float32, args), map_tensors(_to_float32, kwargs)
+            args, kwargs = map_tensors(to_float32, args), map_tensors(to_float32, kwargs)
         out = self._call(inner, enabled, args, kwargs)
         if self.outputs == "float32":
-            return map_tensors(_to_float32, out)
+            return map_tensors(to_float32, out)
         targets = {d: torch.get_autocast_dtype(d) for d in enabled}
 
         def back(t: torch.Tensor) -> torch.Tensor:
@@ -149,12 +149,14 @@ def keep_float32(
     return Float32Forward(module, outputs, precision)
 
 
-def _autocast_on(device_type: str) -> bool:
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` now (False for a device type autocast does not know)."""
     try:
         return torch.is_autocast_enabled(device_type)
     except (RuntimeError, ValueError):
         return False
 
 
-def _to_float32(t: torch.Tensor) -> torch.Tensor:
+def to_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float32 where it is float16 or bfloat16; any other tensor as it is."""
     return t.float() if t.dtype in _LOW else t

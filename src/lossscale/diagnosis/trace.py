@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lossscale.diagnosis.float32 import autocast_on, to_float32
 from lossscale.diagnosis.report import FLOAT16_MAX, Kind, ModuleRecord, OverflowReport
 from lossscale.ops.nested import map_tensors, tensors_in
 from lossscale.ops.overflow import largest_magnitude
@@ -219,7 +220,7 @@ class Tracer:
         self._replaying = True
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.autocast(device.type, enabled=False):
-                out = module.forward(*map_tensors(_to_float32, args), **map_tensors(_to_float32, kwargs))
+                out = module.forward(*map_tensors(to_float32, args), **map_tensors(to_float32, kwargs))
             call.float32_max = _amax(floating_tensors(out))
         except Exception:  # the answer stays unknown; the step goes on as traced
             call.float32_max = None
@@ -434,16 +435,9 @@ def _read(tensors: list[torch.Tensor | None]) -> list[float | None]:
     return out
 
 
-def _to_float32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
 def _autocasts_to_half(device_type: str) -> bool:
     """Whether autocast to float16 is on for ``device_type`` now."""
-    try:
-        return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16
-    except (RuntimeError, ValueError):  # a device type autocast does not know
-        return False
+    return autocast_on(device_type) and torch.get_autocast_dtype(device_type) == torch.float16
 
 
 #: What restores a scale a fault lowered, once the fault is fixed (the end of a forward fault's advice).
