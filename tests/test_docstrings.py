@@ -175,6 +175,25 @@ def test_the_docstring_lists_every_parameter(qualname, obj):
     )
 
 
+CLASSES = [  # the classes whose constructor is lossscale's
+    p
+    for p in OBJECTS
+    if inspect.isclass(cls := p.values[1]) and (_lossscale_method(cls, "__init__") or _lossscale_method(cls, "__new__"))
+]
+
+
+@pytest.mark.parametrize(("qualname", "obj"), CLASSES)
+def test_help_shows_the_constructor_the_docstring_lists(qualname, obj):
+    """``help(cls)`` and ``inspect.signature(cls)`` show the parameters the docstring lists (a ``__new__`` that only
+    routes its arguments, as LossScaleOptimizer's, must not hide them behind ``*args, **kwargs``)."""
+    shown = [
+        {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
+        for p in inspect.signature(obj).parameters.values()
+        if not p.name.startswith("_")
+    ]
+    assert shown == parameters(obj), f"{qualname}: help() shows {shown}, the constructor takes {parameters(obj)}"
+
+
 @pytest.mark.parametrize(("qualname", "obj"), OBJECTS)
 def test_the_docstrings_name_no_private_function(qualname, obj):
     found = {f"{qualname}{member}": names for member, doc in docstrings(obj).items() if (names := private_names(doc))}

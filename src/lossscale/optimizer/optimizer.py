@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -27,6 +28,13 @@ from lossscale.state import LossScale
 from lossscale.validation import ArgumentTypeError, outside_caller
 
 _STEP = "LossScaleOptimizer.step()"
+
+
+def _constructor_signature(cls: type) -> inspect.Signature:
+    """``cls.__init__``'s signature without ``self``: what ``help(cls)`` and ``inspect.signature(cls)`` show, where
+    they would show the routing ``__new__``'s ``(*args, layerwise=None, **kwargs)``."""
+    init = inspect.signature(cls.__init__)  # type: ignore[misc]  # the class's own, read from the class
+    return init.replace(parameters=list(init.parameters.values())[1:], return_annotation=inspect.Signature.empty)
 
 
 def _refuse_float16_parameters(inner: torch.optim.Optimizer) -> None:
@@ -135,10 +143,12 @@ class LossScaleOptimizer(WrapsInner):
     #: The front end ``layerwise=`` builds: the subclass declared with ``layerwise=True``
     #: (:class:`~lossscale.optimizer.layerwise.LayerwiseOptimizer`).
     _layerwise_type: ClassVar[type[LossScaleOptimizer] | None] = None
+    __signature__: ClassVar[inspect.Signature]  # _constructor_signature's: set after the class and per subclass
 
     def __init_subclass__(cls, *, layerwise: bool = False, **kwargs: Any) -> None:
         """``class LayerwiseOptimizer(LossScaleOptimizer, layerwise=True)`` makes it what ``layerwise=`` builds."""
         super().__init_subclass__(**kwargs)
+        cls.__signature__ = _constructor_signature(cls)
         if layerwise:
             LossScaleOptimizer._layerwise_type = cls
 
@@ -653,3 +663,6 @@ class LossScaleOptimizer(WrapsInner):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("LossScaleOptimizer is not pickled directly; save opt.state_dict() with torch.save.")
+
+
+LossScaleOptimizer.__signature__ = _constructor_signature(LossScaleOptimizer)
