@@ -431,6 +431,21 @@ def test_give_up_after_none_keeps_skipping_and_warns_every_hundred_steps():
     assert [m.split(" steps")[0] for m in skipped] == ["100", "200"]
 
 
+def test_with_per_layer_scales_the_healed_module_takes_factor_one_and_the_run_goes_on():
+    """A healed module computes in float32, so per-layer scales give it no factor of its own. One set from its own
+    small gradients would go with the gradient it hands on, through weights 3e5 times larger, into a's float16
+    backward: an overflow at every other step after the heal and the global scale falling to 16 in 40 steps."""
+    model = Chain()
+    opt = optimizer(model, layerwise=model)
+    steps = 40
+    results, caught = train(model, opt, steps=steps)
+    assert diagnosis_of(opt).healed == {"b": torch.float32} and len(heal_warnings(caught)) == 1
+    assert [bool(r.stepped) for r in results] == [not FAULT_AT <= i <= 7 for i in range(steps)]
+    assert {float(r.scale) for r in results} == {2.0**10}
+    scales = {name: float(total) for name, total in results[-1].layer_scales.items()}
+    assert scales["b"] == 2.0**10 and scales["a"] > 2.0**10, scales  # the others keep factors of their own
+
+
 def test_the_healthy_run_is_the_same_bit_for_bit_with_no_host_read_added():
     def run(heal: bool):
         model = Chain()
@@ -465,10 +480,11 @@ def _loaded(data: bytes) -> dict:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["global", "layerwise"])
 @pytest.mark.parametrize("resume_at", [2, 5, 6, 7, 8, 12])
-def test_a_healed_run_resumes_bit_for_bit_from_any_step(resume_at):
+def test_a_healed_run_resumes_bit_for_bit_from_any_step(resume_at, layerwise):
     model = Chain()
-    opt = optimizer(model)
+    opt = optimizer(model, layerwise=model if layerwise else None)
     saved = None
     results = []
     with warnings.catch_warnings():
@@ -484,10 +500,13 @@ def test_a_healed_run_resumes_bit_for_bit_from_any_step(resume_at):
     state = _loaded(saved)
     again = Chain(seed=1)  # other weights: everything comes from the checkpoint
     again.load_state_dict(state["model"])
-    resumed = optimizer(again)
+    resumed = optimizer(again, layerwise=again if layerwise else None)
     resumed.load_state_dict(state["front"])
     tail, caught = train(again, resumed, start=resume_at, fault_at=FAULT_AT if resume_at <= FAULT_AT else -1)
     assert [float(r.scale) for r in tail] == [float(r.scale) for r in results[resume_at:]]
+    if layerwise:  # the healed unit is pinned again from the first forward after the load
+        factors = [{k: float(v) for k, v in r.layer_scales.items()} for r in results[resume_at:]]
+        assert [{k: float(v) for k, v in r.layer_scales.items()} for r in tail] == factors
     assert [bool(r.stepped) for r in tail] == [bool(r.stepped) for r in results[resume_at:]]
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
     assert diagnosis_of(resumed).healed == diagnosis_of(opt).healed == {"b": torch.float32}

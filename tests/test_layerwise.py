@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _torch_versions import TORCH_VERSION
-from lossscale import DynamicScale, LossScaleOptimizer, PrecisionSchedule
+from lossscale import DynamicScale, LossScaleOptimizer, PrecisionSchedule, keep_float32
 from lossscale.layerwise import LayerScales
 from lossscale.testing import HostReadCounter
 
@@ -1218,6 +1218,37 @@ def test_layerwise_makes_a_front_end_of_its_own_that_only_a_plain_optimizer_clas
         TypeError, match=r"Mine\(layerwise=...\): per-layer scales are a LossScaleOptimizer of their own"
     ):
         Mine(torch.optim.SGD(deep_net().parameters(), lr=0.1), layerwise=deep_net())
+
+
+def test_a_unit_kept_in_float32_takes_factor_one_and_gets_its_own_back_once_released():
+    """keep_float32 on a module around two units (a heal keeping a block): both compute in float32 from the next
+    forward on, so they carry the global scale only; released, their factors come back at the next step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), torch.nn.Linear(8, 1)
+    )
+    with torch.no_grad():
+        model[2].weight.mul_(1e-3)  # the gradients before it are small: their units rise above the global scale
+    policy = DynamicScale(init_scale=2.0**4, growth_interval=1000)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), layerwise=model, policy=policy)
+    g = torch.Generator().manual_seed(0)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(4, 8, generator=g)).float().sum()
+        opt.backward(loss)
+        result = opt.step()
+        opt.zero_grad()
+        return {name: float(total) for name, total in result.layer_scales.items()}
+
+    before = [step() for _ in range(3)][-1]
+    assert before["1.0"] > 2.0**4 and before["1.1"] > 2.0**4 and before["2"] == 2.0**4, before
+    handle = keep_float32(model[1], outputs="float32")
+    kept = step()
+    assert kept == {**before, "1.0": 2.0**4, "1.1": 2.0**4}, kept
+    handle.remove()
+    released = [step() for _ in range(2)][-1]
+    assert released == before, released
 
 
 def test_validate_state_dict_raises_what_load_state_dict_would_and_changes_nothing():

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lossscale.ops.kept import mark_kept, unmark_kept
 from lossscale.ops.nested import map_tensors, tensors_in
 from lossscale.validation import ArgumentTypeError, validate_choice
 
@@ -46,6 +47,7 @@ class Float32Forward:
 
         self._forward = forward
         module.forward = forward
+        mark_kept(module)
 
     def _run(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         enabled = [d for d in _DEVICE_TYPES if autocast_on(d)]
@@ -83,6 +85,7 @@ class Float32Forward:
         if self.removed:
             return
         self.removed = True
+        unmark_kept(self.module)
         if self.module.__dict__.get("forward") is self._forward:
             if self._had_own:
                 self.module.forward = self._previous  # type: ignore[assignment]  # what was there

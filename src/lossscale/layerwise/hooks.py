@@ -15,6 +15,7 @@ import torch
 from torch.autograd.graph import Node, get_gradient_edge
 
 from lossscale.layerwise.wiring import Edge, Forward, Slot, Units, Wiring
+from lossscale.ops.kept import is_kept
 from lossscale.ops.nested import map_tensors, tensors_in
 from lossscale.validation import in_backward
 
@@ -64,6 +65,14 @@ def edge(t: torch.Tensor) -> Edge:
     return node, t.output_nr
 
 
+def _around(model: torch.nn.Module | None, name: str, module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and, where the model is known, every module of it that contains ``module`` (named ``name``)."""
+    if model is None:
+        return [module]
+    parts = name.split(".") if name else []
+    return [module] + [model.get_submodule(".".join(parts[:k])) for k in range(len(parts))]
+
+
 class UnitInput(torch.autograd.Function):
     """Identity in forward; in backward, the unit's share of its input's gradient as ``convert`` makes it."""
 
@@ -108,6 +117,9 @@ class Recorder:
         self._units, self._wiring = units, wiring
         self._scale_output, self._scale_input = scale_output, scale_input
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        # per unit, the modules whose keep_float32 keeps it in float32: itself, and the modules around it (known for a
+        # model given whole)
+        self._around = [_around(model, name, module) for name, module in units.named]
         for i, (_, module) in enumerate(units.named):
             self.handles.append(module.register_forward_pre_hook(eager(self._input_hook(i)), with_kwargs=True))
             self.handles.append(module.register_forward_hook(eager(self._output_hook(i))))
@@ -140,6 +152,8 @@ class Recorder:
                 return None
             wiring = self._wiring()
             forward = self._record(index, wiring.order)
+            if any(is_kept(m) for m in self._around[index]):
+                forward.kept.add(index)
             sole_reader = wiring.sole_reader
             wrapped = set()
             single = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)

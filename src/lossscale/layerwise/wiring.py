@@ -18,9 +18,10 @@ from torch.autograd.graph import Node
 
 #: (node, output index) where a tensor's gradient enters the autograd graph.
 Edge = tuple[Node, int]
-#: What a wiring was read for: the order the units ran in, the (unit, slot) of every input and output slot, and
-#: how many tensors the walk starts from past the units (the model's outputs, the losses given).
-WiringKey = tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int]
+#: What a wiring was read for: the order the units ran in, the (unit, slot) of every input and output slot, how
+#: many tensors the walk starts from past the units (the model's outputs, the losses given), and the units kept in
+#: float32.
+WiringKey = tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int, tuple[int, ...]]
 #: For a node of the identity the hooks put before a unit's input: that unit (None: any other node).
 UnitOfNode = Callable[[Node], int | None]
 
@@ -43,6 +44,7 @@ class Forward:
     inputs: list[Slot] = field(default_factory=list)
     outputs: list[Slot] = field(default_factory=list)
     roots: list[Edge] = field(default_factory=list)  # the model's outputs, the losses given: walks start there too
+    kept: set[int] = field(default_factory=set)  # units keep_float32 runs in float32 (it keeps them or a module around)
     changed: bool = False  # the units left the wiring's order: every input from there on is wrapped
     open: bool = False  # still recording: its backward pass has not begun
 
@@ -53,6 +55,7 @@ class Forward:
             tuple((s.unit, s.slot) for s in self.inputs),
             tuple((s.unit, s.slot) for s in self.outputs),
             len(self.roots),
+            tuple(sorted(self.kept)),
         )
 
     def closed(self) -> Forward:
@@ -259,6 +262,10 @@ def read_wiring(forward: Forward, units: Units, unit_of: UnitOfNode, device: tor
     sole_reader = {(s.unit, s.slot) for s, src in zip(ins, in_source) if src == s.unit}
     _refuse_unwrapped_shared(ins, sole_reader, units)
     pairs = [(s.unit, reader) for k, s in enumerate(outs) for reader in readers.get(regions.find(len(ins) + k), ())]
+    # a unit kept in float32 (a heal) computes its gradients in float32 and needs no factor; one it carried would go
+    # with the gradient it hands on into the float16 ops before it, and overflow there (its weights are what made
+    # its float16 output overflow). A group is pinned when all of its units are kept.
+    pinned |= {m for m in forward.kept if set(units.members[units.group[m]]) <= forward.kept}
     pinned_units = sorted(m for p in pinned for m in units.members[units.group[p]])
     n = len(units)
     return Wiring(
