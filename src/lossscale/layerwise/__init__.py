@@ -13,10 +13,13 @@ units). Hooks convert at each unit's edges::
 A chain of units (nn.Sequential) thus hands each factor on without leaving float16's range, and any wiring is
 exact. The regions are read from the autograd graph at the first backward pass (walking back from the units'
 inputs, the model's outputs and the loss given to ``backward_from``), and again when the units that run, their
-order, their numbers of tensor inputs and outputs, or whether the loss was given change. A factor's rule::
+order, their numbers of tensor inputs and outputs, whether the loss was given, or the units kept in float32 change.
+A factor's rule::
 
     group     = units that share a parameter: one exponent (the smallest of their targets), so every use of
                 the parameter carries one factor; a unit parameter read outside its unit pins its group at 0
+    kept      = a unit keep_float32 runs in float32 (itself, or a module around it in a model given whole)
+                computes its gradients in float32: its group is pinned at 0 once all its units are kept
     C = log2(float16's largest value): no factor lifts a unit's scaled maximum above 2**(C - margin)
     first backward: each group's exponent is set as the gradient reaches it (no calibration steps):
         a[m]  = log2 max|gradient entering m| - s(output region);  T = max of a over the units reached so far
