@@ -49,6 +49,7 @@ VOCAB = 128
 FAULTS = ("none", "ff_overflow", "nan_op", "bad_batches", "loss_overflow")
 RUNS = ("torch", "heal", "float32")
 SPREAD = "float32, lr x (1 + 1e-6)"  # with ``none`` only
+JSON_ONLY = ("scales at heals",)  # in the JSON rows, not the table
 ARCHITECTURES = ("gpt2", "llama")
 
 
@@ -115,6 +116,7 @@ class Run:
     held_out: float = math.nan
     kept: dict[str, str] = field(default_factory=dict)
     heal_steps: list[int] = field(default_factory=list)
+    heal_scales: list[float] = field(default_factory=list)  # the scale right after each heal (the one it restored)
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -193,6 +195,7 @@ def train(arch: str, fault: str, run: str, args) -> Run:
                     skipped = scaler.get_scale() < scale if run == "torch" else not bool(decision.stepped)
                     if run == "heal" and scaler.last_fields.get("healed_modules"):
                         out.heal_steps.append(step)
+                        out.heal_scales.append(scaler.get_scale())
                 opt.zero_grad()
                 out.times.append(time.perf_counter() - start)
                 out.losses.append(float(loss.detach()))
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "final scale": r.scales[-1] if run in ("torch", "heal") else "-",
                         "kept": ", ".join(f"{n} ({d})" for n, d in r.kept.items()) or "-",
                         "healed at": ", ".join(map(str, r.heal_steps)) or "-",
+                        "scales at heals": r.heal_scales,
                         "ms before": 1e3 * statistics.median(before) if before else math.nan,
                         "ms after": 1e3 * statistics.median(after) if after else math.nan,
                         "ended": r.error or "completed",
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
                 )
     for row in rows:
         row["after / before"] = row["ms after"] / row["ms before"]
-    columns = list(rows[0])
+    columns = [c for c in rows[0] if c not in JSON_ONLY]
     fmt = [{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()} for row in rows]
     md = (
         f"Device: cpu. {args.layers} blocks, d={args.d_model}, vocabulary {VOCAB}, batch 8x32, AdamW lr 3e-3, "
