@@ -194,6 +194,18 @@ def test_help_shows_the_constructor_the_docstring_lists(qualname, obj):
     assert shown == parameters(obj), f"{qualname}: help() shows {shown}, the constructor takes {parameters(obj)}"
 
 
+def test_a_subclass_annotated_with_a_name_it_cannot_resolve_still_shows_its_constructor():
+    from lossscale import LossScaleOptimizer
+
+    class Mine(LossScaleOptimizer):
+        def __init__(self, inner, *, group: NotImportedHere = None, **kwargs):  # noqa: F821  # a TYPE_CHECKING name
+            super().__init__(inner, **kwargs)
+
+    shown = inspect.signature(Mine)
+    assert list(shown.parameters) == ["inner", "group", "kwargs"]
+    assert shown.parameters["group"].annotation == "NotImportedHere"  # as written: it cannot be evaluated
+
+
 @pytest.mark.parametrize(("qualname", "obj"), OBJECTS)
 def test_the_docstrings_name_no_private_function(qualname, obj):
     found = {f"{qualname}{member}": names for member, doc in docstrings(obj).items() if (names := private_names(doc))}

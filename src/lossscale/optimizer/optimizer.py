@@ -33,7 +33,10 @@ _STEP = "LossScaleOptimizer.step()"
 def _constructor_signature(cls: type) -> inspect.Signature:
     """``cls.__init__``'s signature without ``self``: what ``help(cls)`` and ``inspect.signature(cls)`` show, where
     they would show the routing ``__new__``'s ``(*args, layerwise=None, **kwargs)``."""
-    init = inspect.signature(cls.__init__)  # type: ignore[misc]  # the class's own, read from the class
+    try:  # annotations evaluated, as autodoc and typing.get_type_hints see them
+        init = inspect.signature(cls.__init__, eval_str=True)  # type: ignore[misc]  # the class's own
+    except Exception:  # a name imported under TYPE_CHECKING only (a subclass's): the annotations as written
+        init = inspect.signature(cls.__init__)  # type: ignore[misc]
     return init.replace(parameters=list(init.parameters.values())[1:], return_annotation=inspect.Signature.empty)
 
 
