@@ -110,6 +110,18 @@ def train(model, opt, steps=STEPS, start=0, fault_at=FAULT_AT, where="b", closur
     return results, caught
 
 
+def run_steps(opt, loss_at, steps):
+    """``opt`` stepped on ``loss_at(step)`` for each of ``steps``; the results and the warnings, recorded."""
+    results = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            opt.backward(loss_at(step))
+            results.append(opt.step())
+            opt.zero_grad()
+    return results, caught
+
+
 def heal_warnings(caught) -> list:
     return [w for w in caught if issubclass(w.category, HealWarning)]
 
@@ -254,19 +266,14 @@ def test_a_heal_restores_the_scale_the_run_had_when_the_skipped_steps_began():
     """Gradient overflows first halve the scale (steps 3-5), then the forward breaks (from 6): healing restores the
     scale of step 3, where the run of skipped steps began."""
     model = Chain()
-    opt = optimizer(model)
-    results = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(14):
-            if step == 6:
-                plant(model)
-            loss = forward_loss(model, batch(step))
-            if 3 <= step <= 5:
-                loss = loss * 1e30  # its gradients overflow float16 at any scale here, the loss stays finite
-            opt.backward(loss)
-            results.append(opt.step())
-            opt.zero_grad()
+
+    def loss_at(step):
+        if step == 6:
+            plant(model)
+        loss = forward_loss(model, batch(step))
+        return loss * 1e30 if 3 <= step <= 5 else loss  # its gradients overflow at any scale, the loss is finite
+
+    results, caught = run_steps(optimizer(model), loss_at, 14)
     before = float(results[2].next_scale)
     assert [float(r.next_scale) for r in results[3:6]] == [before / 2, before / 4, before / 8]
     [warning] = heal_warnings(caught)
@@ -355,16 +362,14 @@ def test_undo_heal_returns_the_module_to_autocast():
 def test_bad_batches_heal_nothing_keep_the_scale_and_never_stop_the_run():
     model = Chain()
     opt = optimizer(model)
-    results = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(14):
-            x = batch(step)
-            if 3 <= step <= 8:
-                x[0, 0] = float("inf")
-            opt.backward(forward_loss(model, x))
-            results.append(opt.step())
-            opt.zero_grad()
+
+    def loss_at(step):
+        x = batch(step)
+        if 3 <= step <= 8:
+            x[0, 0] = float("inf")
+        return forward_loss(model, x)
+
+    results, caught = run_steps(opt, loss_at, 14)
     assert diagnosis_of(opt).healed == {} and not heal_warnings(caught)
     [warning] = [w.message for w in caught if issubclass(w.category, OverflowWarning)]
     assert warning.report.kind == "input" and "Healing heals no data and no loss computation" in str(warning)
@@ -376,13 +381,7 @@ def test_bad_batches_heal_nothing_keep_the_scale_and_never_stop_the_run():
 def test_a_loss_that_overflows_heals_nothing_and_says_the_steps_are_skipped_without_backoff():
     model = Chain()
     opt = optimizer(model)
-    results = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(8):
-            opt.backward(overflowing_loss(model, batch(step)))
-            results.append(opt.step())
-            opt.zero_grad()
+    results, caught = run_steps(opt, lambda step: overflowing_loss(model, batch(step)), 8)
     [warning] = [w.message for w in caught if issubclass(w.category, OverflowWarning)]
     assert warning.report.kind == "loss" and not isinstance(warning, HealWarning)
     assert "skipped without lowering the scale (counted as forward faults)" in str(warning)
@@ -421,12 +420,7 @@ def test_give_up_after_none_keeps_skipping_and_warns_every_hundred_steps():
     opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), diagnose=model, heal=True)
     opt.add_ons[0].give_up_after = None
     x = torch.full((2, 8), float("nan"))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(205):
-            opt.backward(forward_loss(model, x))
-            opt.step()
-            opt.zero_grad()
+    _, caught = run_steps(opt, lambda step: forward_loss(model, x), 205)
     skipped = [str(w.message) for w in caught if "steps in a row were skipped" in str(w.message)]
     assert [m.split(" steps")[0] for m in skipped] == ["100", "200"]
 
